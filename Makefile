@@ -1,0 +1,53 @@
+# dflash-trainer: one Makefile, one fragment per stage (inventory -> ansible -> image -> dflash).
+# `make train` and `make test` are the two set-up commands on a fresh machine.
+
+SHELL      := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON     ?= python3
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+# The local development venv takes any torch >= 2.11 (the frozen image pins 2.11.0+cu128).
+TORCH      ?= torch>=2.11
+# z-lab's inference package (imported as `dflash`): installed beside ours to prove the
+# checkpoints we write load in it. Its own pins are not ours, hence --no-deps.
+ZLAB_DFLASH ?= dflash==0.1.0
+RUN_DIR    ?= runs/default
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help venv test test-fast lint train bench clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[control,test]"
+	$(PY) -m pip install -q --no-deps "$(ZLAB_DFLASH)"
+	touch $@
+
+venv: $(VENV)/.installed ## create the development venv (.venv)
+
+test: venv ## run the test suite (GPU tests skip without a GPU)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: venv ## unit tests only (no docker, LXC or slow tests)
+	$(PY) -m pytest -m "not slow and not docker and not lxc and not gpu" $(PYTEST_ARGS)
+
+lint: venv ## ruff on the Python code, ansible-lint on the roles
+	$(VENV)/bin/ruff check dflash image tests
+
+train: venv ## embedded default: tiny target + tiny drafter on this machine (CPU is fine)
+	$(PY) -m dflash_trainer.train --config embedded --output-dir $(RUN_DIR)
+
+bench: venv ## drafter-step benchmark (GPU); prints step time, tokens/s, MFU, peak memory
+	$(PY) -m dflash_trainer.bench $(BENCH_ARGS)
+
+clean: ## remove build outputs and runs (keeps the venv)
+	rm -rf build dist *.egg-info runs .pytest_cache
+
+-include image/image.mk
+-include ansible/ansible.mk
+-include tests/testhost.mk
