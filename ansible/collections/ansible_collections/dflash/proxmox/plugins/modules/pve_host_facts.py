@@ -1,0 +1,84 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# GPU discovery on the Proxmox host over SSH: driver version, device nodes and their (dynamic)
+# majors, and the passthrough entries both methods need. Read-only, so it runs in check mode too.
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: pve_host_facts
+short_description: Discover the NVIDIA driver, GPUs and device majors of a Proxmox VE host over SSH
+description:
+  - Reads C(/proc/driver/nvidia/version), C(/proc/devices), C(ls -l /dev/nvidia*) and C(nvidia-smi -L) on the host.
+  - Returns the C(dev[n]) entries and the raw C(lxc.*) lines for the chosen GPUs; C(nvidia-uvm) and
+    C(nvidia-caps) majors are read from the host, never assumed.
+version_added: "0.1.0"
+extends_documentation_fragment:
+  - dflash.proxmox.pve
+  - dflash.proxmox.pve.SSH
+options:
+  gpus:
+    description: V(all), or a list of GPU indices (the /dev/nvidiaN minors) to pass through.
+    type: raw
+    default: all
+  device_mode:
+    description: Mode of the device nodes inside the container (C(dev[n]) method).
+    type: str
+    default: "0666"
+author: dflash-trainer developers
+"""
+
+EXAMPLES = r"""
+- name: GPUs of the host
+  dflash.proxmox.pve_host_facts:
+    ssh_host: pve.example.org
+    gpus: [0, 1]
+  register: host_gpus
+"""
+
+RETURN = r"""
+driver_version: {description: Host kernel module version, e.g. 580.95.05., type: str, returned: always}
+gpus: {description: GPUs from nvidia-smi -L (index, name, uuid)., type: list, returned: always}
+majors: {description: Character device majors of nvidia-uvm, nvidia-caps and others from /proc/devices., type: dict, returned: always}
+device_nodes: {description: The nodes to pass through (path, major, minor)., type: list, returned: always}
+dev_entries: {description: dev[n] entries for pve_lxc's devices option., type: list, returned: always}
+raw_lines: {description: lxc.cgroup2.devices.allow and lxc.mount.entry lines for pve_lxc_raw., type: list, returned: always}
+nvidia_majors: {description: All NVIDIA majors (195 plus the dynamic ones)., type: list, returned: always}
+"""
+
+from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+
+from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host  # noqa: E402
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import (  # noqa: E402
+    AUTH_ARGSPEC, SSH_ARGSPEC, PveError)
+
+
+def run(params):
+    shell = pve_host.HostShell(params)
+    rc, version_text, _ = shell.run("cat /proc/driver/nvidia/version", check=False)
+    version = pve_host.parse_driver_version(version_text if rc == 0 else "")
+    _, devices_text, _ = shell.run("cat /proc/devices", what="reading /proc/devices")
+    majors = {k: v for k, v in pve_host.parse_proc_devices(devices_text).items() if "nvidia" in k}
+    _, ls_text, _ = shell.run("ls -l /dev/nvidia*", check=False)
+    nodes = pve_host.parse_ls_l(ls_text)
+    rc, smi_text, smi_err = shell.run("nvidia-smi -L", check=False)
+    gpus = pve_host.parse_nvidia_smi_l(smi_text) if rc == 0 else []
+    chosen = pve_host.passthrough_nodes(nodes, params["gpus"])
+    nvidia_majors = sorted({pve_host.NVIDIA_MAJOR, *majors.values(), *(n["major"] for n in nodes)})
+    return dict(changed=False, driver_version=version, gpus=gpus, majors=majors, device_nodes=chosen,
+                dev_entries=pve_host.dev_entries(chosen, params["device_mode"]),
+                raw_lines=pve_host.raw_lxc_lines(chosen), nvidia_majors=nvidia_majors,
+                nvidia_smi_error=smi_err.strip() if rc != 0 else "")
+
+
+def main():
+    spec = dict(AUTH_ARGSPEC, **SSH_ARGSPEC)
+    spec.update(gpus=dict(type="raw", default="all"), device_mode=dict(type="str", default="0666"))
+    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
+    try:
+        module.exit_json(**run(module.params))
+    except PveError as exc:
+        module.fail_json(msg=exc.msg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,358 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# Create or update one LXC container through the PVE API, with check and diff mode, dev[n]
+# passthrough, a controlled reboot for pending changes and fail-fast task waits.
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: pve_lxc
+short_description: Create or update a Proxmox VE LXC container (check and diff mode, dev[n] passthrough)
+description:
+  - Validates everything first (vmid, node, storage, template, credentials), then creates the container or
+    updates its configuration so that it matches. A vmid used by a container with another hostname, or by a
+    VM, is refused.
+  - Changes PVE can't apply to a running container stay pending; they are reported and, with
+    O(reboot_for_pending=true), applied by a reboot.
+  - C(dev[n]) entries need a C(root@pam) password (ticket) login; with an API token the module says so and
+    changes nothing.
+version_added: "0.1.0"
+extends_documentation_fragment:
+  - dflash.proxmox.pve
+  - dflash.proxmox.pve.SSH
+options:
+  vmid:
+    description: Container id (100..999999999).
+    type: str
+    required: true
+  hostname:
+    description: Container hostname; also guards against taking over another container's vmid.
+    type: str
+    required: true
+  state:
+    description: V(present) creates or updates; V(started) also starts it; V(stopped) shuts it down; V(restarted) reboots it.
+    type: str
+    choices: [present, started, stopped, restarted]
+    default: started
+  template:
+    description: Template volume id for creation, e.g. C(local:vztmpl/debian-12.tar.zst).
+    type: str
+  storage:
+    description: Storage for the root disk (needs C(rootdir) content).
+    type: str
+    default: local-lvm
+  disk_gb:
+    description: Root disk size in GiB; grown when larger than the current size, never shrunk.
+    type: float
+    default: 8
+  cores: {description: CPU cores., type: int}
+  memory: {description: Memory in MiB., type: int}
+  swap: {description: Swap in MiB., type: int}
+  cpulimit: {description: CPU limit (0 = none)., type: float}
+  cpuunits: {description: CPU weight., type: int}
+  netif:
+    description: Network interfaces, in order C(net0), C(net1)...; dicts such as C({name: eth0, bridge: vmbr0, ip: dhcp}).
+    type: list
+    elements: raw
+    default: []
+  features:
+    description: Feature flags, e.g. C({nesting: true}).
+    type: dict
+    default: {}
+  devices:
+    description: Device passthrough entries C(dev0), C(dev1)...; dicts with path, mode, uid, gid, deny_write.
+    type: list
+    elements: raw
+    default: []
+  unprivileged: {description: Unprivileged container (creation only)., type: bool, default: true}
+  onboot: {description: Start at host boot., type: bool}
+  startup: {description: Startup order string., type: str}
+  tags: {description: Tags., type: list, elements: str}
+  nameserver: {description: DNS server(s)., type: str}
+  searchdomain: {description: DNS search domain., type: str}
+  timezone: {description: Timezone., type: str}
+  ostype: {description: OS type (creation only)., type: str}
+  arch: {description: Architecture (creation only)., type: str}
+  password: {description: Root password inside the container (creation only)., type: str}
+  ssh_public_keys: {description: SSH public keys for root (creation only)., type: str}
+  reboot_for_pending:
+    description: Reboot a running container to apply pending changes.
+    type: bool
+    default: true
+author: dflash-trainer developers
+"""
+
+EXAMPLES = r"""
+- name: GPU training container
+  dflash.proxmox.pve_lxc:
+    api_host: pve.example.org
+    api_password: "{{ vault_proxmox_root_password }}"
+    node: pve
+    vmid: 200
+    hostname: trainer1
+    template: local:vztmpl/dflash-train.tar.zst
+    storage: local-lvm
+    disk_gb: 64
+    cores: 32
+    memory: 262144
+    netif: [{name: eth0, bridge: vmbr0, ip: dhcp}]
+    devices: [{path: /dev/nvidia0, mode: "0666"}]
+"""
+
+RETURN = r"""
+created: {description: The container was created., type: bool, returned: always}
+rebooted: {description: The container was rebooted to apply changes., type: bool, returned: always}
+updates: {description: Keys changed (or that would change in check mode)., type: dict, returned: always}
+deletes: {description: Keys removed., type: list, returned: always}
+pending: {description: Changes PVE reports as pending (need a reboot)., type: list, returned: always}
+status: {description: Container status afterwards (running, stopped, absent in check mode)., type: str, returned: always}
+"""
+
+from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+
+from ansible_collections.dflash.proxmox.plugins.module_utils import pve_config as cfgmod  # noqa: E402
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import (  # noqa: E402
+    AUTH_ARGSPEC, SSH_ARGSPEC, PveClient, PveError, TaskFailed)
+
+
+def argument_spec():
+    spec = dict(AUTH_ARGSPEC, **SSH_ARGSPEC)
+    spec.update(
+        vmid=dict(type="str", required=True),
+        hostname=dict(type="str", required=True),
+        state=dict(type="str", default="started", choices=["present", "started", "stopped", "restarted"]),
+        template=dict(type="str"),
+        storage=dict(type="str", default="local-lvm"),
+        disk_gb=dict(type="float", default=8),
+        cores=dict(type="int"), memory=dict(type="int"), swap=dict(type="int"),
+        cpulimit=dict(type="float"), cpuunits=dict(type="int"),
+        netif=dict(type="list", elements="raw", default=[]),
+        features=dict(type="dict", default={}),
+        devices=dict(type="list", elements="raw", default=[]),
+        unprivileged=dict(type="bool", default=True),
+        onboot=dict(type="bool"), startup=dict(type="str"), tags=dict(type="list", elements="str"),
+        nameserver=dict(type="str"), searchdomain=dict(type="str"), timezone=dict(type="str"),
+        ostype=dict(type="str"), arch=dict(type="str"),
+        password=dict(type="str", no_log=True), ssh_public_keys=dict(type="str"),
+        reboot_for_pending=dict(type="bool", default=True),
+    )
+    return spec
+
+
+class Lxc:
+    def __init__(self, module):
+        self.m = module
+        self.p = module.params
+        self.check = module.check_mode
+        self.result = dict(changed=False, created=False, rebooted=False, updates={}, deletes=[], pending=[],
+                           status="absent", messages=[])
+
+    # ---- validation first: nothing is touched until all inputs are known good ----------------------
+    def validate_offline(self):
+        self.vmid = cfgmod.validate_vmid(self.p["vmid"])
+        self.desired = cfgmod.desired_config(self.p)
+        if self.p["disk_gb"] is not None and self.p["disk_gb"] <= 0:
+            raise cfgmod.ConfigError(f"disk_gb {self.p['disk_gb']} must be positive")
+
+    def validate_online(self):
+        self.pve = PveClient(self.p)
+        self.pve.check_node()
+        self.pve.storage(self.p["storage"], "rootdir")
+        self.guest = self.pve.find_guest(self.vmid)
+        if self.guest is not None:
+            if self.guest.get("type") != "lxc":
+                raise PveError(f"vmid {self.vmid} is already used by a {self.guest.get('type')} guest "
+                               f"{self.guest.get('name')!r} on node {self.guest.get('node')}; choose another "
+                               f"proxmox_lxc_vmid")
+            if self.guest.get("node") != self.pve.node:
+                raise PveError(f"container {self.vmid} exists on node {self.guest.get('node')}, not on "
+                               f"{self.pve.node}; migrate it or fix proxmox_node / proxmox_lxc_vmid")
+
+    def check_device_rights(self, device_keys):
+        if not device_keys:
+            return
+        if self.pve.version_tuple() < (8, 1):
+            raise PveError(f"device passthrough (dev[n]) needs Proxmox VE 8.1 or newer; this host runs "
+                           f"{self.pve.version.get('version')}. Set proxmox_gpu_method: raw to write "
+                           f"lxc.cgroup2/lxc.mount.entry lines instead")
+        if not self.pve.can_pass_devices():
+            how = ("an API token is configured" if self.pve.auth == "token"
+                   else f"the login user is {self.pve.user}")
+            raise PveError(f"dev[n] device passthrough ({', '.join(device_keys)}) can only be set by root@pam "
+                           f"with a password (ticket) login, and {how}: Proxmox VE refuses it for every API "
+                           f"token, even root@pam!token. Set proxmox_api_password for root@pam (vault or "
+                           f"PROXMOX_PASSWORD), or set proxmox_gpu_method: raw to configure the GPUs with "
+                           f"lxc.* lines over SSH. Nothing was changed.")
+
+    # ---- create -------------------------------------------------------------------------------------
+    def create(self):
+        template = self.p["template"]
+        if not template:
+            raise PveError(f"container {self.vmid} does not exist and no template is set "
+                           f"(proxmox_lxc_template, e.g. local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst)")
+        tstorage = template.split(":", 1)[0]
+        if ":" not in template:
+            raise PveError(f"template {template!r} is not a volume id like local:vztmpl/<file>")
+        self.pve.storage(tstorage, "vztmpl")
+        if template not in self.pve.templates(tstorage):
+            raise PveError(f"template {template} is missing on node {self.pve.node}; upload it first "
+                           f"(the proxmox_template role does, from proxmox_template_src) or fix proxmox_lxc_template")
+        self.check_device_rights([k for k in self.desired if cfgmod.family(k) == "dev"])
+        params = dict(self.desired)
+        params.update(vmid=self.vmid, ostemplate=template,
+                      rootfs=f"{self.p['storage']}:{_gib(self.p['disk_gb'])}")
+        if self.p["password"]:
+            params["password"] = self.p["password"]
+        if self.p["ssh_public_keys"]:
+            params["ssh-public-keys"] = self.p["ssh_public_keys"]
+        self.result.update(changed=True, created=True, updates=dict(self.desired))
+        self.diff_before, self.diff_after = "", cfgmod.render_config(
+            dict(self.desired, rootfs=f"{self.p['storage']}:{_gib(self.p['disk_gb'])}", ostemplate=template))
+        if self.check:
+            return
+        node = self.pve.api.nodes(self.pve.node)
+        upid = self.pve.call(f"creating container {self.vmid}", node.lxc.post, **params)
+        try:
+            self.pve.wait(upid, f"creating container {self.vmid}")
+        except TaskFailed:
+            self.clean_up_failed_create()
+            raise
+        self.result["status"] = "stopped"
+
+    def clean_up_failed_create(self):
+        """PVE normally removes a failed create itself; make sure nothing is left half-done."""
+        try:
+            if self.pve.find_guest(self.vmid) is None:
+                return
+            upid = self.pve.lxc(self.vmid).delete(purge=1, force=1)
+            self.pve.wait(upid, f"removing the half-created container {self.vmid}", timeout=120)
+        except PveError as exc:
+            self.result["messages"].append(f"could not remove the half-created container {self.vmid}: {exc.msg}")
+
+    # ---- update -------------------------------------------------------------------------------------
+    def update(self):
+        ct = self.pve.lxc(self.vmid)
+        current = self.pve.call(f"reading container {self.vmid}", ct.config.get)
+        have_name = current.get("hostname")
+        if have_name != self.p["hostname"]:
+            raise PveError(f"vmid {self.vmid} is already used by container {have_name!r} on node "
+                           f"{self.pve.node}, not {self.p['hostname']!r}; choose another proxmox_lxc_vmid "
+                           f"(nothing was changed)")
+        updates, deletes, conflicts = cfgmod.diff_config(self.desired, current)
+        if conflicts:
+            raise PveError(f"container {self.vmid}: " + "; ".join(conflicts))
+        grow = cfgmod.rootfs_plan(self.p["disk_gb"], current.get("rootfs"))
+        self.check_device_rights([k for k in list(updates) + deletes if cfgmod.family(k) == "dev"])
+        status = self.pve.call("reading status", ct.status.current.get).get("status", "unknown")
+        self.result["status"] = status
+        after = cfgmod.apply_changes(current, updates, deletes)
+        if grow:
+            after["rootfs"] = _with_size(current["rootfs"], grow)
+        self.diff_before, self.diff_after = cfgmod.render_config(current), cfgmod.render_config(after)
+        if not (updates or deletes or grow):
+            return
+        self.result.update(changed=True, updates=updates, deletes=deletes, disk_grown_to_gb=grow)
+        predicted = cfgmod.needs_restart(updates, deletes) if status == "running" else []
+        if self.check:
+            if predicted:
+                self.result["pending"] = predicted
+                self.result["messages"].append(f"would reboot container {self.vmid} to apply: {', '.join(predicted)}")
+            return
+        if updates or deletes:
+            body = dict(updates)
+            if deletes:
+                body["delete"] = ",".join(deletes)
+            if current.get("digest"):
+                body["digest"] = current["digest"]
+            upid = self.pve.call(f"updating container {self.vmid}", ct.config.put, **body)
+            self.pve.wait(upid, f"updating container {self.vmid}")
+        if grow:
+            upid = self.pve.call(f"growing the disk of {self.vmid}", ct.resize.put, disk="rootfs",
+                                 size=f"{_gib(grow)}G")
+            self.pve.wait(upid, f"growing the disk of {self.vmid}")
+        if status == "running":
+            self.handle_pending(ct, predicted)
+
+    def handle_pending(self, ct, predicted):
+        try:
+            pending = [e["key"] for e in ct.pending.get() if "pending" in e or e.get("delete")]
+        except Exception:  # a host without the pending endpoint: fall back on what PVE can't hotplug
+            pending = predicted
+        self.result["pending"] = pending
+        if not pending:
+            return
+        if self.p["reboot_for_pending"]:
+            self.reboot(f"apply pending changes: {', '.join(pending)}")
+            self.result["pending"] = []
+        else:
+            self.m.warn(f"container {self.vmid} has pending changes ({', '.join(pending)}) that apply at its "
+                        f"next reboot (reboot_for_pending is off)")
+
+    # ---- power state --------------------------------------------------------------------------------
+    def reboot(self, why):
+        self.result.update(changed=True, rebooted=True)
+        self.result["messages"].append(f"rebooting container {self.vmid} to {why}")
+        if self.check:
+            return
+        upid = self.pve.call(f"rebooting container {self.vmid}", self.pve.lxc(self.vmid).status.reboot.post)
+        self.pve.wait(upid, f"rebooting container {self.vmid}")
+
+    def converge_state(self):
+        state = self.p["state"]
+        if state == "present":
+            return
+        status = self.result["status"]
+        ct = self.pve.lxc(self.vmid)
+        if state in ("started", "restarted") and status != "running":
+            self.result["changed"] = True
+            if not self.check:
+                upid = self.pve.call(f"starting container {self.vmid}", ct.status.start.post)
+                self.pve.wait(upid, f"starting container {self.vmid}")
+            self.result["status"] = "running"
+        elif state == "restarted" and not self.result["rebooted"]:
+            self.reboot("restart it as asked (state=restarted)")
+        elif state == "stopped" and status == "running":
+            self.result["changed"] = True
+            if not self.check:
+                upid = self.pve.call(f"shutting down container {self.vmid}", ct.status.shutdown.post,
+                                     timeout=60, forceStop=1)
+                self.pve.wait(upid, f"shutting down container {self.vmid}")
+            self.result["status"] = "stopped"
+
+    def run(self):
+        self.validate_offline()
+        self.validate_online()
+        if self.guest is None:
+            self.create()
+        else:
+            self.update()
+        self.converge_state()
+        if self.m._diff:
+            self.result["diff"] = dict(before=self.diff_before, after=self.diff_after,
+                                       before_header=f"lxc/{self.vmid}.conf", after_header=f"lxc/{self.vmid}.conf")
+        return self.result
+
+
+def _gib(value):
+    return int(value) if float(value).is_integer() else value
+
+
+def _with_size(rootfs, gib):
+    props = cfgmod.parse_propstring(rootfs, "volume")
+    props["size"] = f"{_gib(gib)}G"
+    return cfgmod.build_propstring(props, "volume")
+
+
+def main():
+    module = AnsibleModule(argument_spec=argument_spec(), supports_check_mode=True)
+    lxc = Lxc(module)
+    try:
+        result = lxc.run()
+    except (PveError, cfgmod.ConfigError) as exc:
+        msg = getattr(exc, "msg", str(exc))
+        module.fail_json(msg=msg, **{k: v for k, v in getattr(exc, "details", {}).items()
+                                     if k in ("task_log", "upid")})
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()
