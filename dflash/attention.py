@@ -1,0 +1,360 @@
+"""The one compiled flex_attention per process, and the guards that keep the run phase off the dense path.
+
+Why this file exists (see shared/notes/compile-race.md): an uncompiled flex_attention call is not an
+error in torch, it is a silent fallback to a math path that materializes fp32 B*H*L*S scores (305 GB at
+H=32, L=32768, S=72768). It happens when the FX-tracing flag is set while a compiled call enters (torch
+2.11-2.13 keep that flag in a process global), under `error_on_nested_fx_trace=False`, under a
+`force_eager`/`eager_on_recompile` stance, or past the recompile limit. So:
+
+- `attend` is the only run-phase call site. It calls the module-level compiled flex (`FLEX`) and refuses
+  to enter it while an FX trace is active, instead of letting dynamo raise or fall back.
+- `install_dense_guards` turns every eager flex_attention entry into an error and puts a size tripwire on
+  the math path itself, so a fallback that bypasses `attend` still stops with a named error.
+- `check_dense_would_not_fit` tells the trainer, before step 1, what a dense fallback would cost.
+- `build_block_mask` is the one compiled `create_block_mask`; compile it for every bucket during warm-up.
+
+Everything here relies on private torch names; each is looked up by name and fails with a clear error
+naming the torch version when it is missing (checked on 2.13; the notes read them in 2.11-2.14).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+__all__ = [
+    "FLEX",
+    "CompileRaceError",
+    "DenseFallbackError",
+    "DenseRisk",
+    "PrivateTorchAPIError",
+    "RecompileError",
+    "attend",
+    "block_mask_builder",
+    "build_block_mask",
+    "check_dense_would_not_fit",
+    "dense_guards_installed",
+    "dense_risk",
+    "dense_scores_bytes",
+    "fx_tracing_active",
+    "install_dense_guards",
+    "remove_dense_guards",
+]
+
+# One compiled object per process (torchtitan does the same): every call site shares its guards and
+# its recompile budget, so warm-up can cover all of them. dynamic=False: buckets give static shapes.
+FLEX = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+_COMPILED_CREATE_BLOCK_MASK = torch.compile(create_block_mask, dynamic=False, fullgraph=True)
+
+# The start of flex's eager-path warning (torch/nn/attention/flex_attention.py, `_warn_once`).
+EAGER_FLEX_WARNING = "flex_attention called without torch.compile"
+_EAGER_FLEX_WARNING_ID = "flex_attention_performance"
+# Shapes at or below one 128x128 tile build their mask eagerly: compiling would cost more than it saves.
+_EAGER_MASK_MAX_LEN = 128
+# fp32 score copies the eager math path holds at its peak (measured 3.3 on an H200, see the notes).
+DENSE_PEAK_COPIES = 3.3
+# Default tripwire: a real dense score tensor above this size is a fallback, not a unit test.
+DEFAULT_DENSE_LIMIT_BYTES = 64 * 2**20
+
+
+class CompileRaceError(RuntimeError):
+    """A compiled flex call entered while an FX trace was active (the multi-thread compile race)."""
+
+
+class DenseFallbackError(RuntimeError):
+    """flex_attention was about to run (or ran) its unfused math path, which materializes all scores."""
+
+
+class RecompileError(RuntimeError):
+    """A compiled call met a shape or grad mode that warm-up did not cover."""
+
+
+class PrivateTorchAPIError(RuntimeError):
+    """A private torch name these guards depend on is missing in this torch version."""
+
+
+def _private(module_name: str, attr: str):
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attr):
+        raise PrivateTorchAPIError(
+            f"{module_name}.{attr} is missing in torch {torch.__version__}; dflash_trainer's dense-path "
+            "guards were written against torch 2.11-2.14. Pin torch to a supported version or update "
+            "dflash/attention.py for this one."
+        )
+    return module, getattr(module, attr)
+
+
+def fx_tracing_active() -> bool:
+    """True while an FX trace (symbolic_trace, make_fx, AOTAutograd, ...) is active.
+
+    torch 2.11-2.13 keep the flag in a module global, so a trace on ANY thread counts; 2.14 moved it to a
+    thread-local with a getter, so only this thread's traces count there.
+    """
+    module = torch.fx._symbolic_trace
+    getter = getattr(module, "_get_is_fx_tracing", None)  # 2.14+: thread-local
+    if getter is not None:
+        return bool(getter())
+    if hasattr(module, "_is_fx_tracing_flag"):  # 2.11-2.13: process global
+        return bool(module._is_fx_tracing_flag)
+    if hasattr(module, "is_fx_tracing"):
+        return bool(module.is_fx_tracing())
+    raise PrivateTorchAPIError(
+        f"torch {torch.__version__} has neither torch.fx._symbolic_trace._get_is_fx_tracing nor "
+        "_is_fx_tracing_flag; update fx_tracing_active() in dflash/attention.py for this version."
+    )
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: BlockMask,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """flex_attention through the process's one compiled object; never a silent dense fallback.
+
+    q [B, Hq, L, D], k/v [B, Hkv, S, D]; block_mask built for (L, S). Raises CompileRaceError if an FX trace
+    is active, RecompileError for a shape warm-up did not cover (once warm-up set fail_on_recompile),
+    DenseFallbackError if the call ran eagerly anyway (with install_dense_guards).
+    """
+    if torch.compiler.is_compiling():
+        # Inside an outer compiled region dynamo inlines flex into that graph: nothing to guard here.
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    if fx_tracing_active():
+        raise CompileRaceError(
+            "attend() was called while an FX trace is active (torch.fx._symbolic_trace's tracing flag is "
+            "set). In torch 2.11-2.13 that flag is process-global, so another thread compiling or tracing "
+            "(a lazy backward compile, torch.compile(create_block_mask), make_fx) makes every compiled call "
+            "raise or, with error_on_nested_fx_trace=False, run dense attention. Compile everything in the "
+            "serialized warm-up (dflash_trainer.warmup.warm_up), one process per GPU, before step 1."
+        )
+    q_len, kv_len = block_mask.seq_lengths
+    if q.shape[-2] != q_len or k.shape[-2] != kv_len:
+        raise ValueError(
+            f"block_mask was built for q_len={q_len}, kv_len={kv_len} but q has {q.shape[-2]} rows and k "
+            f"{k.shape[-2]}; build the mask for the padded bucket the tensors use."
+        )
+    try:
+        return FLEX(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    except UserWarning as err:  # install_dense_guards made the eager-path warning an exception
+        if EAGER_FLEX_WARNING not in str(err):
+            raise
+        raise DenseFallbackError(
+            "the compiled flex_attention ran its eager (unfused, dense) path. Causes: a compiler stance "
+            "such as force_eager/eager_on_recompile, the recompile limit, or error_on_nested_fx_trace=False. "
+            f"Original warning: {str(err).splitlines()[0]}"
+        ) from err
+    except RuntimeError as err:
+        if "fail_on_recompile" not in str(err):
+            raise
+        raise RecompileError(
+            f"flex_attention met a variant warm-up did not compile: q {tuple(q.shape)} {q.dtype}, "
+            f"k {tuple(k.shape)}, grad {'on' if torch.is_grad_enabled() else 'off'}, mask ({q_len}, "
+            f"{kv_len}). Pad to one of the warmed buckets, or add this one to the warm-up variants."
+        ) from err
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dense-path guards
+# ---------------------------------------------------------------------------------------------------
+
+_guard_state: dict = {"installed": False, "limit_bytes": DEFAULT_DENSE_LIMIT_BYTES, "original": None}
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    # Compilation runs the math path on fake (shape-only) tensors; only real ones allocate scores.
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(t))
+
+
+def _make_tripwire(inner: Callable) -> Callable:
+    @functools.wraps(inner)
+    def math_attention_tripwire(query, key, *args, **kwargs):
+        if not (_is_fake(query) or _is_fake(key)):
+            b, h, q_len, kv_len = query.shape[0], query.shape[1], query.shape[-2], key.shape[-2]
+            nbytes = dense_scores_bytes(b, h, q_len, kv_len)
+            if nbytes > _guard_state["limit_bytes"]:
+                raise DenseFallbackError(
+                    f"flex_attention's unfused math path was about to materialize fp32 scores of "
+                    f"[{b}, {h}, {q_len}, {kv_len}] = {nbytes / 2**30:.2f} GiB per copy (limit "
+                    f"{_guard_state['limit_bytes'] / 2**30:.2f} GiB). flex_attention ran without "
+                    "torch.compile (or under aot_eager); call dflash_trainer.attention.attend after warm-up."
+                )
+        return inner(query, key, *args, **kwargs)
+
+    math_attention_tripwire._dflash_tripwire = True  # type: ignore[attr-defined]
+    return math_attention_tripwire
+
+
+def install_dense_guards(limit_bytes: int = DEFAULT_DENSE_LIMIT_BYTES) -> None:
+    """Make every eager flex_attention call an error and trip on real dense scores above limit_bytes.
+
+    Idempotent; a second call only updates the limit. Warning filters are process-wide, so another
+    `warnings.catch_warnings()` block can hide the first guard: the tripwire does not depend on warnings.
+    """
+    if limit_bytes < 0:
+        raise ValueError(f"limit_bytes must be >= 0, got {limit_bytes}")
+    fa_module, shown = _private("torch.nn.attention.flex_attention", "_WARNINGS_SHOWN")
+    if not hasattr(fa_module, "_warn_once"):
+        _private("torch.nn.attention.flex_attention", "_warn_once")
+    # `filterwarnings` removes an identical filter before inserting it, so repeating it adds nothing.
+    warnings.filterwarnings("error", message=EAGER_FLEX_WARNING, category=UserWarning)
+    # _warn_once is silent once its id is recorded (e.g. after an earlier eager call): forget it. Under an
+    # "error" filter warnings.warn raises before the id is recorded, so every eager call raises.
+    shown.discard(_EAGER_FLEX_WARNING_ID)
+
+    # `import torch._higher_order_ops.flex_attention` gives the HOP object, not the module: use importlib.
+    hop_module, inner = _private("torch._higher_order_ops.flex_attention", "_math_attention_inner")
+    _guard_state["limit_bytes"] = int(limit_bytes)
+    if not getattr(inner, "_dflash_tripwire", False):
+        # math_attention (forward) and sdpa_dense_backward look the name up at call time.
+        _guard_state["original"] = inner
+        hop_module._math_attention_inner = _make_tripwire(inner)
+    _guard_state["installed"] = True
+
+
+def remove_dense_guards() -> None:
+    """Undo install_dense_guards (tests, and code that needs flex's eager path on purpose)."""
+    hop_module = importlib.import_module("torch._higher_order_ops.flex_attention")
+    if _guard_state["original"] is not None:
+        hop_module._math_attention_inner = _guard_state["original"]
+        _guard_state["original"] = None
+    warnings.filters[:] = [
+        f
+        for f in warnings.filters
+        if not (f[0] == "error" and f[1] is not None and f[1].pattern == EAGER_FLEX_WARNING)
+    ]
+    _guard_state["installed"] = False
+
+
+def dense_guards_installed() -> bool:
+    return bool(_guard_state["installed"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a dense fallback would cost
+# ---------------------------------------------------------------------------------------------------
+
+
+def dense_scores_bytes(batch: int, heads: int, q_len: int, kv_len: int, bytes_per_element: int = 4) -> int:
+    """Bytes of ONE dense score tensor [batch, heads, q_len, kv_len] (the math path works in fp32)."""
+    for name, value in (("batch", batch), ("heads", heads), ("q_len", q_len), ("kv_len", kv_len)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    return batch * heads * q_len * kv_len * bytes_per_element
+
+
+@dataclass(frozen=True)
+class DenseRisk:
+    """What the unfused path would need for one attention call against the memory that is free."""
+
+    score_bytes: int  # one fp32 copy
+    peak_bytes: int  # DENSE_PEAK_COPIES copies: the eager forward's measured peak
+    free_bytes: int | None  # None: unknown (CPU)
+
+    @property
+    def fits(self) -> bool:
+        return self.free_bytes is None or self.peak_bytes <= self.free_bytes
+
+    def explain(self) -> str:
+        free = "unknown" if self.free_bytes is None else f"{self.free_bytes / 2**30:.1f} GiB"
+        verdict = "fits" if self.fits else "would NOT fit"
+        return (
+            f"dense attention fallback: {self.score_bytes / 2**30:.1f} GiB per fp32 score copy, "
+            f"~{self.peak_bytes / 2**30:.1f} GiB peak, free {free}: {verdict}"
+        )
+
+
+def dense_risk(
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device | str | None = None,
+    free_bytes: int | None = None,
+) -> DenseRisk:
+    """Estimate the dense path's memory; free_bytes defaults to torch.cuda.mem_get_info on a CUDA device."""
+    score = dense_scores_bytes(batch, heads, q_len, kv_len)
+    if free_bytes is None and device is not None and torch.device(device).type == "cuda":
+        free_bytes = torch.cuda.mem_get_info(torch.device(device))[0]
+    return DenseRisk(score, int(score * DENSE_PEAK_COPIES), free_bytes)
+
+
+def check_dense_would_not_fit(
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device | str | None = None,
+    free_bytes: int | None = None,
+) -> DenseRisk:
+    """Preflight before step 1: refuse to start when a dense fallback would not fit and nothing stops it.
+
+    Returns the DenseRisk so the trainer can log `risk.explain()`. Raises DenseFallbackError when the
+    dense path would not fit in memory and install_dense_guards() has not run: a fallback would then end
+    in an out-of-memory error deep in the step instead of an error that names the cause.
+    """
+    risk = dense_risk(batch, heads, q_len, kv_len, device=device, free_bytes=free_bytes)
+    if not risk.fits and not dense_guards_installed():
+        raise DenseFallbackError(
+            f"{risk.explain()} for batch={batch}, heads={heads}, q_len={q_len}, kv_len={kv_len}, and the "
+            "dense-path guards are not installed. Call dflash_trainer.attention.install_dense_guards() "
+            "before warm-up so a fallback stops with a clear error instead of running out of memory."
+        )
+    return risk
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block masks
+# ---------------------------------------------------------------------------------------------------
+
+
+def build_block_mask(
+    mask_mod: Callable,
+    B: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: torch.device | str,
+    compiled: bool = True,
+    H: int | None = None,
+) -> BlockMask:
+    """create_block_mask through the process's one compiled builder, eager for tiny shapes or on request.
+
+    The compiled builder traces on every new (Q_LEN, KV_LEN): call it for every bucket inside warm-up.
+    After warm-up (fail_on_recompile) a warmed shape runs without tracing and an unseen one raises. Eager
+    building does no tracing but materializes a B*H*Q_LEN*KV_LEN boolean mask. Define mask_mod at module
+    level or as a closure over fixed-shape tensors (the guards check the code object and tensor shapes).
+    """
+    if not compiled or (Q_LEN <= _EAGER_MASK_MAX_LEN and KV_LEN <= _EAGER_MASK_MAX_LEN):
+        return create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=device)
+    if fx_tracing_active():
+        raise CompileRaceError(
+            "build_block_mask(compiled=True) was called while an FX trace is active; build block masks "
+            "in the serialized warm-up or in the process's only thread."
+        )
+    try:
+        return _COMPILED_CREATE_BLOCK_MASK(mask_mod, B, H, Q_LEN, KV_LEN, device=device)
+    except RuntimeError as err:
+        if "fail_on_recompile" not in str(err):
+            raise
+        raise RecompileError(
+            f"the compiled create_block_mask met (B={B}, H={H}, Q_LEN={Q_LEN}, KV_LEN={KV_LEN}) after "
+            "warm-up; pad to a warmed bucket or add it to the warm-up variants."
+        ) from err
+
+
+def block_mask_builder(compiled: bool = True) -> Callable[..., BlockMask]:
+    """A callable with create_block_mask's signature (mask_mod, B, H, Q_LEN, KV_LEN, device=...)."""
+
+    def builder(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda") -> BlockMask:
+        return build_block_mask(mask_mod, B, Q_LEN, KV_LEN, device, compiled=compiled, H=H)
+
+    return builder

@@ -1,0 +1,213 @@
+"""The compile guards of dflash_trainer.attention raise when they should, and the compiled path is exact.
+
+CPU only (flex has no CPU backward through 2.13, so these run forward; the backward tripwire is a GPU
+test). One compiled flex graph per process, shared by the tests through the Inductor disk cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import unittest
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dflash_trainer import attention
+from dflash_trainer.attention import (
+    CompileRaceError,
+    DenseFallbackError,
+    RecompileError,
+    attend,
+    build_block_mask,
+    check_dense_would_not_fit,
+    dense_scores_bytes,
+    install_dense_guards,
+    remove_dense_guards,
+)
+from dflash_trainer.warmup import leave_run_phase, warm_up
+from torch.nn.attention.flex_attention import flex_attention
+
+L, H, D = 128, 2, 16
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def qkv(length=L, requires_grad=False):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(1, H, length, D, generator=gen).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def reset_compile_state():
+    if hasattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag"):
+        torch.fx._symbolic_trace._is_fx_tracing_flag = False
+    leave_run_phase()
+    remove_dense_guards()
+    torch._dynamo.reset()
+
+
+class GuardTest(unittest.TestCase):
+    def setUp(self):
+        reset_compile_state()
+
+    def tearDown(self):
+        reset_compile_state()
+
+    def test_fx_trace_in_same_thread_raises_compile_race(self):
+        q, k, v = qkv()
+        mask = build_block_mask(causal, 1, L, L, "cpu")
+
+        def traced(x):  # symbolic_trace holds the FX flag while this body runs
+            attend(q, k, v, mask)
+            return x
+
+        with self.assertRaisesRegex(CompileRaceError, "FX trace is active"):
+            torch.fx.symbolic_trace(traced)
+
+    @pytest.mark.skipif(
+        not hasattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag"),
+        reason="torch >= 2.14 keeps the FX flag per thread: another thread's trace is invisible",
+    )
+    def test_fx_trace_in_another_thread_raises_compile_race(self):
+        # The race from the issue: thread A traces, thread B enters a compiled call meanwhile.
+        q, k, v = qkv()
+        mask = build_block_mask(causal, 1, L, L, "cpu")
+        entered, release = threading.Event(), threading.Event()
+
+        def slow(x):
+            entered.set()
+            release.wait(30)
+            return x
+
+        tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(slow,))
+        tracer.start()
+        try:
+            self.assertTrue(entered.wait(30))
+            with self.assertRaisesRegex(CompileRaceError, "process-global"):
+                attend(q, k, v, mask)
+        finally:
+            release.set()
+            tracer.join(30)
+        self.assertFalse(attention.fx_tracing_active())
+
+    def test_eager_flex_call_raises_after_install(self):
+        q, k, v = qkv()
+        mask = build_block_mask(causal, 1, L, L, "cpu")
+        with warnings.catch_warnings():  # an earlier eager call records the warning id ...
+            warnings.simplefilter("ignore")
+            flex_attention(q, k, v, block_mask=mask)
+        install_dense_guards()  # ... which install_dense_guards forgets, so the next call raises
+        for _ in range(2):  # every time, not once
+            with self.assertRaisesRegex(UserWarning, "without torch.compile"):
+                flex_attention(q, k, v, block_mask=mask)
+
+    def test_forced_eager_stance_through_attend_is_a_dense_fallback_error(self):
+        q, k, v = qkv()
+        mask = build_block_mask(causal, 1, L, L, "cpu")
+        install_dense_guards()
+        with torch.compiler.set_stance("force_eager"), self.assertRaisesRegex(DenseFallbackError, "eager"):
+            attend(q, k, v, mask)
+
+    def test_tripwire_catches_math_path_when_warnings_are_silenced(self):
+        q, k, v = qkv()
+        mask = build_block_mask(causal, 1, L, L, "cpu")
+        install_dense_guards(limit_bytes=dense_scores_bytes(1, H, L, L) - 1)
+        install_dense_guards(limit_bytes=dense_scores_bytes(1, H, L, L) - 1)  # idempotent: one wrapper
+        hop = __import__("importlib").import_module("torch._higher_order_ops.flex_attention")
+        self.assertIs(hop._math_attention_inner.__wrapped__, attention._guard_state["original"])
+        with warnings.catch_warnings():  # a catch_warnings elsewhere can hide the warning filter
+            warnings.simplefilter("ignore")
+            with self.assertRaisesRegex(DenseFallbackError, r"\[1, 2, 128, 128\]"):
+                flex_attention(q, k, v, block_mask=mask)
+        install_dense_guards(limit_bytes=dense_scores_bytes(1, H, L, L))  # at the limit: allowed
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = flex_attention(q, k, v, block_mask=mask)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    def test_compiled_flex_matches_sdpa_and_never_trips_then_recompile_raises(self):
+        # limit 0: any real dense score tensor would raise; the compiled path must not make one.
+        install_dense_guards(limit_bytes=0)
+        q, k, v = qkv()
+        mask = build_block_mask(causal, 1, L, L, "cpu")
+
+        def probe(variant):
+            with torch.no_grad():
+                attend(q, k, v, mask)
+
+        report = warm_up(probe, ["L128 no_grad"], self._lock_path(), log=lambda _: None)
+        self.assertEqual(report.counters["graph_breaks"], 0)
+        with torch.no_grad():
+            out = attend(q, k, v, mask)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+        q2, k2, v2 = qkv(2 * L)
+        mask2 = build_block_mask(causal, 1, 2 * L, 2 * L, "cpu", compiled=False)
+        with torch.no_grad(), self.assertRaisesRegex(RecompileError, "warm-up did not compile"):
+            attend(q2, k2, v2, mask2)
+
+    def test_mask_shape_mismatch_names_the_fix(self):
+        q, k, v = qkv()
+        mask = build_block_mask(causal, 1, 2 * L, 2 * L, "cpu", compiled=False)
+        with self.assertRaisesRegex(ValueError, "padded bucket"):
+            attend(q, k, v, mask)
+
+    def _lock_path(self):
+        import tempfile
+
+        self._tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self._tmp.cleanup)
+        return f"{self._tmp.name}/compile.lock"
+
+
+def test_dense_scores_bytes_arithmetic():
+    assert dense_scores_bytes(1, 32, 32768, 72768) == 32 * 32768 * 72768 * 4  # the 305 GB of the notes
+    assert round(dense_scores_bytes(1, 32, 32768, 72768) / 1e9) == 305
+    assert dense_scores_bytes(2, 16, 8192, 8192) == 2 * 4 * 2**30
+    assert dense_scores_bytes(1, 1, 3, 5, bytes_per_element=2) == 30
+    with pytest.raises(ValueError, match="heads must be >= 0"):
+        dense_scores_bytes(1, -1, 2, 2)
+
+
+def test_preflight_refuses_unguarded_run_when_dense_would_not_fit():
+    reset_compile_state()
+    try:
+        small = check_dense_would_not_fit(1, 2, 128, 128, free_bytes=2**30)
+        assert small.fits and "fits" in small.explain()
+        with pytest.raises(DenseFallbackError, match="install_dense_guards"):
+            check_dense_would_not_fit(1, 32, 32768, 72768, free_bytes=140 * 2**30)
+        install_dense_guards()
+        risk = check_dense_would_not_fit(1, 32, 32768, 72768, free_bytes=140 * 2**30)
+        assert not risk.fits and "would NOT fit" in risk.explain()
+        assert risk.peak_bytes > 3 * risk.score_bytes
+    finally:
+        reset_compile_state()
+
+
+def test_missing_private_name_gives_a_clear_error(monkeypatch):
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.delattr(fa, "_WARNINGS_SHOWN")
+    with pytest.raises(attention.PrivateTorchAPIError, match="_WARNINGS_SHOWN is missing in torch"):
+        install_dense_guards()
+    assert not attention.dense_guards_installed()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_backward_tripwire_and_fused_memory():
+    reset_compile_state()
+    try:
+        install_dense_guards(limit_bytes=0)
+        length = 1024
+        q, k, v = [t.cuda().bfloat16().requires_grad_() for t in qkv(length)]
+        mask = build_block_mask(causal, 1, length, length, "cuda")
+        attend(q, k, v, mask).sum().backward()  # compiled fwd+bwd: no real dense scores
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(DenseFallbackError):
+                flex_attention(q, k, v, block_mask=mask).sum().backward()
+    finally:
+        reset_compile_state()
