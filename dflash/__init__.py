@@ -1,0 +1,7 @@
+"""dflash_trainer: train DFlash block-diffusion drafters for speculative decoding.
+
+Imported as ``dflash_trainer`` (the folder is ``dflash/``) so it never shadows z-lab's ``dflash``
+inference package, which users install beside it to serve what we train.
+"""
+
+__version__ = "0.1.0"

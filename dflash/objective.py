@@ -1,0 +1,71 @@
+"""One drafter micro-batch: blocks -> drafter -> chunked weighted CE (un-normalised sums).
+
+Attention backends:
+- "flex": the compiled flex_attention with the DFlash BlockMask (block-sparse, fused). The only
+  backend for real shapes, and the only one on GPU by default.
+- "sdpa": SDPA with a dense boolean mask. It materialises the [Q, S+Q] mask and, on CPU, the
+  scores: it exists for CPU runs (flex_attention has no backward on CPU) and as the reference
+  the flex path is tested against. The trainer refuses it when the dense scores would not fit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .anchors import Blocks
+from .loss import LossSums, chunked_block_loss
+from .mask import dense_mask
+from .model import AttentionFn, DFlashDrafter
+
+
+def sdpa_attention(mask: torch.Tensor | None) -> AttentionFn:
+    def attend(q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if mask is None:
+            return out
+        # A padding block's queries see no key: SDPA returns NaN there, flex returns 0. Match flex.
+        return torch.where(mask.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+    return attend
+
+
+def flex_attention_fn(block_mask, num_kv_groups: int, repeat_kv: bool = True) -> AttentionFn:
+    from .attention import attend as flex_attend
+
+    def attend(q, k, v):
+        if repeat_kv and num_kv_groups > 1:
+            # Repeating K/V beats enable_gqa=True in the backward (measured on H200, shared/notes).
+            k, v = k.repeat_interleave(num_kv_groups, dim=1), v.repeat_interleave(num_kv_groups, dim=1)
+            return flex_attend(q, k, v, block_mask)
+        return flex_attend(q, k, v, block_mask, enable_gqa=num_kv_groups > 1)
+
+    return attend
+
+
+def block_attention(backend: str, blocks: Blocks, ctx_len: int, block_size: int, config, mask_builder=None):
+    if backend == "sdpa":
+        return sdpa_attention(dense_mask(blocks.anchors, blocks.keep, block_size, ctx_len))
+    if backend == "flex":
+        if mask_builder is None:
+            raise ValueError("the flex backend needs the mask builder from the compile step")
+        groups = config.num_attention_heads // config.num_key_value_heads
+        return flex_attention_fn(mask_builder(blocks.anchors, blocks.keep, ctx_len), groups)
+    raise ValueError(f"unknown attention backend {backend!r}: use 'flex' (GPU) or 'sdpa' (CPU, small shapes)")
+
+
+def drafter_loss(
+    drafter: DFlashDrafter,
+    embed_weight: torch.Tensor,
+    head_weight: torch.Tensor,
+    features: torch.Tensor,
+    blocks: Blocks,
+    attention: AttentionFn,
+    chunk_rows: int = 2048,
+) -> LossSums:
+    b, ctx_len = features.shape[:2]
+    block_embeds = F.embedding(blocks.token_ids, embed_weight)
+    ctx_pos = torch.arange(ctx_len, device=features.device).expand(b, ctx_len)
+    position_ids = torch.cat([ctx_pos, blocks.position_ids], dim=1)
+    hidden = drafter(features, block_embeds, position_ids, attention)
+    return chunked_block_loss(hidden, head_weight, blocks.labels, blocks.weights, drafter.block_size, chunk_rows)

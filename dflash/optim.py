@@ -1,0 +1,77 @@
+"""AdamW over fp32 master weights for bf16 training, and warmup-then-cosine learning rate.
+
+The model keeps bf16 parameters (fast matmuls, half the memory); the optimizer keeps an fp32
+copy of each, steps it, and copies the result back. Small updates that bf16 would round away
+accumulate in fp32. Gradients arrive as un-normalised sums: `step` divides by the step's total
+loss weight, so the loss is normalised over the whole step (every micro-batch and every rank).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class MasterWeightAdamW:
+    def __init__(
+        self,
+        params,
+        lr: float,
+        betas=(0.9, 0.95),
+        weight_decay: float = 0.0,
+        eps: float = 1e-8,
+        max_grad_norm: float = 1.0,
+    ):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [
+            p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True) for p in self.params
+        ]
+        fused = all(m.is_cuda for m in self.master) or None
+        self.opt = torch.optim.AdamW(self.master, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, fused=fused)
+        self.max_grad_norm = max_grad_norm
+
+    @torch.no_grad()
+    def step(self, grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """Scale the summed gradients, clip, step the fp32 masters, copy back. Returns the grad norm."""
+        for p, m in zip(self.params, self.master):
+            if p.grad is None:
+                m.grad = None
+                continue
+            g = p.grad.float() if m is not p else p.grad
+            m.grad = g.mul_(grad_scale)
+        norm = torch.nn.utils.clip_grad_norm_(self.master, self.max_grad_norm)
+        self.opt.step()
+        for p, m in zip(self.params, self.master):
+            if m is not p:
+                p.copy_(m)
+        return norm
+
+    def zero_grad(self) -> None:
+        for p, m in zip(self.params, self.master):
+            p.grad = None
+            m.grad = None
+
+    def state_dict(self) -> dict:
+        return {"adamw": self.opt.state_dict(), "master": [m.detach().cpu() for m in self.master]}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for m, saved in zip(self.master, state["master"]):
+                m.copy_(saved)
+            for p, m in zip(self.params, self.master):
+                if m is not p:
+                    p.copy_(m)
+        self.opt.load_state_dict(state["adamw"])
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, min_ratio: float = 0.0):
+    """Linear warmup to the base LR, then cosine decay to `min_ratio` of it at `total_steps`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,82 @@
+"""The frozen target: any Hugging Face causal LM, run without grad, tapped at K decoder layers.
+
+The feature of layer l is the *output* of decoder layer l (HF `hidden_states[l + 1]`), the
+convention z-lab, SGLang and vLLM use when they feed a DFlash drafter. Forward hooks capture the
+K outputs and stop the forward after the last tapped layer: the layers above it, the final norm
+and the LM head (3.8 TFLOP per 3,072-token sample on Qwen3-8B) are never run for training.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class _StopForward(Exception):
+    pass
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    for path in ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers"):
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    raise TypeError(f"cannot find the decoder layers of {type(model).__name__}; expected model.model.layers")
+
+
+class FrozenTarget:
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        self.model = model.eval().requires_grad_(False)
+        self.layers = decoder_layers(model)
+        # Run the backbone (no LM head); get_decoder() is the HF accessor for it.
+        self.backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        if any(not 0 <= i < len(self.layers) for i in layer_ids):
+            raise ValueError(f"target layer ids {layer_ids} outside the target's {len(self.layers)} layers")
+        self.layer_ids = list(layer_ids)
+
+    @classmethod
+    def from_pretrained(cls, path: str, layer_ids: list[int], dtype=torch.bfloat16, device="cpu"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        return cls(model, layer_ids)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, S, K*H]: the outputs of the tapped layers, concatenated in layer-id order."""
+        captured: dict[int, torch.Tensor] = {}
+        last = max(self.layer_ids)
+
+        def hook(idx):
+            def fn(_module, _args, output):
+                captured[idx] = output[0] if isinstance(output, tuple) else output
+                if idx == last:
+                    raise _StopForward
+
+            return fn
+
+        handles = [self.layers[i].register_forward_hook(hook(i)) for i in set(self.layer_ids)]
+        try:
+            self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)

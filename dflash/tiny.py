@@ -1,0 +1,100 @@
+"""The embedded default's assets: a tokenizer, a tiny Qwen3 target and its training data.
+
+Everything is built on this machine from the corpus shipped in `assets/tiny_chat.jsonl`, with
+fixed seeds, so `make train` needs no model hub and no network. The target is a small Qwen3
+trained for a few seconds on the corpus (so its greedy answers resemble it); its answers are then
+regenerated, as the real recipe does, and the drafter is trained to predict them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from .data import normalise_messages
+from .regenerate import regenerate
+
+CORPUS = Path(__file__).parent / "assets" / "tiny_chat.jsonl"
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TARGET_SHAPE = dict(
+    hidden_size=96, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=24, max_position_embeddings=512, tie_word_embeddings=False,
+)
+
+
+def read_corpus(path: Path = CORPUS) -> list[list[dict]]:
+    return [normalise_messages(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def build_tokenizer(texts: list[str], vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", mask_token="<|mask|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _pretrain(model, tokenizer, conversations, steps: int, seed: int) -> None:
+    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        pick = torch.randint(len(ids), (32,), generator=g).tolist()
+        width = max(len(ids[i]) for i in pick)
+        batch = torch.full((32, width), tokenizer.pad_token_id)
+        labels = torch.full((32, width), -100)
+        for r, i in enumerate(pick):
+            batch[r, : len(ids[i])] = torch.tensor(ids[i])
+            labels[r, : len(ids[i])] = torch.tensor(ids[i])
+        loss = model(input_ids=batch, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
+def build_embedded(out_dir: Path, pretrain_steps: int = 150, seed: int = 0, max_new_tokens: int = 48) -> dict:
+    """Target dir + train/eval JSONL under `out_dir` (reused when already there)."""
+    out_dir = Path(out_dir)
+    target_dir, data_dir = out_dir / "target", out_dir / "data"
+    done = out_dir / "assets.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    conversations = read_corpus()
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer([m["content"] for c in conversations for m in c])
+    config = Qwen3Config(vocab_size=len(tokenizer), **TARGET_SHAPE,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = Qwen3ForCausalLM(config)
+    _pretrain(model, tokenizer, conversations, pretrain_steps, seed)
+    model.save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    rows = regenerate(model, tokenizer, conversations, max_new_tokens=max_new_tokens, stop_token="<|im_end|>")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    held_out = len(rows) // 10
+    for name, part in (("eval", rows[:held_out]), ("train", rows[held_out:])):
+        with open(data_dir / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in part)
+    assets = {
+        "target": str(target_dir),
+        "train": str(data_dir / "train.jsonl"),
+        "eval": str(data_dir / "eval.jsonl"),
+        "mask_token_id": tokenizer.mask_token_id,
+    }
+    done.write_text(json.dumps(assets, indent=2))
+    return assets
