@@ -1,0 +1,258 @@
+"""The serialized compile step: every rank compiles every variant before step 1, one rank at a time.
+
+Why (shared/notes/compile-race.md): compiling lazily inside the step let several workers trace at once,
+which raced on torch's process-global FX flag, fell back to dense attention, or deadlocked. Here:
+
+- every rank warms each (bucket x grad mode) variant, forward AND backward, in its main thread;
+- ranks on a host take turns through a file lock in the shared cache dir, so the first compile fills
+  TORCHINDUCTOR_CACHE_DIR and the others load from it instead of compiling again;
+- afterwards the compiler stance is fail_on_recompile: a shape warm-up missed raises, never runs eager.
+
+No lock wraps the run-phase calls: with activation checkpointing the autograd thread's recompute calls
+flex again, and a per-call lock deadlocks against it (measured on an H200, see the notes).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "GraphBreakError",
+    "WarmupReport",
+    "assert_no_graph_breaks",
+    "compile_cache_env",
+    "compile_counters",
+    "compile_lock",
+    "isolate_local_gpu",
+    "leave_run_phase",
+    "warm_up",
+]
+
+LOCK_FILE_NAME = "compile.lock"
+# Room for recompiles we do not count as variants (e.g. the first call after a grad-mode switch).
+RECOMPILE_MARGIN = 4
+
+
+class GraphBreakError(RuntimeError):
+    """Warm-up saw a graph break: part of a compiled function would run eagerly."""
+
+
+def compile_cache_env(cache_dir: str | os.PathLike, environ: dict | None = None) -> dict[str, str]:
+    """Point Inductor's and Triton's on-disk caches at cache_dir (shared by all ranks of a host).
+
+    Call before the first compile. Returns the variables it set (also written to `environ`, default
+    os.environ, so torchrun children and Triton's subprocesses inherit them).
+
+    Cache keys include the device index of the example inputs (codecache.FxGraphHashDetails): a graph
+    compiled on cuda:1 is a miss for cuda:2. For the ranks to share compiled kernels every worker should
+    see its own GPU as cuda:0, i.e. start with CUDA_VISIBLE_DEVICES=<its GPU> (isolate_local_gpu).
+    Trade-off: NCCL may then not use peer-to-peer copies between GPUs it cannot see; if the feature
+    hand-off becomes the bottleneck, keep all GPUs visible and accept one compile per local rank.
+    """
+    environ = os.environ if environ is None else environ
+    root = Path(cache_dir).expanduser().resolve()
+    values = {
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "TRITON_CACHE_DIR": str(root / "triton"),
+    }
+    for path in values.values():
+        Path(path).mkdir(parents=True, exist_ok=True)
+    environ.update(values)
+    return values
+
+
+def isolate_local_gpu(local_rank: int, environ: dict | None = None) -> str:
+    """Make this worker see only its own GPU, as cuda:0, so compile-cache keys match across ranks.
+
+    Must run before CUDA is initialized in this process (before any torch.cuda call that touches a
+    device). Honours an existing CUDA_VISIBLE_DEVICES list by picking its local_rank-th entry.
+    """
+    environ = os.environ if environ is None else environ
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "isolate_local_gpu() ran after CUDA was initialized in this process, so CUDA_VISIBLE_DEVICES "
+            "no longer applies; call it first thing in the worker, before any torch.cuda use."
+        )
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
+    if devices is not None and local_rank >= len(devices):
+        raise ValueError(
+            f"local rank {local_rank} has no GPU: CUDA_VISIBLE_DEVICES={visible!r} lists {len(devices)}; "
+            "start at most that many workers per host."
+        )
+    chosen = devices[local_rank] if devices is not None else str(local_rank)
+    environ["CUDA_VISIBLE_DEVICES"] = chosen
+    return chosen
+
+
+@contextmanager
+def compile_lock(lock_path: str | os.PathLike) -> Iterator[float]:
+    """Exclusive cross-process lock (flock) on lock_path; yields the seconds spent waiting for it.
+
+    flock is released by the kernel when the process dies, so a crashed rank never wedges the others.
+    It needs a local filesystem (flock on NFS is not reliable): keep the cache dir on local disk.
+    """
+    path = Path(lock_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        start = time.monotonic()
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield time.monotonic() - start
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def compile_counters() -> dict[str, int]:
+    """A flat snapshot of the dynamo/inductor counters warm-up reports (cache hits, graphs, breaks)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+        "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
+        "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "frames_ok": counters["frames"]["ok"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
+
+
+@dataclass
+class WarmupReport:
+    """What one rank's warm-up did; `summary()` is one log line."""
+
+    label: str
+    lock_wait_s: float
+    compile_s: float
+    variant_s: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)  # deltas over the warm-up
+    graph_break_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def cache_hits(self) -> int:
+        return self.counters.get("fxgraph_cache_hit", 0) + self.counters.get("autograd_cache_hit", 0)
+
+    @property
+    def cache_misses(self) -> int:
+        return self.counters.get("fxgraph_cache_miss", 0) + self.counters.get("autograd_cache_miss", 0)
+
+    def summary(self) -> str:
+        c = self.counters
+        per_variant = ", ".join(f"{k} {v:.1f}s" for k, v in self.variant_s.items())
+        return (
+            f"{self.label}warm-up {self.compile_s:.1f}s (waited {self.lock_wait_s:.1f}s for the lock); "
+            f"fx graph cache {c.get('fxgraph_cache_hit', 0)} hit / {c.get('fxgraph_cache_miss', 0)} miss, "
+            f"autograd cache {c.get('autograd_cache_hit', 0)} hit / {c.get('autograd_cache_miss', 0)} miss, "
+            f"{c.get('unique_graphs', 0)} graphs, {c.get('graph_breaks', 0)} graph breaks; {per_variant}"
+        )
+
+
+def assert_no_graph_breaks(report: WarmupReport | None = None) -> None:
+    """Raise GraphBreakError if warm-up (or, without a report, this process so far) saw a graph break."""
+    from torch._dynamo.utils import counters
+
+    if report is not None:
+        count, reasons = report.counters.get("graph_breaks", 0), report.graph_break_reasons
+    else:
+        count, reasons = sum(counters["graph_break"].values()), list(counters["graph_break"])
+    if count:
+        raise GraphBreakError(
+            f"{count} graph break(s) during compilation: {reasons[:5]}. Part of a compiled function would "
+            "run eagerly (for flex_attention: dense). Compile with fullgraph=True and fix the break."
+        )
+
+
+def _set_if_present(config_module: Any, name: str, value: Any) -> bool:
+    if hasattr(config_module, name):
+        setattr(config_module, name, value)
+        return True
+    return False
+
+
+def warm_up(
+    probe_fn: Callable[[Any], None],
+    variants: Sequence[Any],
+    lock_path: str | os.PathLike,
+    log: Callable[[str], None] = print,
+    label: str = "",
+) -> WarmupReport:
+    """Compile every variant inside the cross-process lock, then forbid compiling.
+
+    probe_fn(variant) must run what the step runs for that variant: forward AND backward, same dtypes,
+    requires_grad, grad mode and activation checkpointing (use_reentrant=True adds a no_grad variant per
+    bucket). Call it in the main thread, with no other thread running torch. Afterwards any recompile
+    raises (torch.compiler.set_stance("fail_on_recompile")); leave_run_phase() undoes that.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "warm_up() must run in the main thread: compiling in a thread races on torch's FX-tracing "
+            "flag (see shared/notes/compile-race.md). Run it in each rank's main thread before step 1."
+        )
+    if not variants:
+        raise ValueError("warm_up() got no variants; pass every (bucket, grad mode) the run will use.")
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+    from torch._dynamo.utils import counters
+
+    # Compile the backward now, on this thread; lazily it would compile on the autograd device thread.
+    if not _set_if_present(functorch_config, "force_non_lazy_backward_lowering", True):
+        log(
+            f"{label}torch {torch.__version__} has no force_non_lazy_backward_lowering: the backward may "
+            "compile lazily; the probe's backward still compiles it here, on this thread."
+        )
+    # The limit is per code object and shared by every variant: all buckets x grad modes, plus margin.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, len(variants) + RECOMPILE_MARGIN)
+    _set_if_present(dynamo_config, "accumulated_recompile_limit", max(
+        getattr(dynamo_config, "accumulated_recompile_limit", 0), 4 * (len(variants) + RECOMPILE_MARGIN)
+    ))
+    torch.compiler.set_stance("default")
+
+    before = compile_counters()
+    breaks_before = set(counters["graph_break"])
+    variant_s: dict[str, float] = {}
+    with compile_lock(lock_path) as waited:
+        log(f"{label}compile lock taken after {waited:.1f}s; warming {len(variants)} variant(s)")
+        start = time.monotonic()
+        for variant in variants:
+            t0 = time.monotonic()
+            probe_fn(variant)
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            variant_s[str(variant)] = time.monotonic() - t0
+        compile_s = time.monotonic() - start
+
+    torch.compiler.set_stance("fail_on_recompile")  # process-wide: applies to every thread
+    dynamo_config.fail_on_recompile_limit_hit = True  # past the limit: raise, not eager
+    after = compile_counters()
+    report = WarmupReport(
+        label=label,
+        lock_wait_s=waited,
+        compile_s=compile_s,
+        variant_s=variant_s,
+        counters={k: after[k] - before[k] for k in after},
+        graph_break_reasons=[r for r in counters["graph_break"] if r not in breaks_before],
+    )
+    log(report.summary())
+    return report
+
+
+def leave_run_phase() -> None:
+    """Back to the default compiler stance (tests, or a new warm-up for a new bucket set)."""
+    import torch._dynamo.config as dynamo_config
+
+    torch.compiler.set_stance("default")
+    dynamo_config.fail_on_recompile_limit_hit = False

@@ -1,0 +1,157 @@
+"""The serialized compile step: warm-up covers the variants, then a recompile raises; ranks take turns
+through the file lock and the second one loads the first one's compiled graphs from the shared cache."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+import unittest
+
+import pytest
+import torch
+from dflash_trainer.warmup import (
+    GraphBreakError,
+    WarmupReport,
+    assert_no_graph_breaks,
+    compile_cache_env,
+    compile_lock,
+    isolate_local_gpu,
+    leave_run_phase,
+    warm_up,
+)
+
+
+def tiny_step(x, w):
+    return torch.tanh(x @ w).square().sum()
+
+
+def reset_compile_state():
+    leave_run_phase()
+    torch._dynamo.reset()
+
+
+class WarmUpTest(unittest.TestCase):
+    def setUp(self):
+        reset_compile_state()
+        self.addCleanup(reset_compile_state)
+
+    def test_warm_two_variants_then_a_new_shape_raises(self):
+        import torch._dynamo.config as dynamo_config
+        import torch._functorch.config as functorch_config
+
+        # aot_eager: the same Dynamo guards and AOTAutograd fwd/bwd split as Inductor, without C++ builds.
+        step = torch.compile(tiny_step, backend="aot_eager", dynamic=False, fullgraph=True)
+        w = torch.randn(8, 8, requires_grad=True)
+        seen = []
+
+        def probe(rows):
+            x = torch.randn(rows, 8)
+            step(x, w).backward()  # forward AND backward, like the real step
+            seen.append(rows)
+
+        lines = []
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            report = warm_up(probe, [4, 16], f"{tmp}/compile.lock", log=lines.append, label="[rank 0] ")
+        self.assertEqual(seen, [4, 16])
+        self.assertEqual(list(report.variant_s), ["4", "16"])
+        self.assertEqual(report.counters["unique_graphs"], 2)
+        self.assertEqual(report.counters["graph_breaks"], 0)
+        assert_no_graph_breaks(report)
+        self.assertTrue(any(line.startswith("[rank 0] warm-up") for line in lines))
+        self.assertGreaterEqual(dynamo_config.recompile_limit, 2)
+        self.assertTrue(dynamo_config.fail_on_recompile_limit_hit)
+        if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+            self.assertTrue(functorch_config.force_non_lazy_backward_lowering)
+
+        step(torch.randn(16, 8), w).backward()  # a warmed variant still runs
+        with self.assertRaisesRegex(RuntimeError, "fail_on_recompile"):
+            step(torch.randn(32, 8), w)
+
+    def test_warm_up_refuses_a_thread_and_empty_variants(self):
+        errors = []
+
+        def run():
+            try:
+                warm_up(lambda v: None, [1], "/nonexistent/compile.lock", log=lambda _: None)
+            except RuntimeError as err:
+                errors.append(str(err))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        self.assertEqual(len(errors), 1)
+        self.assertIn("main thread", errors[0])
+        with self.assertRaisesRegex(ValueError, "no variants"):
+            warm_up(lambda v: None, [], "/nonexistent/compile.lock", log=lambda _: None)
+
+
+def test_graph_break_report_raises_with_reasons():
+    report = WarmupReport("", 0.0, 0.0, counters={"graph_breaks": 1}, graph_break_reasons=["print()"])
+    with pytest.raises(GraphBreakError, match="print"):
+        assert_no_graph_breaks(report)
+
+
+def test_compile_cache_env_and_gpu_isolation(tmp_path):
+    env: dict[str, str] = {}
+    values = compile_cache_env(tmp_path / "cache", environ=env)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor") == values["TORCHINDUCTOR_CACHE_DIR"]
+    assert (tmp_path / "cache" / "triton").is_dir()
+    assert isolate_local_gpu(1, environ={}) == "1"
+    assert isolate_local_gpu(1, environ={"CUDA_VISIBLE_DEVICES": "4,6"}) == "6"
+    with pytest.raises(ValueError, match="lists 2"):
+        isolate_local_gpu(2, environ={"CUDA_VISIBLE_DEVICES": "4,6"})
+
+
+def _rank_worker(cache_dir: str, queue) -> None:
+    compile_cache_env(cache_dir)  # before the first compile, as a rank does at start-up
+    step = torch.compile(tiny_step, dynamic=False, fullgraph=True)  # Inductor: fills the disk cache
+    w = torch.randn(8, 8, requires_grad=True)
+    spans = []
+
+    def probe(rows):
+        start = time.time()
+        step(torch.randn(rows, 8), w).backward()
+        time.sleep(0.3)  # widen the window in which an unserialized peer would overlap
+        spans.append((start, time.time()))
+
+    report = warm_up(probe, [4], f"{cache_dir}/compile.lock", log=lambda _: None)
+    queue.put({"spans": spans, "hits": report.cache_hits, "misses": report.cache_misses})
+
+
+@pytest.mark.slow
+def test_lock_serializes_two_processes_and_second_hits_the_cache(tmp_path):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_worker, args=(str(tmp_path), queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    first, second = sorted(results, key=lambda r: r["spans"][0][0])
+    assert first["spans"][-1][1] <= second["spans"][0][0], "the two warm-ups overlapped: the lock did not hold"
+    assert first["misses"] > 0 and first["hits"] == 0
+    assert second["hits"] > 0 and second["misses"] == 0, second
+
+
+def test_compile_lock_excludes_within_a_process_tree(tmp_path):
+    lock = tmp_path / "compile.lock"
+    with compile_lock(lock) as waited:
+        assert waited >= 0.0
+        ctx = mp.get_context("fork")
+        started = ctx.Event()
+        proc = ctx.Process(target=_hold_lock_briefly, args=(str(lock), started))
+        proc.start()
+        time.sleep(0.5)
+        assert not started.is_set(), "a second process took the lock while it was held"
+    proc.join(30)
+    assert proc.exitcode == 0 and started.is_set()
+
+
+def _hold_lock_briefly(lock_path: str, started) -> None:
+    with compile_lock(lock_path):
+        started.set()
