@@ -1,0 +1,130 @@
+"""Atomic checkpoints: a crash mid-save leaves nothing half-written, `latest` moves only on success."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+
+import pytest
+import torch
+from dflash_trainer.checkpoint import (
+    LATEST_LINK,
+    TRAIN_STATE_FILE,
+    latest_checkpoint,
+    list_checkpoints,
+    load_train_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+
+
+def write_tiny_model(tag: str):
+    def write(directory):
+        (directory / "config.json").write_text(json.dumps({"tag": tag}))
+        (directory / "model.safetensors").write_bytes(b"weights-" + tag.encode())
+
+    return write
+
+
+def test_save_writes_model_state_and_latest(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = {"step": 10, "optimizer": opt.state_dict(), "data_position": {"epoch": 0, "index": 40}}
+    path = save_checkpoint(tmp_path, 10, write_tiny_model("a"), state, keep_last=3)
+    assert path == tmp_path / "step-00000010"
+    assert json.loads((path / "config.json").read_text()) == {"tag": "a"}
+    assert os.readlink(tmp_path / LATEST_LINK) == "step-00000010"  # relative link
+    assert latest_checkpoint(tmp_path) == path.resolve()
+    loaded = load_train_state(tmp_path)  # the root resolves to latest
+    assert loaded["step"] == 10 and loaded["data_position"] == {"epoch": 0, "index": 40}
+    torch.testing.assert_close(
+        loaded["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
+    )
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_crash_inside_write_model_leaves_no_partial_dir_and_keeps_latest(tmp_path):
+    first = save_checkpoint(tmp_path, 1, write_tiny_model("a"), {"step": 1}, keep_last=2)
+
+    def crashing_writer(directory):
+        (directory / "config.json").write_text("{}")
+        raise OSError("disk full while writing model.safetensors")
+
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 2, crashing_writer, {"step": 2}, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST_LINK, "step-00000001"]
+    assert latest_checkpoint(tmp_path) == first.resolve()
+    assert load_train_state(tmp_path)["step"] == 1
+
+
+def test_unpicklable_state_fails_before_the_rename(tmp_path):
+    save_checkpoint(tmp_path, 1, write_tiny_model("a"), {"step": 1}, keep_last=2)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):  # the type varies by Python
+        save_checkpoint(tmp_path, 2, write_tiny_model("b"), {"step": 2, "bad": lambda: 0}, keep_last=2)
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
+    assert latest_checkpoint(tmp_path).name == "step-00000001"
+
+
+def test_keep_last_prunes_oldest_and_resave_replaces(tmp_path):
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, write_tiny_model(str(step)), {"step": step}, keep_last=2)
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [3, 4]
+    # A resumed run that reaches step 4 again replaces it whole.
+    save_checkpoint(tmp_path, 4, write_tiny_model("again"), {"step": 4, "again": True}, keep_last=2)
+    assert json.loads((tmp_path / "step-00000004" / "config.json").read_text()) == {"tag": "again"}
+    assert load_train_state(tmp_path)["again"] is True
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        save_checkpoint(tmp_path, 5, write_tiny_model("x"), {}, keep_last=0)
+
+
+def test_stale_latest_link_and_leftover_tmp_dirs(tmp_path):
+    save_checkpoint(tmp_path, 1, write_tiny_model("a"), {"step": 1}, keep_last=5)
+    save_checkpoint(tmp_path, 2, write_tiny_model("b"), {"step": 2}, keep_last=5)
+    (tmp_path / LATEST_LINK).unlink()
+    (tmp_path / LATEST_LINK).symlink_to("step-00000099")  # e.g. a crash between two renames
+    (tmp_path / ".tmp-step-00000003-killed").mkdir()  # a save killed by SIGKILL
+    (tmp_path / "step-00000003").mkdir()  # a dir without training_state.pt is not a checkpoint
+    assert latest_checkpoint(tmp_path).name == "step-00000002"
+    save_checkpoint(tmp_path, 4, write_tiny_model("c"), {"step": 4}, keep_last=5)
+    assert not (tmp_path / ".tmp-step-00000003-killed").exists()
+    assert latest_checkpoint(tmp_path).name == "step-00000004"
+
+
+def test_empty_root_and_missing_state(tmp_path):
+    assert latest_checkpoint(tmp_path / "nothing") is None
+    with pytest.raises(FileNotFoundError, match="no complete step-XXXXXXXX"):
+        load_train_state(tmp_path)
+    assert TRAIN_STATE_FILE == "training_state.pt"
+
+
+def test_rng_round_trip_through_a_checkpoint(tmp_path):
+    random.seed(1)
+    torch.manual_seed(1)
+    saved = rng_state()
+    save_checkpoint(tmp_path, 7, write_tiny_model("a"), {"rng": saved}, keep_last=1)
+    expected = (random.random(), torch.rand(3))
+    random.seed(999)
+    torch.manual_seed(999)
+    set_rng_state(load_train_state(tmp_path)["rng"])
+    again = (random.random(), torch.rand(3))
+    assert again[0] == expected[0]
+    torch.testing.assert_close(again[1], expected[1])
+    if "numpy" in saved:
+        import numpy as np
+
+        set_rng_state(saved)
+        first = np.random.rand()
+        set_rng_state(saved)
+        assert np.random.rand() == first
+
+
+def test_cuda_rng_device_count_mismatch_is_explained():
+    state = rng_state()
+    state["cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 9
+    with pytest.raises(RuntimeError, match="CUDA RNG states for 9 device"):
+        set_rng_state(state)
