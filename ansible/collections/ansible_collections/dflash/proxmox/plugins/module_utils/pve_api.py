@@ -3,6 +3,7 @@
 # task's last log lines, and the lookups the modules share. Secrets never reach a message.
 from __future__ import annotations
 
+import os
 import time
 
 try:
@@ -81,6 +82,9 @@ class PveClient:
         self.auth = _auth_mode(params)
         self.url = f"https://{params['api_host']}:{params['api_port']}"
         verify = params.get("ca_path") or params.get("validate_certs", True)
+        if params.get("ca_path") and not os.path.isfile(params["ca_path"]):
+            raise PveError(f"the CA file {params['ca_path']} does not exist: copy /etc/pve/pve-root-ca.pem from "
+                           f"a node there, or fix proxmox_api_ca_path")
         kwargs = dict(port=params["api_port"], verify_ssl=verify, timeout=params["api_timeout"])
         user = params.get("api_user") or "root@pam"
         try:
