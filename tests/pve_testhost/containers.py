@@ -1,0 +1,488 @@
+"""The node side of a container: PVE config -> real LXC container (create, start, stop, destroy, exec).
+
+Runs inside the test host's mount namespace, where /etc/pve, /var/lib/vz and /var/lib/lxc are the
+host's own (bind mounts from its state directory) and /dev holds the stand-in NVIDIA nodes.
+Both the API server and `pct` use these functions; the config file is the only state.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import re
+import shutil
+import stat
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import pveconf, schema
+
+# What PVE's create writes when a key is not given (pve-container API2/LXC.pm create_vm).
+CREATE_DEFAULTS = {"arch": "amd64", "memory": "512", "swap": "512"}
+UNPRIV_MAP = (100000, 65536)  # lxc.idmap base and size PVE uses for unprivileged CTs
+BRIDGES = {"vmbr0"}  # the bridges this node has (net[n] bridge= must name one)
+# Changes that a running CT takes at once; everything else becomes pending (PVE hotplug rules).
+HOTPLUG = {"memory", "swap", "cores", "cpulimit", "cpuunits", "hostname", "description", "onboot",
+           "tags", "protection", "startup", "nameserver", "searchdomain", "timezone", "lock"}
+# Keys that cannot be changed after creation.
+READ_ONLY = {"unprivileged", "ostemplate", "arch"}
+
+
+class PveError(Exception):
+    """An error PVE reports as HTTP 500 with this text (or a failed task's exitstatus)."""
+
+
+class PermError(Exception):
+    """HTTP 403 'Permission check failed (...)'."""
+
+
+@dataclass(frozen=True)
+class NodePaths:
+    etc_pve: Path = Path("/etc/pve")
+    storage: Path = Path("/var/lib/vz")
+    lxcpath: Path = Path("/var/lib/lxc")
+    devroot: Path = Path("/dev")
+    procfs: Path | None = None  # stand-in /proc/driver and /proc/devices to show inside the CTs
+
+    def conf(self, vmid: int) -> Path:
+        return self.etc_pve / "lxc" / f"{vmid}.conf"
+
+    def template_dir(self) -> Path:
+        return self.storage / "template" / "cache"
+
+    def images(self, vmid: int) -> Path:
+        return self.storage / "images" / str(vmid)
+
+
+def cgroup_layout() -> str:
+    """'unified' on a pure cgroup v2 host (like PVE 8/9), else 'legacy' (devices controller in v1)."""
+    return "unified" if Path("/sys/fs/cgroup/cgroup.controllers").exists() else "legacy"
+
+
+def default_paths() -> NodePaths:
+    state = os.environ.get("PVE_TESTHOST_STATE")
+    procfs = Path(state) / "layers" / "procfs" if state else None
+    return NodePaths(procfs=procfs if procfs and (procfs / "devices").exists() else None)
+
+
+class Node:
+    def __init__(self, paths: NodePaths | None = None, name: str = "pve", storage_id: str = "local"):
+        paths = paths or default_paths()
+        self.paths = paths
+        self.name = name
+        self.storage_id = storage_id
+        (paths.etc_pve / "lxc").mkdir(parents=True, exist_ok=True)
+        paths.template_dir().mkdir(parents=True, exist_ok=True)
+        (paths.storage / "images").mkdir(parents=True, exist_ok=True)
+        (paths.lxcpath / ".locks").mkdir(parents=True, exist_ok=True)
+
+    # --- config ------------------------------------------------------------------------------------
+    def exists(self, vmid: int) -> bool:
+        return self.paths.conf(vmid).exists()
+
+    def vmids(self) -> list[int]:
+        return sorted(int(p.stem) for p in (self.paths.etc_pve / "lxc").glob("*.conf") if p.stem.isdigit())
+
+    def read(self, vmid: int) -> pveconf.CtConfig:
+        try:
+            return pveconf.read(self.paths.conf(vmid))
+        except FileNotFoundError:
+            raise PveError(f"Configuration file 'nodes/{self.name}/lxc/{vmid}.conf' does not exist") from None
+
+    @contextmanager
+    def locked(self, vmid: int):
+        with open(self.paths.lxcpath / ".locks" / f"{vmid}.lock", "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            yield
+
+    # --- volumes -----------------------------------------------------------------------------------
+    def volume_path(self, volid: str) -> Path:
+        """local:<vmid>/vm-<vmid>-disk-N.raw -> a directory under images/ (we back disks with dirs)."""
+        storage, _, name = volid.partition(":")
+        if storage != self.storage_id:
+            raise PveError(f"storage '{storage}' does not exist")
+        return self.paths.storage / "images" / name
+
+    def template_path(self, volid: str) -> Path:
+        storage, _, name = volid.partition(":")
+        if storage != self.storage_id:
+            raise PveError(f"storage '{storage}' does not exist")
+        if not name.startswith("vztmpl/"):
+            raise PveError(f"volume '{volid}' does not exist")
+        path = self.paths.template_dir() / name.removeprefix("vztmpl/")
+        if not path.is_file():
+            raise PveError(f"volume '{volid}' does not exist")
+        return path
+
+    def allocate_disk(self, vmid: int, size: str, index: int) -> str:
+        name = f"{vmid}/vm-{vmid}-disk-{index}.raw"
+        path = self.paths.storage / "images" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return f"{self.storage_id}:{name}"
+
+    def normalise_mountpoint(self, vmid: int, key: str, value: str, index: int) -> str:
+        """`local:8` (allocate) becomes `local:<vmid>/vm-<vmid>-disk-N.raw,size=8G`, as in PVE."""
+        data = schema.parse_config_value(key, value)
+        vol = data.get("volume", "")
+        m = schema.NEW_DISK_RE.match(vol)
+        if m:
+            size = m[2]
+            data["volume"] = self.allocate_disk(vmid, size, index)
+            data["size"] = f"{size}G" if re.fullmatch(r"\d+", size) else size
+        elif schema.mountpoint_type(vol) == "bind" and not Path(vol).is_dir():
+            raise PveError(f"mount point '{vol}' does not exist")
+        return schema.print_config_value(key, data)
+
+    def next_disk_index(self, conf: pveconf.CtConfig) -> int:
+        used = [int(m[1]) for v in list(conf.values.values()) + list(conf.pending.values())
+                if (m := re.search(r"vm-\d+-disk-(\d+)", v))]
+        return max(used, default=-1) + 1
+
+    # --- permission rules (pve-container PVE::LXC::check_ct_modify_config_perm) ----------------------
+    @staticmethod
+    def check_modify_perm(user: str, old: pveconf.CtConfig | None, new: dict[str, str], delete: list[str],
+                          unprivileged: bool) -> None:
+        if user == "root@pam":
+            return
+        items = [(k, v, False) for k, v in new.items()] + [(k, None, True) for k in delete]
+        for key, value, is_delete in items:
+            if (key == "rootfs" or re.fullmatch(r"mp\d+", key)) and not is_delete:
+                mtype = schema.mountpoint_type(schema.parse_config_value(key, value).get("volume", ""))
+                if mtype != "volume":
+                    raise PermError(f"mount point type {mtype} is only allowed for root@pam")
+            elif re.fullmatch(r"dev\d+", key):
+                raise PermError("configuring device passthrough is only allowed for root@pam")
+            elif key == "hookscript":
+                raise PermError("changing the hookscript is only allowed for root@pam")
+            elif key == "features":
+                if not unprivileged:
+                    raise PermError("changing feature flags for privileged container is only allowed for root@pam")
+                oldf = schema.parse_config_value("features", old.values["features"]) \
+                    if old is not None and old.values.get("features") else {}
+                newf = {} if is_delete else schema.parse_config_value("features", value)
+                changed = {k for k in set(oldf) | set(newf) if str(oldf.get(k, "")) != str(newf.get(k, ""))}
+                if is_delete:
+                    changed = set(oldf)
+                if changed - {"nesting"}:
+                    raise PermError("changing feature flags (except nesting) is only allowed for root@pam")
+
+    # --- create --------------------------------------------------------------------------------------
+    def create(self, vmid: int, params: dict, user: str, log) -> None:
+        """The vzcreate task: unpack the template into the rootfs and write the PVE config."""
+        template = self.template_path(params["ostemplate"])
+        unpriv = bool(int(params.get("unprivileged", 1)))
+        values: dict[str, str] = dict(CREATE_DEFAULTS)
+        skip = {"node", "vmid", "ostemplate", "password", "ssh-public-keys", "storage", "start", "force",
+                "restore", "unique", "ignore-unpack-errors", "bwlimit", "pool", "ha-managed"}
+        for k, v in params.items():
+            if k not in skip:
+                values[k] = str(v)
+        values["unprivileged"] = "1" if unpriv else "0"
+        values.setdefault("hostname", f"CT{vmid}")
+        conf = pveconf.CtConfig(values=values)
+        storage = params.get("storage", self.storage_id)
+        conf.values["rootfs"] = self.normalise_mountpoint(
+            vmid, "rootfs", str(params.get("rootfs", f"{storage}:4")), 0)
+        for key in sorted(k for k in params if re.fullmatch(r"mp\d+", k)):
+            conf.values[key] = self.normalise_mountpoint(vmid, key, str(params[key]), self.next_disk_index(conf))
+        for key in [k for k in values if re.fullmatch(r"net\d+", k)]:
+            conf.values[key] = self.normalise_net(values[key])
+        for key in [k for k in values if re.fullmatch(r"dev\d+", k)]:
+            self.check_dev(values[key])
+
+        rootfs = self.volume_path(schema.parse_config_value("rootfs", conf.values["rootfs"])["volume"])
+        base = UNPRIV_MAP[0] if unpriv else 0
+        os.chown(rootfs, base, base)
+        log(f"extracting archive '{template}'")
+        cmd = ["tar", "xpf", str(template), "--totals", "--one-file-system", "--numeric-owner",
+               "-C", str(rootfs), "--skip-old-files", "--anchored", "--exclude", "./dev/*"]
+        if unpriv:
+            cmd = ["lxc-usernsexec", "-m", f"u:0:{UNPRIV_MAP[0]}:{UNPRIV_MAP[1]}",
+                   "-m", f"g:0:{UNPRIV_MAP[0]}:{UNPRIV_MAP[1]}", "--"] + cmd
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        for line in (res.stdout + res.stderr).splitlines():
+            log(line)
+        if res.returncode != 0 and not params.get("ignore-unpack-errors"):
+            shutil.rmtree(self.paths.images(vmid), ignore_errors=True)
+            raise PveError(f"unable to create CT {vmid} - command '{' '.join(cmd[-12:-10])}' failed: "
+                           f"exit code {res.returncode}")
+        ostype = self.detect_ostype(rootfs)
+        log(f"Detected OS distribution as '{ostype}'")
+        conf.values.setdefault("ostype", ostype)
+        self.setup_guest(rootfs, conf, params, base)
+        pveconf.write(self.paths.conf(vmid), conf)
+
+    @staticmethod
+    def detect_ostype(rootfs: Path) -> str:
+        osr = rootfs / "etc" / "os-release"
+        if osr.is_file():
+            m = re.search(r"^ID=\"?([a-z]+)", osr.read_text(errors="replace"), re.M)
+            if m and m[1] in schema.method_schema("/nodes/{node}/lxc", "POST")["parameters"]["properties"][
+                    "ostype"]["enum"]:
+                return m[1]
+        return "unmanaged"
+
+    @staticmethod
+    def setup_guest(rootfs: Path, conf: pveconf.CtConfig, params: dict, base: int) -> None:
+        """What PVE's setup plugin does that matters here: hostname and root's authorized_keys."""
+        etc = rootfs / "etc"
+        if etc.is_dir() and not etc.is_symlink():
+            (etc / "hostname").write_text(conf.values["hostname"] + "\n")
+            os.chown(etc / "hostname", base, base)
+        if params.get("ssh-public-keys"):
+            ssh = rootfs / "root" / ".ssh"
+            ssh.mkdir(parents=True, exist_ok=True)
+            (ssh / "authorized_keys").write_text(str(params["ssh-public-keys"]).strip() + "\n")
+            for p in (ssh, ssh / "authorized_keys"):
+                os.chown(p, base, base)
+            os.chmod(ssh, 0o700)
+
+    def normalise_net(self, value: str) -> str:
+        data = schema.parse_config_value("net0", value)
+        data.setdefault("type", "veth")
+        if "hwaddr" not in data:  # PVE generates one with Proxmox's OUI prefix BC:24:11
+            data["hwaddr"] = "BC:24:11:" + ":".join(f"{random.randrange(256):02X}" for _ in range(3))
+        return schema.print_config_value("net0", data)
+
+    def check_dev(self, value: str) -> os.stat_result:
+        data = schema.parse_config_value("dev0", value)
+        path = data.get("path")
+        if not path:
+            raise PveError("no path specified for device passthrough")
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise PveError(f"Device {path} does not exist") from None
+        if not (stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+            raise PveError(f"Path {path} is not a device")
+        return st
+
+    # --- config updates (PUT config, pct set) --------------------------------------------------------
+    def update_config(self, vmid: int, new: dict[str, str], delete: list[str], user: str,
+                      digest: str | None = None, revert: list[str] = ()) -> None:
+        with self.locked(vmid):
+            conf = self.read(vmid)
+            if digest and digest != conf.digest:
+                raise PveError("detected modified configuration - file changed by other user? Try again.")
+            for key in list(new) + list(delete):
+                if key in READ_ONLY:
+                    raise PveError(f"unable to modify read-only option: '{key}'")
+            if conf.values.get("lock") and "lock" not in new:
+                raise PveError(f"CT is locked ({conf.values['lock']})")
+            self.check_modify_perm(user, conf, new, delete, conf.values.get("unprivileged") == "1")
+            running = self.status(vmid) == "running"
+            for key in revert:
+                conf.pending.pop(key, None)
+                if key in conf.pending_delete:
+                    conf.pending_delete.remove(key)
+            for key, value in new.items():
+                value = str(value)
+                if key == "rootfs" or re.fullmatch(r"mp\d+", key):
+                    value = self.normalise_mountpoint(vmid, key, value, self.next_disk_index(conf))
+                elif re.fullmatch(r"net\d+", key):
+                    value = self.normalise_net(value)
+                elif re.fullmatch(r"dev\d+", key):
+                    self.check_dev(value)
+                if running and key not in HOTPLUG:
+                    conf.pending[key] = value
+                else:
+                    conf.values[key] = value
+            for key in delete:
+                if running and key not in HOTPLUG:
+                    if key not in conf.pending_delete:
+                        conf.pending_delete.append(key)
+                else:
+                    conf.values.pop(key, None)
+                    conf.pending.pop(key, None)
+            pveconf.write(self.paths.conf(vmid), conf)
+
+    # --- the LXC side ----------------------------------------------------------------------------------
+    def lxc_dir(self, vmid: int) -> Path:
+        return self.paths.lxcpath / str(vmid)
+
+    def status(self, vmid: int) -> str:
+        res = subprocess.run(["lxc-info", "-n", str(vmid), "-P", str(self.paths.lxcpath), "-s", "-H"],
+                             capture_output=True, text=True)
+        return "running" if res.stdout.strip() in ("RUNNING", "STARTING", "STOPPING") else "stopped"
+
+    def pid(self, vmid: int) -> int | None:
+        res = subprocess.run(["lxc-info", "-n", str(vmid), "-P", str(self.paths.lxcpath), "-p", "-H"],
+                             capture_output=True, text=True)
+        return int(res.stdout.strip()) if res.stdout.strip().isdigit() else None
+
+    def lxc_config(self, vmid: int, conf: pveconf.CtConfig, log) -> str:
+        """Translate the PVE config into an LXC config, the way PVE's update_lxc_config does."""
+        v = conf.values
+        unpriv = v.get("unprivileged") == "1"
+        base = UNPRIV_MAP[0] if unpriv else 0
+        layout = cgroup_layout()
+        cg = "lxc.cgroup2" if layout == "unified" else "lxc.cgroup"
+        rootfs = self.volume_path(schema.parse_config_value("rootfs", v["rootfs"])["volume"])
+        features = schema.parse_config_value("features", v["features"]) if v.get("features") else {}
+        lines = [
+            f"# generated by the PVE test host from /etc/pve/lxc/{vmid}.conf",
+            f"lxc.uts.name = {v.get('hostname', f'CT{vmid}')}",
+            f"lxc.rootfs.path = dir:{rootfs}",
+            "lxc.mount.auto = " + ("proc:rw sys:rw cgroup:rw" if features.get("nesting")
+                                   else "proc:mixed sys:mixed cgroup:mixed"),
+            "lxc.autodev = 1",
+            f"lxc.tty.max = {v.get('tty', 2)}",
+            "lxc.pty.max = 1024",
+            "lxc.signal.halt = SIGPWR",
+            f"lxc.console.logfile = {self.lxc_dir(vmid) / 'console.log'}",
+        ]
+        if not any(k == "lxc.idmap" for k, _ in conf.lxc) and unpriv:
+            lines += [f"lxc.idmap = u 0 {UNPRIV_MAP[0]} {UNPRIV_MAP[1]}",
+                      f"lxc.idmap = g 0 {UNPRIV_MAP[0]} {UNPRIV_MAP[1]}"]
+        mem = int(v.get("memory", 512)) * 1024 * 1024
+        lines.append(f"{cg}.memory.max = {mem}" if layout == "unified"
+                     else f"{cg}.memory.limit_in_bytes = {mem}")
+        nets = sorted((k for k in v if re.fullmatch(r"net\d+", k)), key=lambda k: int(k[3:]))
+        for i, key in enumerate(nets):
+            net = schema.parse_config_value(key, v[key])
+            if net.get("bridge") and net["bridge"] not in BRIDGES:
+                raise PveError(f"bridge '{net['bridge']}' does not exist")
+            lines += [f"lxc.net.{i}.type = veth", f"lxc.net.{i}.name = {net['name']}",
+                      f"lxc.net.{i}.veth.pair = veth{vmid}i{key[3:]}", f"lxc.net.{i}.hwaddr = {net['hwaddr']}"]
+            if not net.get("link_down"):
+                lines.append(f"lxc.net.{i}.flags = up")
+        if not nets:
+            lines.append("lxc.net.0.type = empty")
+        for key in sorted((k for k in v if re.fullmatch(r"mp\d+", k)), key=lambda k: int(k[2:])):
+            mp = schema.parse_config_value(key, v[key])
+            target = mp["mp"].lstrip("/")
+            mtype = schema.mountpoint_type(mp["volume"])
+            opts = "ro," if mp.get("ro") else ""
+            if mtype == "volume":
+                src = self.volume_path(mp["volume"])
+                if src.stat().st_uid != base:
+                    os.chown(src, base, base)
+                lines.append(f"lxc.mount.entry = {src} {target} none {opts}bind,create=dir 0 0")
+            elif mtype == "bind":
+                lines.append(f"lxc.mount.entry = {mp['volume']} {target} none {opts}rbind,create=dir 0 0")
+            else:
+                log(f"WARN: device mount point {key} ({mp['volume']}) is not mounted by the test host")
+        # dev[n]: a private node with the requested owner and mode, bind-mounted in, plus a cgroup rule.
+        passdir = self.lxc_dir(vmid) / "passthrough"
+        shutil.rmtree(passdir, ignore_errors=True)
+        for key in sorted((k for k in v if re.fullmatch(r"dev\d+", k)), key=lambda k: int(k[3:])):
+            dev = schema.parse_config_value(key, v[key])
+            st = self.check_dev(v[key])
+            kind = "c" if stat.S_ISCHR(st.st_mode) else "b"
+            rel = dev["path"].removeprefix("/dev/")
+            node = passdir / "dev" / rel
+            node.parent.mkdir(parents=True, exist_ok=True)
+            mode = int(str(dev.get("mode", "0660")), 8)
+            os.mknod(node, mode | (stat.S_IFCHR if kind == "c" else stat.S_IFBLK), st.st_rdev)
+            os.chmod(node, mode)
+            os.chown(node, base + int(dev.get("uid", 0)), base + int(dev.get("gid", 0)))
+            access = "r" if dev.get("deny-write") else "rw"
+            lines.append(f"{cg}.devices.allow = {kind} {os.major(st.st_rdev)}:{os.minor(st.st_rdev)} {access}")
+            lines.append(f"lxc.mount.entry = {node} dev/{rel} none bind,create=file 0 0")
+        if self.paths.procfs is not None:
+            lines += [f"lxc.mount.entry = {self.paths.procfs / 'driver'} proc/driver none bind,optional 0 0",
+                      f"lxc.mount.entry = {self.paths.procfs / 'devices'} proc/devices none bind,optional 0 0"]
+        # Raw lines from /etc/pve/lxc/<vmid>.conf take effect as written (PVE appends them last).
+        for key, value in conf.lxc:
+            if key.startswith("lxc.cgroup."):
+                log(f"WARN: '{key}' is a cgroup v1 key and has no effect on this (cgroup v2) node; "
+                    f"use 'lxc.cgroup2.{key[len('lxc.cgroup.'):]}'")
+                continue
+            if key.startswith("lxc.cgroup2.") and layout == "legacy" and key.startswith("lxc.cgroup2.devices."):
+                # This machine keeps the devices controller in cgroup v1; the rule means the same there.
+                key = "lxc.cgroup." + key[len("lxc.cgroup2."):]
+            lines.append(f"{key} = {value}")
+        return "\n".join(lines) + "\n"
+
+    def start(self, vmid: int, log) -> None:
+        with self.locked(vmid):
+            if self.status(vmid) == "running":
+                raise PveError(f"CT {vmid} already running")
+            conf = self.read(vmid)
+            if conf.values.get("lock"):
+                raise PveError(f"CT is locked ({conf.values['lock']})")
+            if conf.pending or conf.pending_delete:
+                pveconf.apply_pending(conf)
+                pveconf.write(self.paths.conf(vmid), conf)
+            d = self.lxc_dir(vmid)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "config").write_text(self.lxc_config(vmid, conf, log))
+            logfile = d / "lxc-start.log"
+            logfile.unlink(missing_ok=True)
+            res = subprocess.run(["lxc-start", "-n", str(vmid), "-P", str(self.paths.lxcpath), "-d",
+                                  "-l", "ERROR", "-o", str(logfile)], capture_output=True, text=True)
+            if res.returncode != 0:
+                for line in (res.stderr.splitlines()
+                             + (logfile.read_text(errors="replace").splitlines() if logfile.exists() else [])):
+                    log(line)
+                raise PveError(f"startup for container '{vmid}' failed")
+
+    def stop(self, vmid: int, log, *, timeout: int | None = None, force: bool = True) -> None:
+        """timeout=None: hard stop (vzstop). Otherwise a clean shutdown, killed after timeout if force."""
+        with self.locked(vmid):
+            self.read(vmid)
+            if self.status(vmid) != "running":
+                raise PveError(f"CT {vmid} not running")
+            base = ["lxc-stop", "-n", str(vmid), "-P", str(self.paths.lxcpath)]
+            if timeout is None:
+                res = subprocess.run(base + ["-k"], capture_output=True, text=True)
+            else:
+                res = subprocess.run(base + ["-t", str(timeout)], capture_output=True, text=True)
+                if res.returncode != 0 and force:
+                    log("clean shutdown failed, stopping container")
+                    res = subprocess.run(base + ["-k"], capture_output=True, text=True)
+                elif res.returncode != 0:
+                    raise PveError(f"shutdown of CT {vmid} timed out - failed to shut down")
+            if res.returncode != 0 and self.status(vmid) == "running":
+                raise PveError(f"stopping CT {vmid} failed: {res.stderr.strip()}")
+
+    def destroy(self, vmid: int, log, *, force: bool = False) -> None:
+        with self.locked(vmid):
+            conf = self.read(vmid)
+            if self.status(vmid) == "running":
+                if not force:
+                    raise PveError(f"CT {vmid} is running - destroy failed")
+                subprocess.run(["lxc-stop", "-n", str(vmid), "-P", str(self.paths.lxcpath), "-k"],
+                               capture_output=True)
+            if conf.values.get("protection") == "1":
+                raise PveError("can't remove CT - protection mode enabled")
+            for key, value in conf.values.items():
+                if key == "rootfs" or re.fullmatch(r"(mp|unused)\d+", key):
+                    vol = schema.parse_config_value(key, value).get("volume", "") if key != "unused0" else value
+                    if schema.mountpoint_type(vol) == "volume":
+                        log(f"Removing volume '{vol}'")
+            shutil.rmtree(self.paths.images(vmid), ignore_errors=True)
+            shutil.rmtree(self.lxc_dir(vmid), ignore_errors=True)
+            self.paths.conf(vmid).unlink()
+
+    def exec(self, vmid: int, argv: list[str], *, input: bytes | None = None, timeout: float = 120):
+        if self.status(vmid) != "running":
+            raise PveError(f"CT {vmid} not running")
+        env = ["--clear-env", "--set-var", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "--set-var", "HOME=/root"]
+        return subprocess.run(["lxc-attach", "-n", str(vmid), "-P", str(self.paths.lxcpath)] + env + ["--"] + argv,
+                              input=input, capture_output=True, timeout=timeout)
+
+    def status_current(self, vmid: int) -> dict:
+        conf = self.read(vmid)
+        running = self.status(vmid) == "running"
+        d = {"vmid": vmid, "name": conf.values.get("hostname", f"CT{vmid}"),
+             "status": "running" if running else "stopped", "type": "lxc",
+             "maxmem": int(conf.values.get("memory", 512)) * 1024 * 1024,
+             "maxswap": int(conf.values.get("swap", 512)) * 1024 * 1024,
+             "cpus": float(conf.values.get("cores", os.cpu_count() or 1)),
+             "cpu": 0, "mem": 0, "disk": 0, "maxdisk": 4 * 1024 ** 3, "netin": 0, "netout": 0,
+             "diskread": 0, "diskwrite": 0, "uptime": 0, "ha": {"managed": 0},
+             "template": int(conf.values.get("template", 0))}
+        if running and (pid := self.pid(vmid)):
+            d["pid"] = pid
+            d["uptime"] = max(0, int(time.time() - os.stat(f"/proc/{pid}").st_mtime))
+        if conf.values.get("lock"):
+            d["lock"] = conf.values["lock"]
+        if conf.values.get("tags"):
+            d["tags"] = conf.values["tags"]
+        return d

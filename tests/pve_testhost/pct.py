@@ -1,0 +1,154 @@
+"""`pct` on the test host (exec, push, pull, start, stop, shutdown, reboot, config, set, status, list, destroy).
+
+Runs as root@pam on the node, like the real one: the root-only options are allowed, the schema
+still applies (raw lxc.* keys are refused; edit /etc/pve/lxc/<vmid>.conf for those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import subprocess
+import sys
+
+from . import pveconf, schema
+from .containers import Node, PermError, PveError
+
+
+def _print_config(node: Node, vmid: int, current: bool) -> None:
+    conf = node.read(vmid)
+    values = dict(conf.values)
+    if not current:
+        for k in conf.pending_delete:
+            values.pop(k, None)
+        values.update(conf.pending)
+    if conf.description:
+        for line in conf.description.split("\n"):
+            print(f"description: {line}")
+    for k in sorted(values):
+        print(f"{k}: {values[k]}")
+    for k, v in conf.lxc:
+        print(f"{k}: {v}")
+
+
+def _parse_set_options(vmid: int, args: list[str]) -> tuple[dict, list[str], list[str]]:
+    new, delete, revert = {}, [], []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("-") or i + 1 >= len(args):
+            raise schema.ParamError({arg.lstrip("-") or "option": "expected '-key value'"})
+        key, value = re.sub(r"^--?", "", arg), args[i + 1]
+        if key == "delete":
+            delete += [k for k in re.split(r"[,;\s]+", value) if k]
+        elif key == "revert":
+            revert += [k for k in re.split(r"[,;\s]+", value) if k]
+        else:
+            new[key] = value
+        i += 2
+    params = {**new, "node": "pve", "vmid": str(vmid)}
+    if delete:
+        params["delete"] = ",".join(delete)
+    schema.validate("/nodes/{node}/lxc/{vmid}/config", "PUT", params)
+    return new, delete, revert
+
+
+def main(argv: list[str]) -> int:
+    node = Node()
+    if not argv:
+        print("USAGE: pct <COMMAND> [ARGS] [OPTIONS]  (exec push pull start stop shutdown reboot config set "
+              "status list destroy)", file=sys.stderr)
+        return 255
+    cmd, rest = argv[0], argv[1:]
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    try:
+        if cmd == "list":
+            print(f"{'VMID':<10} {'Status':<10} {'Lock':<12} Name")
+            for vmid in node.vmids():
+                conf = node.read(vmid)
+                print(f"{vmid:<10} {node.status(vmid):<10} {conf.values.get('lock', ''):<12} "
+                      f"{conf.values.get('hostname', '')}")
+            return 0
+        if not rest or not rest[0].isdigit():
+            raise schema.ParamError({"vmid": "type check ('integer') failed - got '%s'" % (rest[0] if rest else '')})
+        vmid, rest = int(rest[0]), rest[1:]
+        if cmd == "exec":
+            rest = rest[1:] if rest[:1] == ["--"] else rest
+            node.read(vmid)
+            if node.status(vmid) != "running":
+                raise PveError(f"CT {vmid} not running")
+            return subprocess.run(["lxc-attach", "-n", str(vmid), "-P", str(node.paths.lxcpath), "--clear-env",
+                                   "--set-var", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                                   "--set-var", "HOME=/root", "--"] + rest).returncode
+        if cmd == "push":
+            p = argparse.ArgumentParser(prog="pct push")
+            p.add_argument("file")
+            p.add_argument("destination")
+            p.add_argument("--perms", "-perms")
+            p.add_argument("--user", "-user")
+            p.add_argument("--group", "-group")
+            a = p.parse_args(rest)
+            with open(a.file, "rb") as fh:
+                data = fh.read()
+            script = 'cat > "$1"'
+            if a.perms:
+                script += ' && chmod "$2" "$1"'
+            if a.user or a.group:
+                script += ' && chown "$3" "$1"'
+            owner = f"{a.user or ''}{':' + a.group if a.group else ''}"
+            res = node.exec(vmid, ["/bin/sh", "-c", script, "sh", a.destination, a.perms or "", owner], input=data)
+            sys.stderr.write(res.stderr.decode(errors="replace"))
+            return res.returncode
+        if cmd == "pull":
+            p = argparse.ArgumentParser(prog="pct pull")
+            p.add_argument("path")
+            p.add_argument("destination")
+            a = p.parse_args(rest)
+            res = node.exec(vmid, ["/bin/cat", a.path])
+            if res.returncode != 0:
+                sys.stderr.write(res.stderr.decode(errors="replace"))
+                return res.returncode
+            with open(a.destination, "wb") as fh:
+                fh.write(res.stdout)
+            return 0
+        if cmd == "start":
+            node.start(vmid, log)
+        elif cmd == "stop":
+            node.stop(vmid, log)
+        elif cmd == "shutdown":
+            timeout = int(rest[rest.index("--timeout") + 1]) if "--timeout" in rest else 60
+            node.stop(vmid, log, timeout=timeout, force="--forceStop" in rest)
+        elif cmd == "reboot":
+            node.stop(vmid, log, timeout=60, force=True)
+            node.start(vmid, log)
+        elif cmd == "status":
+            print(f"status: {node.status(vmid) if node.exists(vmid) else 'unknown'}")
+            if not node.exists(vmid):
+                raise PveError(f"Configuration file 'nodes/{node.name}/lxc/{vmid}.conf' does not exist")
+        elif cmd == "config":
+            _print_config(node, vmid, "--current" in rest or "-current" in rest)
+        elif cmd == "set":
+            new, delete, revert = _parse_set_options(vmid, rest)
+            node.update_config(vmid, new, delete, "root@pam", revert=revert)
+        elif cmd == "destroy":
+            node.destroy(vmid, log, force="--force" in rest)
+        else:
+            print(f"unknown command 'pct {cmd}'", file=sys.stderr)
+            return 255
+        return 0
+    except schema.ParamError as exc:
+        print("400 Parameter verification failed.", file=sys.stderr)
+        for k, v in exc.errors.items():
+            print(f"{k}: {v}", file=sys.stderr)
+        print(f"pct {cmd} {' '.join(shlex.quote(a) for a in argv[1:])}", file=sys.stderr)
+        return 255
+    except PermError as exc:
+        print(f"Permission check failed ({exc})", file=sys.stderr)
+        return 255
+    except (PveError, OSError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 255
+
+
+_ = pveconf  # the config format pct prints is pveconf's

@@ -1,0 +1,106 @@
+"""`/etc/pve/lxc/<vmid>.conf` in PVE's format: read, write, digest (pve-container PVE::LXC::Config)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Lines PVE's parse_pct_config understands.
+RAW_LXC_LINE = re.compile(r"^(lxc\.[a-z0-9_\-.]+)(?::|\s*=)\s*(.*?)\s*$")
+KEY_LINE = re.compile(r"^([a-z][a-z_\-]*\d*):\s*(.*?)\s*$")
+SECTION_LINE = re.compile(r"^\[([a-z0-9_\-:]+)\]\s*$", re.I)
+
+# Keys the config never shows (PVE computes them).
+_HIDDEN = {"digest", "description", "lxc"}
+
+
+@dataclass
+class CtConfig:
+    values: dict[str, str] = field(default_factory=dict)
+    lxc: list[tuple[str, str]] = field(default_factory=list)  # raw lxc.* lines, in order
+    description: str = ""
+    pending: dict[str, str] = field(default_factory=dict)
+    pending_delete: list[str] = field(default_factory=list)
+    other_sections: list[str] = field(default_factory=list)  # snapshots etc., kept verbatim
+    digest: str = ""
+
+    def get(self, key: str, default=None):
+        return self.values.get(key, default)
+
+
+def parse(text: str) -> CtConfig:
+    conf = CtConfig(digest=hashlib.sha1(text.encode()).hexdigest())
+    section = None
+    desc: list[str] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        m = SECTION_LINE.match(line)
+        if m:
+            section = m[1]
+            if section != "pve:pending":
+                conf.other_sections.append(line)
+            continue
+        if section not in (None, "pve:pending"):
+            conf.other_sections.append(line)
+            continue
+        if line.startswith("#"):
+            if section is None:
+                desc.append(line[1:])
+            continue
+        m = RAW_LXC_LINE.match(line)
+        if m:
+            if section is None:
+                conf.lxc.append((m[1], m[2]))
+            continue
+        m = KEY_LINE.match(line)
+        if m:
+            if section == "pve:pending":
+                if m[1] == "delete":
+                    conf.pending_delete = [k for k in re.split(r"[,;\s]+", m[2]) if k]
+                else:
+                    conf.pending[m[1]] = m[2]
+            else:
+                conf.values[m[1]] = m[2]
+    conf.description = "\n".join(desc)
+    return conf
+
+
+def render(conf: CtConfig) -> str:
+    out = [f"#{line}" for line in conf.description.split("\n")] if conf.description else []
+    for key in sorted(conf.values):
+        if key not in _HIDDEN:
+            out.append(f"{key}: {conf.values[key]}")
+    out += [f"{k}: {v}" for k, v in conf.lxc]
+    if conf.pending or conf.pending_delete:
+        out += ["", "[pve:pending]"]
+        out += [f"{k}: {conf.pending[k]}" for k in sorted(conf.pending)]
+        if conf.pending_delete:
+            out.append("delete: " + ",".join(conf.pending_delete))
+    if conf.other_sections:
+        out.append("")
+        out += conf.other_sections
+    return "\n".join(out) + "\n"
+
+
+def read(path: Path) -> CtConfig:
+    return parse(path.read_text())
+
+
+def write(path: Path, conf: CtConfig) -> None:
+    # Write-then-rename so that a reader (pct over SSH, the API) never sees half a file.
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(render(conf))
+    tmp.replace(path)
+
+
+def apply_pending(conf: CtConfig) -> CtConfig:
+    """What a start/reboot does: move pending values into the config, drop pending deletes."""
+    for key in conf.pending_delete:
+        conf.values.pop(key, None)
+    conf.values.update(conf.pending)
+    conf.pending.clear()
+    conf.pending_delete.clear()
+    return conf

@@ -1,0 +1,147 @@
+"""PVE worker tasks: UPIDs in pve-common's format, running -> stopped, exitstatus and a task log."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+class TaskWarning(str):
+    """A log line that counts as a warning (PVE prints them as 'WARN: ...')."""
+
+
+def _pstart(tid: int) -> int:
+    # Field 22 of /proc/<pid>/task/<tid>/stat: start time in clock ticks since boot, as PVE records.
+    stat = Path(f"/proc/{os.getpid()}/task/{tid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def make_upid(node: str, pid: int, pstart: int, starttime: int, dtype: str, vmid: str, user: str) -> str:
+    return f"UPID:{node}:{pid:08X}:{pstart:08X}:{starttime:08X}:{dtype}:{vmid}:{user}:"
+
+
+def parse_upid(upid: str) -> dict:
+    parts = upid.split(":")
+    if len(parts) != 9 or parts[0] != "UPID" or parts[8] != "":
+        raise ValueError(f"unable to parse worker upid '{upid}'")
+    return {"node": parts[1], "pid": int(parts[2], 16), "pstart": int(parts[3], 16),
+            "starttime": int(parts[4], 16), "type": parts[5], "id": parts[6], "user": parts[7]}
+
+
+@dataclass
+class Task:
+    upid: str
+    node: str
+    type: str
+    id: str
+    user: str
+    pid: int
+    pstart: int
+    starttime: int
+    status: str = "running"
+    exitstatus: str | None = None
+    endtime: int | None = None
+    lines: list[str] = field(default_factory=list)
+    warnings: int = 0
+
+    def log(self, line: str) -> None:
+        for part in str(line).splitlines() or [""]:
+            self.lines.append(part)
+        if isinstance(line, TaskWarning):
+            self.warnings += 1
+
+    def warn(self, msg: str) -> None:
+        self.log(TaskWarning(f"WARN: {msg}"))
+
+    def status_dict(self) -> dict:
+        d = {"upid": self.upid, "node": self.node, "pid": self.pid, "pstart": self.pstart,
+             "starttime": self.starttime, "type": self.type, "id": self.id, "user": self.user,
+             "status": self.status}
+        if self.status == "stopped":
+            d["exitstatus"] = self.exitstatus
+        return d
+
+
+class TaskManager:
+    """Runs each operation in its own thread; the thread's Linux TID is the UPID's pid."""
+
+    def __init__(self, node: str, failures_dir: Path, log_dir: Path | None = None):
+        self.node = node
+        self.failures_dir = failures_dir
+        self.log_dir = log_dir
+        self.tasks: dict[str, Task] = {}
+        self._lock = threading.Lock()
+
+    def take_injected_failure(self, dtype: str) -> str | None:
+        """A failure planted by the tests (set_task_failure) for the next task of this type."""
+        f = self.failures_dir / f"fail-{dtype}"
+        try:
+            msg = f.read_text().strip()
+            f.unlink()
+            return msg or "injected failure"
+        except FileNotFoundError:
+            return None
+
+    def start(self, dtype: str, vmid: str, user: str, work: Callable[[Task], None]) -> str:
+        ready = threading.Event()
+        holder: dict[str, Task] = {}
+
+        def run() -> None:
+            tid = threading.get_native_id()
+            task = Task(upid=make_upid(self.node, tid, _pstart(tid), int(time.time()), dtype, vmid, user),
+                        node=self.node, type=dtype, id=vmid, user=user, pid=tid, pstart=_pstart(tid),
+                        starttime=int(time.time()))
+            with self._lock:
+                self.tasks[task.upid] = task
+            holder["task"] = task
+            ready.set()
+            self._run(task, work)
+
+        threading.Thread(target=run, name=f"task-{dtype}-{vmid}", daemon=True).start()
+        ready.wait()
+        return holder["task"].upid
+
+    def _run(self, task: Task, work: Callable[[Task], None]) -> None:
+        injected = self.take_injected_failure(task.type)
+        try:
+            if injected is not None:
+                raise RuntimeError(injected)
+            work(task)
+        except Exception as exc:  # the task's error text is what PVE reports as exitstatus
+            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            logging.getLogger("pve_testhost").info("task %s failed:\n%s", task.upid, traceback.format_exc())
+            task.log(f"TASK ERROR: {msg}")
+            task.exitstatus = msg
+        else:
+            if task.warnings:
+                task.log(f"TASK WARNINGS: {task.warnings}")
+                task.exitstatus = f"WARNINGS: {task.warnings}"
+            else:
+                task.log("TASK OK")
+                task.exitstatus = "OK"
+        task.endtime = int(time.time())
+        task.status = "stopped"
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            (self.log_dir / task.upid.replace(":", "_")).write_text("\n".join(task.lines) + "\n")
+
+    def get(self, upid: str) -> Task | None:
+        with self._lock:
+            return self.tasks.get(upid)
+
+    def list(self) -> list[Task]:
+        with self._lock:
+            return sorted(self.tasks.values(), key=lambda t: t.starttime, reverse=True)
+
+    def wait(self, upid: str, timeout: float = 60) -> Task:
+        deadline = time.monotonic() + timeout
+        task = self.get(upid)
+        while task is not None and task.status == "running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return task

@@ -1,0 +1,73 @@
+"""A tiny Debian-flavoured CT template (busybox-static), built once and cached, for fast container starts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+TEMPLATE_NAME = "debian-12-testhost_1.0-1_amd64.tar.zst"
+DEFAULT_CACHE = Path(__file__).resolve().parents[2] / "build" / "testhost"
+
+# PID 1 of the test CTs: stays up, and ends cleanly on the signals LXC and PVE use to stop a CT.
+INIT = """#!/bin/sh
+trap 'exit 0' PWR TERM INT USR1 USR2
+mount -t tmpfs tmpfs /run 2>/dev/null
+while :; do sleep 1000 & wait $!; done
+"""
+
+OS_RELEASE = """PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"
+NAME="Debian GNU/Linux"
+VERSION_ID="12"
+VERSION="12 (bookworm)"
+VERSION_CODENAME=bookworm
+ID=debian
+"""
+
+
+def find_busybox() -> Path:
+    for cand in ("/bin/busybox", "/usr/bin/busybox"):
+        if Path(cand).is_file():
+            return Path(cand)
+    raise FileNotFoundError("busybox is missing: install the Debian package busybox-static (.ci/setup-lxc.sh)")
+
+
+def build_test_template(dest_dir: str | os.PathLike = DEFAULT_CACHE) -> Path:
+    """Build `debian-12-testhost_1.0-1_amd64.tar.zst` in dest_dir (reused when already there)."""
+    dest_dir = Path(dest_dir)
+    dest = dest_dir / TEMPLATE_NAME
+    if dest.is_file():
+        return dest
+    busybox = find_busybox()
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+        root = Path(tmp) / "rootfs"
+        for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc", "proc", "sys", "dev", "tmp", "run", "root",
+                  "var/log", "var/tmp", "home", "mnt", "opt"):
+            (root / d).mkdir(parents=True, exist_ok=True)
+        os.chmod(root / "tmp", 0o1777)
+        os.chmod(root / "root", 0o700)
+        shutil.copy2(busybox, root / "bin" / "busybox")
+        applets = subprocess.run([str(busybox), "--list-full"], capture_output=True, text=True, check=True).stdout
+        for applet in applets.split():
+            target = root / applet
+            if applet in ("sbin/init", "linuxrc") or target.exists():
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(os.path.relpath(root / "bin" / "busybox", target.parent))
+        (root / "sbin" / "init").write_text(INIT)
+        os.chmod(root / "sbin" / "init", 0o755)
+        (root / "etc" / "os-release").write_text(OS_RELEASE)
+        (root / "etc" / "debian_version").write_text("12.12\n")
+        (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
+        (root / "etc" / "group").write_text("root:x:0:\nvideo:x:44:\nnogroup:x:65534:\n")
+        (root / "etc" / "shadow").write_text("root:*:20000:0:99999:7:::\n")
+        os.chmod(root / "etc" / "shadow", 0o640)
+        (root / "etc" / "hostname").write_text("localhost\n")
+        part = Path(tmp) / (TEMPLATE_NAME + ".part")
+        subprocess.run(["tar", "--zstd", "--numeric-owner", "--owner=0", "--group=0", "-cf", str(part),
+                        "-C", str(root), "."], check=True)
+        part.replace(dest)
+    return dest
