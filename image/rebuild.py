@@ -1,0 +1,104 @@
+"""Rebuild a clean environment from the lock and the wheelhouse, offline, then run the doctor.
+
+The same code builds the venv inside the image (the Dockerfile runs it) and restores a local one
+(`make rebuild`). Files are copied, never hard-linked to a cache (tampering with a hard-linked file
+would also change the cache and come back on the next install), and no uv cache is kept.
+Standard library only: inside the image build it runs from a plain `python3`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+LOCK_FILES = ("pylock.toml", "requirements.txt", "uv.lock", "pyproject.toml")
+LOCK_IN_VENV = "dflash-lock"  # where the doctor finds the lock a venv was built from
+
+
+class RebuildError(RuntimeError):
+    pass
+
+
+def _run(cmd: list, what: str, env=None) -> None:
+    print("+ " + " ".join(map(str, cmd)), flush=True)
+    rc = subprocess.run([str(c) for c in cmd], check=False, env=env).returncode
+    if rc != 0:
+        raise RebuildError(f"{what} failed (exit {rc})")
+
+
+def preflight(lock_dir: Path, wheelhouse: Path, trainer_wheel: Path, uv: str) -> None:
+    """Everything the rebuild needs, checked before anything is touched."""
+    if not (lock_dir / "requirements.txt").is_file() or not (lock_dir / "pylock.toml").is_file():
+        raise RebuildError(f"{lock_dir} lacks requirements.txt/pylock.toml: run `make lock` (or `make lock-export`)")
+    if not wheelhouse.is_dir() or not any(wheelhouse.glob("*.whl")):
+        raise RebuildError(f"no wheels in {wheelhouse}: run `make wheelhouse` where the indexes are reachable")
+    if not trainer_wheel.is_file():
+        raise RebuildError(f"no trainer wheel at {trainer_wheel}: run `make trainer-wheel`")
+    if not (Path(uv).is_file() and os.access(uv, os.X_OK)):
+        raise RebuildError(f"uv not found at {uv}: install it (pip install uv) or pass --uv")
+
+
+def rebuild(venv: Path, lock_dir: Path, wheelhouse: Path, trainer_wheel: Path, python: str, uv: str,
+            doctor: bool = True) -> int:
+    preflight(lock_dir, wheelhouse, trainer_wheel, uv)
+    venv = venv.absolute()
+    env = {**os.environ, "UV_NO_CACHE": "1", "UV_LINK_MODE": "copy", "UV_OFFLINE": "1", "UV_NO_CONFIG": "1"}
+    env.pop("VIRTUAL_ENV", None)
+    old = venv.with_name(venv.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if venv.exists():
+        venv.rename(old)  # kept until the new one is complete, so a failure loses nothing
+    try:
+        _run([uv, "venv", "--python", python, venv], "uv venv", env)
+        vpy = venv / "bin" / "python"
+        offline = ["--python", vpy, "--no-index", "--find-links", wheelhouse]
+        _run([uv, "pip", "sync", *offline, "--require-hashes", lock_dir / "requirements.txt"],
+             "install the locked wheels (hash-checked, offline)", env)
+        _run([uv, "pip", "install", *offline, "--no-deps", trainer_wheel], "install the trainer wheel", env)
+        keep = venv / LOCK_IN_VENV
+        keep.mkdir()
+        for name in LOCK_FILES:
+            if (lock_dir / name).is_file():
+                shutil.copy2(lock_dir / name, keep / name)
+        # Hash-based .pyc: reproducible (no mtimes inside) and still checked against the source.
+        _run([vpy, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "checked-hash",
+              *sorted((venv / "lib").glob("python*/site-packages"))], "compile bytecode", env)
+    except BaseException:
+        shutil.rmtree(venv, ignore_errors=True)
+        if old.exists():
+            old.rename(venv)
+            print(f"rebuild failed: the previous environment is back at {venv}", file=sys.stderr)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    print(f"rebuild: {venv} rebuilt from {lock_dir} and {wheelhouse}", flush=True)
+    if not doctor:
+        return 0
+    return subprocess.run([venv / "bin" / "python", "-m", "dflash_image.doctor",
+                           "--lock", venv / LOCK_IN_VENV / "pylock.toml"], check=False).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash_image.rebuild", description=__doc__.splitlines()[0])
+    ap.add_argument("--venv", type=Path, required=True, help="the environment to (re)create")
+    ap.add_argument("--lock", type=Path, required=True, help="folder with requirements.txt and pylock.toml")
+    ap.add_argument("--wheelhouse", type=Path, required=True)
+    ap.add_argument("--trainer-wheel", type=Path, required=True)
+    ap.add_argument("--python", default="python3", help="interpreter for the venv (the lock's Python version)")
+    ap.add_argument("--uv", default=shutil.which("uv") or str(Path(sys.prefix) / "bin" / "uv"))
+    ap.add_argument("--no-doctor", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        return rebuild(args.venv, args.lock, args.wheelhouse, args.trainer_wheel, args.python, args.uv,
+                       doctor=not args.no_doctor)
+    except RebuildError as exc:
+        print(f"rebuild: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

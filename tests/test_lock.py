@@ -1,0 +1,200 @@
+"""Lock checks, markers, wheel selection, the wheelhouse and `rebuild`, against the stand-in index."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from dflash_image import commands, lock, markers, pylock, rebuild, wheelhouse
+
+pytest_plugins = ["image_standins"]  # the stand-in index, lock, wheelhouse and venv fixtures
+UV = commands.uv()
+REPO = Path(__file__).resolve().parents[1]
+
+PY = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+# --- markers and wheel tags (unit) -------------------------------------------------------------
+@pytest.mark.parametrize(("marker", "expected"), [
+    ("sys_platform == 'linux' and platform_machine == 'x86_64'", True),
+    ("sys_platform == 'win32'", False),
+    ("python_full_version < '3.14' and (sys_platform == 'darwin' or platform_machine == 'x86_64')", True),
+    ("python_version >= '3.10'", True),
+    ("python_version > '3.13'", False),
+    ("'linux' in sys_platform", True),
+    ("platform_machine != 'aarch64' and extra == 'cuda'", False),
+    ("implementation_name == 'cpython' or os_name == 'nt'", True),
+    ("python_version ~= '3.12'", True),
+])
+def test_markers_on_the_image_target(marker, expected):
+    assert markers.evaluate(marker, markers.target_environment("3.13.5")) is expected
+
+
+def test_markers_reject_garbage():
+    with pytest.raises(markers.MarkerError, match="unknown marker variable"):
+        markers.evaluate("sys_plat == 'linux'")
+    with pytest.raises(markers.MarkerError):
+        markers.evaluate("sys_platform == 'linux' and")
+
+
+@pytest.mark.parametrize(("name", "fits"), [
+    ("torch-2.11.0+cu128-cp313-cp313-manylinux_2_28_x86_64.whl", True),
+    ("torch-2.11.0+cu128-cp312-cp312-manylinux_2_28_x86_64.whl", False),
+    ("torch-2.11.0+cu128-cp313-cp313-manylinux_2_28_aarch64.whl", False),
+    ("torch-2.11.0+cu128-cp313-cp313-win_amd64.whl", False),
+    ("safetensors-0.7.0-cp38-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl", True),
+    ("numpy-2.5.5-cp313-cp313-manylinux_2_42_x86_64.whl", False),  # needs a newer glibc than trixie's
+    ("tqdm-4.70.1-py3-none-any.whl", True),
+])
+def test_wheel_tags_for_the_image(name, fits):
+    assert pylock.wheel_fits(name, (3, 13), "x86_64", (2, 41)) is fits
+
+
+# --- the real configuration --------------------------------------------------------------------
+def test_real_env_pins_torch_to_the_cu128_index_only():
+    cfg = tomllib.loads((REPO / "image/env/pyproject.toml").read_text())
+    assert "torch==2.11.0" in cfg["project"]["dependencies"]
+    (index,) = [i for i in cfg["tool"]["uv"]["index"] if i["name"] == "pytorch-cu128"]
+    assert index["url"] == "https://download.pytorch.org/whl/cu128" and index["explicit"] is True
+    assert cfg["tool"]["uv"]["sources"]["torch"] == {"index": "pytorch-cu128"}
+
+
+def test_real_lock_is_current_where_committed():
+    if not (REPO / "image/env/uv.lock").is_file():
+        pytest.skip("image/env/uv.lock is not committed yet: `make lock` needs download.pytorch.org/whl/cu128, "
+                    "which this machine cannot reach")
+    assert lock.check(REPO / "image/env") == []
+
+
+# --- the checks, on the stand-in lock -------------------------------------------------------
+def test_standin_lock_passes_every_check(standins):
+    assert lock.check(standins.project) == []
+    locked = tomllib.loads((standins.project / "uv.lock").read_text())
+    (torch,) = [p for p in locked["package"] if p["name"] == "torch"]
+    assert torch["version"] == "2.11.0+cu128" and "simple-cu128" in torch["source"]["registry"]
+
+
+def copy_project(standins, tmp_path) -> Path:
+    project = tmp_path / "env"
+    shutil.copytree(standins.project, project)
+    return project
+
+
+def test_check_catches_a_stale_lock(standins, tmp_path):
+    project = copy_project(standins, tmp_path)
+    py = project / "pyproject.toml"
+    py.write_text(py.read_text().replace('"transformers==5.8.1"', '"transformers==5.6.0"'))
+    problems = lock.check(project)
+    assert any("not current" in p and "make lock" in p for p in problems)
+
+
+def test_check_catches_torch_from_pypi(standins, tmp_path):
+    project = copy_project(standins, tmp_path)
+    py = project / "pyproject.toml"
+    py.write_text(py.read_text().replace('torch = { index = "pytorch-cu128" }\n', ""))
+    subprocess.run([UV, "lock", "--project", project, "--offline"], check=True, capture_output=True)
+    lock.export(project, project)
+    problems = lock.check(project)
+    assert any("torch resolves to 2.11.0, not a +cu128 build" in p for p in problems)
+    assert any("not the pytorch-cu128 index" in p for p in problems)
+
+
+def test_check_catches_a_wheel_without_hash(standins, tmp_path):
+    project = copy_project(standins, tmp_path)
+    lf = project / "uv.lock"
+    text = lf.read_text()
+    stripped = re.sub(r'(\{ path = "[^"]*torch-2\.11\.0\+cu128[^"]*"), hash = "sha256:[0-9a-f]+"', r"\1", text)
+    assert stripped != text
+    lf.write_text(stripped)
+    problems = lock.check(project)
+    assert any("torch 2.11.0+cu128" in p and "has no sha256" in p for p in problems)
+
+
+def test_check_catches_stale_exports(standins, tmp_path):
+    project = copy_project(standins, tmp_path)
+    (project / "requirements.txt").write_text("torch==2.11.0\n")
+    assert any("requirements.txt is missing or stale" in p for p in lock.check(project))
+
+
+def test_check_without_lock_says_how_to_make_one(tmp_path):
+    (problem,) = lock.check(tmp_path)
+    assert "does not exist" in problem and "make lock" in problem
+
+
+# --- wheelhouse ---------------------------------------------------------------------------------
+def test_wheelhouse_holds_every_locked_wheel_with_its_hash(standins, stocked_wheelhouse):
+    locked = pylock.for_environment(pylock.load(standins.project / "pylock.toml"))
+    names = {w.name for w in stocked_wheelhouse.glob("*.whl")}
+    for pkg in locked:
+        if pkg.directory:
+            continue
+        (w,) = pkg.wheels
+        assert w.filename in names and wheelhouse.sha256_of(stocked_wheelhouse / w.filename) == w.sha256
+    assert "torch-2.11.0+cu128-py3-none-any.whl" in names
+
+
+def test_wheelhouse_refuses_a_corrupt_download(standins, tmp_path):
+    lock_copy = tmp_path / "pylock.toml"
+    text = (standins.project / "pylock.toml").read_text()
+    (h,) = re.findall(r'torch-2\.11\.0\+cu128-py3-none-any\.whl", hashes = \{ sha256 = "([0-9a-f]+)"', text)
+    lock_copy.write_text(text.replace(h, "0" * 64))
+    with pytest.raises(wheelhouse.WheelhouseError, match="does not match the lock"):
+        wheelhouse.fetch(lock_copy, tmp_path / "wh", PY)
+    assert not list((tmp_path / "wh").glob("torch*"))
+
+
+def test_wheelhouse_names_a_package_without_a_fitting_wheel(standins, tmp_path):
+    lock_copy = tmp_path / "pylock.toml"
+    text = (standins.project / "pylock.toml").read_text()
+    lock_copy.write_text(text.replace("torch-2.11.0+cu128-py3-none-any.whl",
+                                      "torch-2.11.0+cu128-cp312-cp312-manylinux_2_28_x86_64.whl"))
+    with pytest.raises(wheelhouse.WheelhouseError, match="torch 2.11.0.cu128: no locked wheel fits python 3.13"):
+        wheelhouse.plan(lock_copy, "3.13")
+
+
+# --- rebuild -------------------------------------------------------------------------------------
+def test_rebuild_restores_a_clean_env_with_copied_files(standins, stocked_wheelhouse, tmp_path):
+    venv = tmp_path / "trainenv"
+    assert rebuild.rebuild(venv, standins.project, stocked_wheelhouse, standins.trainer_wheel, sys.executable,
+                           UV) == 0
+    (site,) = (venv / "lib").glob("python*/site-packages")
+    assert os.stat(site / "torch" / "version.py").st_nlink == 1  # copied, not hard-linked to a cache
+    assert not (venv / "bin" / "pip").exists()
+    # drift, then one command brings the clean env back
+    (site / "evil.pth").write_text("import os\n")
+    subprocess.run([UV, "pip", "install", "--python", venv / "bin" / "python", "--no-deps", "--offline",
+                    next(standins.pypi_wheels.glob("sglang-*.whl"))], check=True, capture_output=True)
+    assert subprocess.run([venv / "bin" / "python", "-m", "dflash_image.doctor"], capture_output=True,
+                          check=False).returncode == 1
+    proc = subprocess.run([sys.executable, "-m", "dflash_image.rebuild", "--venv", venv, "--lock", standins.project,
+                           "--wheelhouse", stocked_wheelhouse, "--trainer-wheel", standins.trainer_wheel,
+                           "--python", sys.executable, "--uv", UV], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "CLEAN: the environment matches the lock" in proc.stdout
+    assert not (site / "evil.pth").exists()
+
+
+def test_rebuild_refuses_missing_inputs_and_changes_nothing(standins, tmp_path):
+    venv = tmp_path / "trainenv"
+    venv.mkdir()
+    (venv / "marker").write_text("keep")
+    with pytest.raises(rebuild.RebuildError, match="no wheels in .*make wheelhouse"):
+        rebuild.rebuild(venv, standins.project, tmp_path / "empty", standins.trainer_wheel, sys.executable, UV)
+    assert (venv / "marker").read_text() == "keep"
+
+
+def test_rebuild_failure_puts_the_old_env_back(standins, tmp_path):
+    venv, wh = tmp_path / "trainenv", tmp_path / "wh"
+    venv.mkdir()
+    (venv / "marker").write_text("keep")
+    wh.mkdir()
+    shutil.copy2(standins.trainer_wheel, wh)  # a wheelhouse that lacks the locked wheels
+    with pytest.raises(rebuild.RebuildError, match="install the locked wheels"):
+        rebuild.rebuild(venv, standins.project, wh, standins.trainer_wheel, sys.executable, UV)
+    assert (venv / "marker").read_text() == "keep"
