@@ -409,19 +409,17 @@ class PveApi:
             pveconf.write(self.node.paths.conf(vmid), pveconf.CtConfig(values={"lock": "create"}))
 
         def work(task: Task):
-            try:
-                self.node.create(vmid, p, user, task.log)
-            except BaseException:
-                self.node.paths.conf(vmid).unlink(missing_ok=True)
-                shutil.rmtree(self.node.paths.images(vmid), ignore_errors=True)
-                raise
+            self.node.create(vmid, p, user, task.log)
             if p.get("start"):
                 self.node.start(vmid, task.log)
 
-        return self.tasks.start("vzcreate", str(vmid), self.task_user(user), work)
+        def undo():  # a failed create leaves no CT behind (a failed start after it does)
+            conf = self.node.paths.conf(vmid)
+            if conf.exists() and pveconf.read(conf).values.get("lock") == "create":
+                conf.unlink()
+                shutil.rmtree(self.node.paths.images(vmid), ignore_errors=True)
 
-    def task_user(self, user: str) -> str:
-        return user
+        return self.tasks.start("vzcreate", str(vmid), user, work, on_error=undo)
 
     def destroy_lxc(self, p, user, **_):
         vmid = p["vmid"]

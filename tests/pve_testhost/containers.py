@@ -64,9 +64,10 @@ def cgroup_layout() -> str:
 
 
 def default_paths() -> NodePaths:
-    state = os.environ.get("PVE_TESTHOST_STATE")
-    procfs = Path(state) / "layers" / "procfs" if state else None
-    return NodePaths(procfs=procfs if procfs and (procfs / "devices").exists() else None)
+    # The stand-ins live under /var/lib/lxc so an unprivileged CT's root can reach them (the state
+    # dir itself may sit below a 0700 directory such as pytest's tmp).
+    procfs = NodePaths.lxcpath / ".procfs"
+    return NodePaths(procfs=procfs if (procfs / "devices").exists() else None)
 
 
 class Node:

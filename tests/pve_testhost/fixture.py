@@ -110,3 +110,36 @@ def stop(proc: subprocess.Popen | int, timeout: float = 120) -> None:
             return
         time.sleep(0.2)
     raise TimeoutError(f"the PVE test host (pid {pid}) did not stop within {timeout} s")
+
+
+def missing_prerequisites() -> str | None:
+    """Why the test host cannot run here (None when it can); the tests skip with this reason."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return "the PVE test host needs root (LXC containers, mount namespaces)"
+    for tool in ("lxc-start", "lxc-usernsexec", "nsenter", "unshare", "ssh", "ssh-keygen", "zstd"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' is missing: run .ci/setup-lxc.sh (Debian: lxc openssh-server busybox-static zstd)"
+    if not Path("/usr/sbin/sshd").exists():
+        return "sshd is missing: apt-get install openssh-server (.ci/setup-lxc.sh)"
+    if not any(Path(p).exists() for p in ("/bin/busybox", "/usr/bin/busybox")):
+        return "busybox is missing: apt-get install busybox-static (.ci/setup-lxc.sh)"
+    return None
+
+
+def pve_host_session(state_dir: Path):
+    """Generator behind the `pve_host` fixture: start, yield, stop (which removes every container)."""
+    import pytest
+
+    reason = missing_prerequisites()
+    if reason:
+        pytest.skip(reason)
+    host, proc = start(state_dir)
+    try:
+        yield host
+    finally:
+        stop(proc)
+        left = sorted(p.name for p in (Path(state_dir) / "pve" / "lxc").glob("*.conf"))
+        if left:
+            raise RuntimeError(f"the PVE test host left containers behind: {left}")

@@ -157,7 +157,7 @@ def setup_namespace(state: Path) -> dict | None:
         # /proc/driver/nvidia/version and /proc/devices as the driver would show them. They are put
         # over /proc only in the SSH sessions' namespace and inside the CTs: a /proc with mounts on
         # top would stop unprivileged CTs from mounting their own proc (the kernel's visibility rule).
-        procfs = layers / "procfs"
+        procfs = state / "lxc" / ".procfs"  # /var/lib/lxc/.procfs on the node
         (procfs / "driver" / "nvidia").mkdir(parents=True, exist_ok=True)
         (procfs / "driver" / "nvidia" / "version").write_text(
             f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {info['driver']}  Tue Sep 23 10:33:09 UTC 2025\n"
@@ -198,7 +198,7 @@ MaxStartups 50:30:100
 
 
 def procfs_standin(state: Path) -> Path | None:
-    d = state / "layers" / "procfs"
+    d = state / "lxc" / ".procfs"
     return d if (d / "driver" / "nvidia" / "version").exists() else None
 
 

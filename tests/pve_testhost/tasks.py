@@ -53,8 +53,8 @@ class Task:
     def log(self, line: str) -> None:
         for part in str(line).splitlines() or [""]:
             self.lines.append(part)
-        if isinstance(line, TaskWarning):
-            self.warnings += 1
+        if isinstance(line, TaskWarning) or str(line).startswith("WARN: "):
+            self.warnings += 1  # PVE counts the 'WARN: ...' lines of a task
 
     def warn(self, msg: str) -> None:
         self.log(TaskWarning(f"WARN: {msg}"))
@@ -88,7 +88,9 @@ class TaskManager:
         except FileNotFoundError:
             return None
 
-    def start(self, dtype: str, vmid: str, user: str, work: Callable[[Task], None]) -> str:
+    def start(self, dtype: str, vmid: str, user: str, work: Callable[[Task], None],
+              on_error: Callable[[], None] | None = None) -> str:
+        """Run work(task) as a task; on_error undoes what a failed (or injected-failing) task left."""
         ready = threading.Event()
         holder: dict[str, Task] = {}
 
@@ -101,13 +103,13 @@ class TaskManager:
                 self.tasks[task.upid] = task
             holder["task"] = task
             ready.set()
-            self._run(task, work)
+            self._run(task, work, on_error)
 
         threading.Thread(target=run, name=f"task-{dtype}-{vmid}", daemon=True).start()
         ready.wait()
         return holder["task"].upid
 
-    def _run(self, task: Task, work: Callable[[Task], None]) -> None:
+    def _run(self, task: Task, work: Callable[[Task], None], on_error: Callable[[], None] | None) -> None:
         injected = self.take_injected_failure(task.type)
         try:
             if injected is not None:
@@ -118,6 +120,8 @@ class TaskManager:
             logging.getLogger("pve_testhost").info("task %s failed:\n%s", task.upid, traceback.format_exc())
             task.log(f"TASK ERROR: {msg}")
             task.exitstatus = msg
+            if on_error is not None:
+                on_error()
         else:
             if task.warnings:
                 task.log(f"TASK WARNINGS: {task.warnings}")
