@@ -13,7 +13,7 @@ from proxmoxer import ProxmoxAPI
 from proxmoxer.core import ResourceException
 
 from tests.pve_testhost.fixture import REPO_ROOT, missing_prerequisites
-from tests.pve_testhost.templates import TEMPLATE_NAME, build_test_template
+from tests.pve_testhost.templates import PYTHON_TEMPLATE_NAME, TEMPLATE_NAME, build_test_template
 
 pytestmark = pytest.mark.lxc
 
@@ -125,7 +125,7 @@ def test_failing_tasks_report_their_error(pve_host, template):
     api = root_api(pve_host)
     pve_host.set_task_failure("vzcreate", "unable to create CT 160 - no space left on device")
     upid = api.nodes("pve").lxc.post(vmid=160, ostemplate=template)
-    st, seen = wait_task(api, upid)
+    st, _seen = wait_task(api, upid)
     assert st["exitstatus"] == "unable to create CT 160 - no space left on device"
     assert api.nodes("pve").tasks(upid).log.get()[-1] == {
         "n": len(api.nodes("pve").tasks(upid).log.get()),
@@ -153,7 +153,7 @@ def test_containers_really_run_with_gpu_devices(pve_host, template):
     upid = create(api, vmid, template, hostname="trainer", memory=1024, cores=2, features="nesting=1",
                   net0="name=eth0,bridge=vmbr0,ip=dhcp", dev0="/dev/nvidia0,mode=0666",
                   dev1="/dev/nvidiactl,gid=44,mode=0660")
-    assert upid.startswith(f"UPID:pve:") and f":vzcreate:{vmid}:root@pam:" in upid
+    assert upid.startswith("UPID:pve:") and f":vzcreate:{vmid}:root@pam:" in upid
     conf = api.nodes("pve").lxc(vmid).config.get()
     assert conf["unprivileged"] == 1 and conf["memory"] == 1024 and conf["ostype"] == "debian"
     assert conf["rootfs"] == f"local:{vmid}/vm-{vmid}-disk-0.raw,size=4G"
@@ -162,8 +162,8 @@ def test_containers_really_run_with_gpu_devices(pve_host, template):
     st, seen = wait_task(api, api.nodes("pve").lxc(vmid).status.start.post())
     assert st["exitstatus"] == "OK" and seen[-1] == "stopped"
     assert api.nodes("pve").lxc(vmid).status.current.get()["status"] == "running"
-    res = pve_host.exec_in_container(vmid, ["/bin/sh", "-c", "hostname; ls -ln /dev/nvidia0 /dev/nvidiactl; "
-                                            "cat /proc/1/cmdline | tr '\\0' ' '; echo; cat /proc/driver/nvidia/version"])
+    res = pve_host.exec_in_container(vmid, ["/bin/sh", "-c", ("hostname; ls -ln /dev/nvidia0 /dev/nvidiactl; "
+                                            "cat /proc/1/cmdline | tr '\\0' ' '; echo; cat /proc/driver/nvidia/version")])
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0] == "trainer"
@@ -230,6 +230,18 @@ def test_pct_and_the_node_shell_over_ssh(pve_host, template, tmp_path):
     destroy(api, 170)
 
 
+def test_python_template_runs_python_in_the_ct(pve_host):
+    api = token_api(pve_host)
+    path = build_test_template(REPO_ROOT / "build" / "testhost", python=True)
+    with open(path, "rb") as fh:
+        st, _ = wait_task(api, api.nodes("pve").storage("local").upload.post(content="vztmpl", filename=fh))
+    assert st["exitstatus"] == "OK"
+    create(api, 175, f"local:vztmpl/{PYTHON_TEMPLATE_NAME}", start=1)
+    res = pve_host.exec_in_container(175, ["python3", "-c", "import ssl, venv, sys; print(sys.version_info[0])"])
+    assert (res.returncode, res.stdout) == (0, "3\n"), res.stderr
+    destroy(api, 175)
+
+
 def test_calls_are_recorded_without_secrets(pve_host, template):
     pve_host.reset_calls()
     tok, root = token_api(pve_host), root_api(pve_host)
@@ -254,13 +266,13 @@ def test_up_and_down_commands_clean_up(tmp_path):
     state = tmp_path / "manual"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     up = subprocess.run([sys.executable, "-m", "tests.pve_testhost", "up", "--state-dir", str(state)],
-                        capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=120)
+                        capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=120, check=False)
     assert up.returncode == 0, up.stderr
     info = json.loads((state / "connection.json").read_text())
     assert requests.get(f"{info['api_url']}/version", verify=info["ca_cert"],
                         headers={"Authorization": f"PVEAPIToken={info['token_id']}={info['token_secret']}"}
                         ).json()["data"]["release"] == "9.1"
     down = subprocess.run([sys.executable, "-m", "tests.pve_testhost", "down", "--state-dir", str(state)],
-                          capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=120)
+                          capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=120, check=False)
     assert down.returncode == 0, down.stderr
     assert not Path(f"/proc/{info['pid']}").exists() and not (state / "connection.json").exists()

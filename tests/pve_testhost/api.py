@@ -458,7 +458,6 @@ class PveApi:
         if bad or both:
             raise ApiError(400, "Parameter verification failed.", {**bad, **both})
         self.node.update_config(vmid, new, delete, user, p.get("digest"), revert)
-        return None
 
     def get_pending(self, p, **_):
         conf = self._need_ct(p["vmid"])
@@ -556,4 +555,3 @@ class PveApi:
 
     def task_stop(self, p, **_):
         self._task(p)
-        return None

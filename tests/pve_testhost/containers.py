@@ -204,7 +204,7 @@ class Node:
         if unpriv:
             cmd = ["lxc-usernsexec", "-m", f"u:0:{UNPRIV_MAP[0]}:{UNPRIV_MAP[1]}",
                    "-m", f"g:0:{UNPRIV_MAP[0]}:{UNPRIV_MAP[1]}", "--"] + cmd
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         for line in (res.stdout + res.stderr).splitlines():
             log(line)
         if res.returncode != 0 and not params.get("ignore-unpack-errors"):
@@ -221,7 +221,7 @@ class Node:
     def detect_ostype(rootfs: Path) -> str:
         osr = rootfs / "etc" / "os-release"
         if osr.is_file():
-            m = re.search(r"^ID=\"?([a-z]+)", osr.read_text(errors="replace"), re.M)
+            m = re.search(r"^ID=\"?([a-z]+)", osr.read_text(errors="replace"), re.MULTILINE)
             if m and m[1] in schema.method_schema("/nodes/{node}/lxc", "POST")["parameters"]["properties"][
                     "ostype"]["enum"]:
                 return m[1]
@@ -307,12 +307,12 @@ class Node:
 
     def status(self, vmid: int) -> str:
         res = subprocess.run(["lxc-info", "-n", str(vmid), "-P", str(self.paths.lxcpath), "-s", "-H"],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, check=False)
         return "running" if res.stdout.strip() in ("RUNNING", "STARTING", "STOPPING") else "stopped"
 
     def pid(self, vmid: int) -> int | None:
         res = subprocess.run(["lxc-info", "-n", str(vmid), "-P", str(self.paths.lxcpath), "-p", "-H"],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, check=False)
         return int(res.stdout.strip()) if res.stdout.strip().isdigit() else None
 
     def lxc_config(self, vmid: int, conf: pveconf.CtConfig, log) -> str:
@@ -415,7 +415,7 @@ class Node:
             logfile = d / "lxc-start.log"
             logfile.unlink(missing_ok=True)
             res = subprocess.run(["lxc-start", "-n", str(vmid), "-P", str(self.paths.lxcpath), "-d",
-                                  "-l", "ERROR", "-o", str(logfile)], capture_output=True, text=True)
+                                  "-l", "ERROR", "-o", str(logfile)], capture_output=True, text=True, check=False)
             if res.returncode != 0:
                 for line in (res.stderr.splitlines()
                              + (logfile.read_text(errors="replace").splitlines() if logfile.exists() else [])):
@@ -430,12 +430,12 @@ class Node:
                 raise PveError(f"CT {vmid} not running")
             base = ["lxc-stop", "-n", str(vmid), "-P", str(self.paths.lxcpath)]
             if timeout is None:
-                res = subprocess.run(base + ["-k"], capture_output=True, text=True)
+                res = subprocess.run(base + ["-k"], capture_output=True, text=True, check=False)
             else:
-                res = subprocess.run(base + ["-t", str(timeout)], capture_output=True, text=True)
+                res = subprocess.run(base + ["-t", str(timeout)], capture_output=True, text=True, check=False)
                 if res.returncode != 0 and force:
                     log("clean shutdown failed, stopping container")
-                    res = subprocess.run(base + ["-k"], capture_output=True, text=True)
+                    res = subprocess.run(base + ["-k"], capture_output=True, text=True, check=False)
                 elif res.returncode != 0:
                     raise PveError(f"shutdown of CT {vmid} timed out - failed to shut down")
             if res.returncode != 0 and self.status(vmid) == "running":
@@ -448,7 +448,7 @@ class Node:
                 if not force:
                     raise PveError(f"CT {vmid} is running - destroy failed")
                 subprocess.run(["lxc-stop", "-n", str(vmid), "-P", str(self.paths.lxcpath), "-k"],
-                               capture_output=True)
+                               capture_output=True, check=False)
             if conf.values.get("protection") == "1":
                 raise PveError("can't remove CT - protection mode enabled")
             for key, value in conf.values.items():
@@ -466,7 +466,7 @@ class Node:
         env = ["--clear-env", "--set-var", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                "--set-var", "HOME=/root"]
         return subprocess.run(["lxc-attach", "-n", str(vmid), "-P", str(self.paths.lxcpath)] + env + ["--"] + argv,
-                              input=input, capture_output=True, timeout=timeout)
+                              input=input, capture_output=True, timeout=timeout, check=False)
 
     def status_current(self, vmid: int) -> dict:
         conf = self.read(vmid)

@@ -56,7 +56,7 @@ class PveHost:
         """Run argv inside the CT (through the host's mount namespace, like `pct exec`)."""
         return subprocess.run(["nsenter", "-t", str(self.pid), "-m", "--", "lxc-attach", "-n", str(vmid),
                                "-P", "/var/lib/lxc", *LXC_ENV, "--", *argv],
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, check=False)
 
     def set_task_failure(self, kind: str, message: str) -> None:
         if not kind.isidentifier():
@@ -65,7 +65,7 @@ class PveHost:
 
     def ssh(self, command: str, timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(self.ssh_argv() + [command], capture_output=True, text=True, timeout=timeout,
-                              input=input)
+                              input=input, check=False)
 
     def ssh_argv(self) -> list[str]:
         return ["ssh", "-p", str(self.ssh_port), "-i", self.ssh_key, "-o", "BatchMode=yes",
@@ -78,10 +78,10 @@ def start(state_dir: str | os.PathLike, timeout: float = 60) -> tuple[PveHost, s
     state.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("PVE_TESTHOST_NS", None)
-    log = open(state / "serve.stderr", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.pve_testhost", "serve", "--state-dir", str(state)],
-                            stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO_ROOT, env=env,
-                            start_new_session=True)
+    with open(state / "serve.stderr", "w") as log:  # the child keeps its own copy of the fd
+        proc = subprocess.Popen([sys.executable, "-m", "tests.pve_testhost", "serve", "--state-dir", str(state)],
+                                stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO_ROOT, env=env,
+                                start_new_session=True)
     deadline = time.monotonic() + timeout
     line = proc.stdout.readline() if proc.stdout else ""
     if not line or time.monotonic() > deadline:

@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
               "status list destroy)", file=sys.stderr)
         return 255
     cmd, rest = argv[0], argv[1:]
-    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    log = lambda line: print(line, file=sys.stderr)
     try:
         if cmd == "list":
             print(f"{'VMID':<10} {'Status':<10} {'Lock':<12} Name")
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
                 raise PveError(f"CT {vmid} not running")
             return subprocess.run(["lxc-attach", "-n", str(vmid), "-P", str(node.paths.lxcpath), "--clear-env",
                                    "--set-var", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                                   "--set-var", "HOME=/root", "--"] + rest).returncode
+                                   "--set-var", "HOME=/root", "--"] + rest, check=False).returncode
         if cmd == "push":
             p = argparse.ArgumentParser(prog="pct push")
             p.add_argument("file")

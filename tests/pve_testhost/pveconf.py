@@ -10,7 +10,7 @@ from pathlib import Path
 # Lines PVE's parse_pct_config understands.
 RAW_LXC_LINE = re.compile(r"^(lxc\.[a-z0-9_\-.]+)(?::|\s*=)\s*(.*?)\s*$")
 KEY_LINE = re.compile(r"^([a-z][a-z_\-]*\d*):\s*(.*?)\s*$")
-SECTION_LINE = re.compile(r"^\[([a-z0-9_\-:]+)\]\s*$", re.I)
+SECTION_LINE = re.compile(r"^\[([a-z0-9_\-:]+)\]\s*$", re.IGNORECASE)
 
 # Keys the config never shows (PVE computes them).
 _HIDDEN = {"digest", "description", "lxc"}

@@ -53,8 +53,8 @@ def property_schema(props: dict, key: str) -> dict | None:
 
 # --- scalar checks -------------------------------------------------------------------------------
 
-_BOOL_TRUE = re.compile(r"^(1|true|yes|on)$", re.I)
-_BOOL_FALSE = re.compile(r"^(0|false|no|off)$", re.I)
+_BOOL_TRUE = re.compile(r"^(1|true|yes|on)$", re.IGNORECASE)
+_BOOL_FALSE = re.compile(r"^(0|false|no|off)$", re.IGNORECASE)
 
 
 def _perl_regex(pattern: str) -> str:
@@ -115,7 +115,7 @@ NAMED_FORMATS = {
     "pve-startup-order": (
         lambda v: re.fullmatch(r"(?:(?:order=\d+|up=\d+|down=\d+)(?:,|$))+", v), "startup order"),
     "pve-ct-timezone": (lambda v: re.fullmatch(r"(?:host|[A-Za-z0-9_+\-/]+)", v), "timezone"),
-    "pve-volume-id": (lambda v: re.fullmatch(r"[a-z][a-z0-9\-_.]*[a-z0-9]:.+", v, re.I), "volume ID"),
+    "pve-volume-id": (lambda v: re.fullmatch(r"[a-z][a-z0-9\-_.]*[a-z0-9]:.+", v, re.IGNORECASE), "volume ID"),
     "pve-lxc-dev-string": (lambda v: v.startswith("/dev/") and "/../" not in v and "\0" not in v, "device path"),
     "pve-lxc-mp-string": (
         lambda v: not re.search(r"(?:^|/)\.\.?(?:/|$)", v) and "," not in v and "\0" not in v, "mount point"),
@@ -161,8 +161,8 @@ def check_value(sch: dict, value, *, for_format: bool = False):
             raise ValueError(f"value must be at least {sch['minLength']} characters long")
         if "enum" in sch and out not in sch["enum"]:
             raise ValueError(f"value '{out}' does not have a value in the enumeration '{', '.join(sch['enum'])}'")
-        if "pattern" in sch and not re.fullmatch(_perl_regex(sch["pattern"]), out, re.S):
-            raise ValueError(f"value does not match the regex pattern")
+        if "pattern" in sch and not re.fullmatch(_perl_regex(sch["pattern"]), out, re.DOTALL):
+            raise ValueError("value does not match the regex pattern")
         fmt = sch.get("format")
         if isinstance(fmt, dict):
             parse_property_string(fmt, out)
@@ -204,7 +204,7 @@ def parse_property_string(fmt: dict, value: str) -> dict:
         elif dkey is not None and dkey not in res:
             k, v = dkey, part
         else:
-            raise ValueError(f"invalid format - value without key, but schema does not define a default key")
+            raise ValueError("invalid format - value without key, but schema does not define a default key")
         v = v[1:-1] if len(v) >= 2 and v[0] == v[-1] == '"' else v
         if k in res:
             raise ValueError(f"invalid format - duplicate key in comma-separated list property: {k}")
@@ -301,4 +301,4 @@ def mountpoint_type(volume: str) -> str:
     return "volume"
 
 
-NEW_DISK_RE = re.compile(r"^(?:([a-z][a-z0-9\-_.]*[a-z0-9]):)?(\d+(?:\.\d+)?)$", re.I)
+NEW_DISK_RE = re.compile(r"^(?:([a-z][a-z0-9\-_.]*[a-z0-9]):)?(\d+(?:\.\d+)?)$", re.IGNORECASE)

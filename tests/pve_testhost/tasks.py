@@ -7,9 +7,9 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 
 class TaskWarning(str):
@@ -115,7 +115,7 @@ class TaskManager:
             if injected is not None:
                 raise RuntimeError(injected)
             work(task)
-        except Exception as exc:  # the task's error text is what PVE reports as exitstatus
+        except Exception as exc:  # noqa: BLE001 - the task's error text is what PVE reports as exitstatus
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             logging.getLogger("pve_testhost").info("task %s failed:\n%s", task.upid, traceback.format_exc())
             task.log(f"TASK ERROR: {msg}")

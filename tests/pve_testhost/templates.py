@@ -9,6 +9,9 @@ import tempfile
 from pathlib import Path
 
 TEMPLATE_NAME = "debian-12-testhost_1.0-1_amd64.tar.zst"
+PYTHON_TEMPLATE_NAME = "debian-12-testhost-python_1.0-1_amd64.tar.zst"
+# Parts of the stdlib no test CT needs; leaving them out keeps the python template small.
+STDLIB_SKIP = {"test", "idlelib", "tkinter", "turtledemo", "lib2to3", "pydoc_data", "__pycache__"}
 DEFAULT_CACHE = Path(__file__).resolve().parents[2] / "build" / "testhost"
 
 # PID 1 of the test CTs: stays up, and ends cleanly on the signals LXC and PVE use to stop a CT.
@@ -34,10 +37,49 @@ def find_busybox() -> Path:
     raise FileNotFoundError("busybox is missing: install the Debian package busybox-static (.ci/setup-lxc.sh)")
 
 
-def build_test_template(dest_dir: str | os.PathLike = DEFAULT_CACHE) -> Path:
-    """Build `debian-12-testhost_1.0-1_amd64.tar.zst` in dest_dir (reused when already there)."""
+def _shared_libs(binaries: list[Path]) -> set[Path]:
+    libs: set[Path] = set()
+    for b in binaries:
+        out = subprocess.run(["ldd", str(b)], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            parts = line.split("=>")[-1].split()
+            if parts and parts[0].startswith("/"):
+                libs.add(Path(parts[0]))
+    return libs
+
+
+def _add_python(root: Path) -> None:
+    """This machine's python3 (interpreter, stdlib, the shared libraries they load) into the rootfs."""
+    # The distribution's python (its stdlib sits in /usr/lib), not a venv's or pyenv's.
+    exe = Path(os.path.realpath("/usr/bin/python3"))
+    if not exe.is_file():
+        raise FileNotFoundError("/usr/bin/python3 is missing; apt-get install python3 (copied into the template)")
+    stdlib = Path(subprocess.run([str(exe), "-c", "import sysconfig; print(sysconfig.get_paths()['stdlib'])"],
+                                 capture_output=True, text=True, check=True).stdout.strip())
+    (root / "usr" / "bin").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(exe, root / "usr" / "bin" / exe.name)
+    if exe.name != "python3":
+        (root / "usr" / "bin" / "python3").symlink_to(exe.name)
+    shutil.copytree(stdlib, root / stdlib.relative_to("/"), symlinks=True,
+                    ignore=lambda d, names: [n for n in names if n in STDLIB_SKIP])
+    for lib in _shared_libs([exe, *sorted((stdlib / "lib-dynload").glob("*.so"))]):
+        target = root / lib.relative_to("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.realpath(lib), target)
+    (root / "lib64").mkdir(exist_ok=True)
+    ld = Path("/lib64/ld-linux-x86-64.so.2")
+    if ld.exists() and not (root / "lib64" / ld.name).exists():
+        shutil.copy2(os.path.realpath(ld), root / "lib64" / ld.name)
+
+
+def build_test_template(dest_dir: str | os.PathLike = DEFAULT_CACHE, python: bool = False) -> Path:
+    """Build the tiny CT template in dest_dir (reused when already there).
+
+    python=False: `debian-12-testhost_1.0-1_amd64.tar.zst` (~1 MB, busybox only).
+    python=True: `debian-12-testhost-python_1.0-1_amd64.tar.zst`, plus this machine's python3 (~15 MB).
+    """
     dest_dir = Path(dest_dir)
-    dest = dest_dir / TEMPLATE_NAME
+    dest = dest_dir / (PYTHON_TEMPLATE_NAME if python else TEMPLATE_NAME)
     if dest.is_file():
         return dest
     busybox = find_busybox()
@@ -66,7 +108,9 @@ def build_test_template(dest_dir: str | os.PathLike = DEFAULT_CACHE) -> Path:
         (root / "etc" / "shadow").write_text("root:*:20000:0:99999:7:::\n")
         os.chmod(root / "etc" / "shadow", 0o640)
         (root / "etc" / "hostname").write_text("localhost\n")
-        part = Path(tmp) / (TEMPLATE_NAME + ".part")
+        if python:
+            _add_python(root)
+        part = Path(tmp) / (dest.name + ".part")
         subprocess.run(["tar", "--zstd", "--numeric-owner", "--owner=0", "--group=0", "-cf", str(part),
                         "-C", str(root), "."], check=True)
         part.replace(dest)
