@@ -1,6 +1,6 @@
 """The node side of a container: PVE config -> real LXC container (create, start, stop, destroy, exec).
 
-Runs inside the test host's mount namespace, where /etc/pve, /var/lib/vz and /var/lib/lxc are the
+Runs inside the test host's mount namespace, where /etc/pve, /var/lib/vz and the lxcpath (/var/lib/lxc-<id>) are the
 host's own (bind mounts from its state directory) and /dev holds the stand-in NVIDIA nodes.
 Both the API server and `pct` use these functions; the config file is the only state.
 """
@@ -8,6 +8,7 @@ Both the API server and `pct` use these functions; the config file is the only s
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import random
 import re
@@ -63,11 +64,25 @@ def cgroup_layout() -> str:
     return "unified" if Path("/sys/fs/cgroup/cgroup.controllers").exists() else "legacy"
 
 
+def lxcpath_for(state: str | os.PathLike | None) -> Path:
+    """The LXC path of the host with this state dir: /var/lib/lxc-<hash of the state dir>.
+
+    LXC names a container's command socket after its lxcpath and name, machine-wide; a path of
+    its own keeps CT 100 of this host apart from CT 100 of another test host running beside it,
+    and stays the same across restarts so that a restart can still stop a dead run's CTs.
+    """
+    if state is None:
+        return Path("/var/lib/lxc")
+    digest = hashlib.sha1(str(Path(state).resolve()).encode()).hexdigest()[:8]
+    return Path(f"/var/lib/lxc-{digest}")
+
+
 def default_paths() -> NodePaths:
-    # The stand-ins live under /var/lib/lxc so an unprivileged CT's root can reach them (the state
+    lxcpath = lxcpath_for(os.environ.get("PVE_TESTHOST_STATE"))
+    # The stand-ins live under the lxcpath so an unprivileged CT's root can reach them (the state
     # dir itself may sit below a 0700 directory such as pytest's tmp).
-    procfs = NodePaths.lxcpath / ".procfs"
-    return NodePaths(procfs=procfs if (procfs / "devices").exists() else None)
+    procfs = lxcpath / ".procfs"
+    return NodePaths(lxcpath=lxcpath, procfs=procfs if (procfs / "devices").exists() else None)
 
 
 class Node:
@@ -348,7 +363,7 @@ class Node:
             if net.get("bridge") and net["bridge"] not in BRIDGES:
                 raise PveError(f"bridge '{net['bridge']}' does not exist")
             lines += [f"lxc.net.{i}.type = veth", f"lxc.net.{i}.name = {net['name']}",
-                      f"lxc.net.{i}.veth.pair = veth{vmid}i{key[3:]}", f"lxc.net.{i}.hwaddr = {net['hwaddr']}"]
+                      f"lxc.net.{i}.hwaddr = {net['hwaddr']}"]  # host side: LXC's random vethXXXXXX
             if not net.get("link_down"):
                 lines.append(f"lxc.net.{i}.flags = up")
         if not nets:

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .containers import lxcpath_for
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LXC_ENV = ["--clear-env", "--set-var", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
            "--set-var", "HOME=/root"]
@@ -55,7 +57,7 @@ class PveHost:
     def exec_in_container(self, vmid: int, argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
         """Run argv inside the CT (through the host's mount namespace, like `pct exec`)."""
         return subprocess.run(["nsenter", "-t", str(self.pid), "-m", "--", "lxc-attach", "-n", str(vmid),
-                               "-P", "/var/lib/lxc", *LXC_ENV, "--", *argv],
+                               "-P", str(lxcpath_for(self.state_dir)), *LXC_ENV, "--", *argv],
                               capture_output=True, text=True, timeout=timeout, check=False)
 
     def set_task_failure(self, kind: str, message: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +108,8 @@ def enter_private_namespace(argv: list[str]) -> None:
 def setup_namespace(state: Path) -> dict | None:
     """Mount the node's view. Returns the stand-in GPU info (None when a real GPU driver is loaded)."""
     layers = state / "layers"
+    # A fresh node view every start: the overlays' upper layers of an earlier run are dropped.
+    shutil.rmtree(layers, ignore_errors=True)
     # Keep the real /dev reachable for the sub-mounts (pts, shm, mqueue) we put back on top.
     hostdev = layers / "hostdev"
     hostdev.mkdir(parents=True, exist_ok=True)
@@ -127,7 +130,9 @@ def setup_namespace(state: Path) -> dict | None:
     mount_overlay("/etc", None, layers / "etc")
     mount_overlay("/var/lib", None, layers / "var-lib")
     # PVE's paths, backed by plain directories of the state dir so the tests can read them.
-    for src, dst in (("pve", "/etc/pve"), ("vz", "/var/lib/vz"), ("lxc", "/var/lib/lxc")):
+    from .containers import lxcpath_for
+
+    for src, dst in (("pve", "/etc/pve"), ("vz", "/var/lib/vz"), ("lxc", str(lxcpath_for(state)))):
         (state / src).mkdir(parents=True, exist_ok=True)
         Path(dst).mkdir(parents=True, exist_ok=True)
         run("mount", "--bind", str(state / src), dst)
@@ -157,7 +162,7 @@ def setup_namespace(state: Path) -> dict | None:
         # /proc/driver/nvidia/version and /proc/devices as the driver would show them. They are put
         # over /proc only in the SSH sessions' namespace and inside the CTs: a /proc with mounts on
         # top would stop unprivileged CTs from mounting their own proc (the kernel's visibility rule).
-        procfs = state / "lxc" / ".procfs"  # /var/lib/lxc/.procfs on the node
+        procfs = state / "lxc" / ".procfs"  # <lxcpath>/.procfs on the node
         (procfs / "driver" / "nvidia").mkdir(parents=True, exist_ok=True)
         (procfs / "driver" / "nvidia" / "version").write_text(
             f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {info['driver']}  Tue Sep 23 10:33:09 UTC 2025\n"
