@@ -349,6 +349,8 @@ class Node:
             f"lxc.tty.max = {v.get('tty', 2)}",
             "lxc.pty.max = 1024",
             "lxc.signal.halt = SIGPWR",
+            # PVE loads its own AppArmor profile; a machine without it (or without AppArmor) runs unconfined.
+            "lxc.apparmor.profile = unconfined",
             f"lxc.console.logfile = {self.lxc_dir(vmid) / 'console.log'}",
         ]
         if not any(k == "lxc.idmap" for k, _ in conf.lxc) and unpriv:
