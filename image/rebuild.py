@@ -9,6 +9,9 @@ Standard library only: inside the image build it runs from a plain `python3`.
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -42,6 +45,25 @@ def preflight(lock_dir: Path, wheelhouse: Path, trainer_wheel: Path, uv: str) ->
         raise RebuildError(f"uv not found at {uv}: install it (pip install uv) or pass --uv")
 
 
+def pin_install_stamps(venv: Path, epoch: int) -> int:
+    """uv writes the install time into each dist-info's uv_cache.json (listed in RECORD), which makes two
+    identical builds differ. For a reproducible image, set it to SOURCE_DATE_EPOCH and fix the RECORD line."""
+    count = 0
+    for stamp in sorted(venv.glob("lib/python*/site-packages/*.dist-info/uv_cache.json")):
+        data = json.loads(stamp.read_text())
+        data["timestamp"] = {"secs_since_epoch": epoch, "nanos_since_epoch": 0}
+        body = json.dumps(data, separators=(",", ":")).encode()
+        stamp.write_bytes(body)
+        digest = base64.urlsafe_b64encode(hashlib.sha256(body).digest()).rstrip(b"=").decode()
+        record = stamp.parent / "RECORD"
+        entry = f"{stamp.parent.name}/uv_cache.json"
+        lines = [f"{entry},sha256={digest},{len(body)}" if line.startswith(entry + ",") else line
+                 for line in record.read_text().splitlines()]
+        record.write_text("\n".join(lines) + "\n")
+        count += 1
+    return count
+
+
 def rebuild(venv: Path, lock_dir: Path, wheelhouse: Path, trainer_wheel: Path, python: str, uv: str,
             doctor: bool = True) -> int:
     preflight(lock_dir, wheelhouse, trainer_wheel, uv)
@@ -60,12 +82,15 @@ def rebuild(venv: Path, lock_dir: Path, wheelhouse: Path, trainer_wheel: Path, p
         _run([uv, "pip", "sync", *offline, "--require-hashes", lock_dir / "requirements.txt"],
              "install the locked wheels (hash-checked, offline)", env)
         _run([uv, "pip", "install", *offline, "--no-deps", trainer_wheel], "install the trainer wheel", env)
+        if os.environ.get("SOURCE_DATE_EPOCH"):
+            pin_install_stamps(venv, int(os.environ["SOURCE_DATE_EPOCH"]))
         keep = venv / LOCK_IN_VENV
         keep.mkdir()
         for name in LOCK_FILES:
             if (lock_dir / name).is_file():
                 shutil.copy2(lock_dir / name, keep / name)
         # Hash-based .pyc: reproducible (no mtimes inside) and still checked against the source.
+        env["PYTHONHASHSEED"] = "0"  # set constants (frozensets) are then marshalled in a fixed order
         _run([vpy, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "checked-hash",
               *sorted((venv / "lib").glob("python*/site-packages"))], "compile bytecode", env)
     except BaseException:
