@@ -110,6 +110,13 @@ def fx_tracing_active() -> bool:
     )
 
 
+def _is_recompile_failure(err: Exception) -> bool:
+    # set_stance("fail_on_recompile") raises a RuntimeError naming the stance; the recompile limit with
+    # fail_on_recompile_limit_hit (or fullgraph=True) raises FailOnRecompileLimitHit (not a RuntimeError).
+    limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None)
+    return "fail_on_recompile" in str(err) or (limit_hit is not None and isinstance(err, limit_hit))
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -151,8 +158,8 @@ def attend(
             "such as force_eager/eager_on_recompile, the recompile limit, or error_on_nested_fx_trace=False. "
             f"Original warning: {str(err).splitlines()[0]}"
         ) from err
-    except RuntimeError as err:
-        if "fail_on_recompile" not in str(err):
+    except Exception as err:
+        if not _is_recompile_failure(err):
             raise
         raise RecompileError(
             f"flex_attention met a variant warm-up did not compile: q {tuple(q.shape)} {q.dtype}, "
@@ -342,8 +349,8 @@ def build_block_mask(
         )
     try:
         return _COMPILED_CREATE_BLOCK_MASK(mask_mod, B, H, Q_LEN, KV_LEN, device=device)
-    except RuntimeError as err:
-        if "fail_on_recompile" not in str(err):
+    except Exception as err:
+        if not _is_recompile_failure(err):
             raise
         raise RecompileError(
             f"the compiled create_block_mask met (B={B}, H={H}, Q_LEN={Q_LEN}, KV_LEN={KV_LEN}) after "

@@ -73,8 +73,8 @@ def run_world(tmp_path, targets, drafters, num_batches, prefetch):
 
 @pytest.mark.parametrize(
     ("targets", "drafters", "num_batches", "prefetch"),
-    [(1, 1, 5, 2), (2, 1, 7, 3), (1, 2, 6, 1)],
-    ids=["T1-D1", "T2-D1", "T1-D2"],
+    [(1, 1, 5, 2), (2, 1, 7, 3), (1, 2, 6, 1), (2, 1, 1, 3)],
+    ids=["T1-D1", "T2-D1", "T1-D2", "T2-D1-shorter-than-prefetch"],
 )
 def test_hand_off_is_exact_and_follows_the_schedule(tmp_path, targets, drafters, num_batches, prefetch):
     results = run_world(tmp_path, targets, drafters, num_batches, prefetch)
@@ -132,3 +132,40 @@ def test_header_limits_are_explained():
         _encode_header(KIND_BATCH, 0, -1, 2, {"c": torch.zeros(1, dtype=torch.complex64)})
     with pytest.raises(TransportError, match="not a dflash feature header"):
         _decode_header(torch.zeros(len(_encode_header(KIND_BATCH, 0, -1, 2, {})), dtype=torch.int64), src=3)
+
+
+def test_sender_close_with_a_different_stream_length_is_explained():
+    sender = FeatureSender(Roles.from_world(3, 1, 2), 0, groups=None, prefetch=2)
+    with pytest.raises(TransportError, match="sent 0 micro-batches but a stream of 5 gives it 5"):
+        sender.close(5)  # raises before anything is sent
+    with pytest.raises(ValueError, match="prefetch must be >= 1"):
+        FeatureSender(Roles.from_world(2, 1, 1), 0, groups=None, prefetch=0)
+
+
+def _nccl_worker(rank, init_file, out_dir):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        roles = Roles.from_world(2, 1, 1)
+        groups = setup_transport(roles)  # headers on gloo, data on the default NCCL group
+        if roles.is_target(rank):
+            sender = FeatureSender(roles, rank, groups, prefetch=2, timeout_s=120)
+            for i in roles.batches_for_target(0, 6):
+                sender.send({k: v.cuda() for k, v in make_batch(i).items()})
+            sender.close(6)
+        else:
+            receiver = FeatureReceiver(roles, rank, groups, device="cuda", prefetch=2, timeout_s=120)
+            for batch in receiver:
+                for name, tensor in make_batch(receiver.last_index).items():
+                    assert torch.equal(batch[name].cpu(), tensor), name
+            assert receiver.num_received == 6
+        (out_dir / f"{rank}.ok").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_hand_off_on_two_gpus(tmp_path):
+    tmp.spawn(_nccl_worker, args=(str(tmp_path / "init"), tmp_path), nprocs=2, join=True)
+    assert (tmp_path / "0.ok").exists() and (tmp_path / "1.ok").exists()
