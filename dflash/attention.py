@@ -42,6 +42,7 @@ __all__ = [
     "dense_guards_installed",
     "dense_risk",
     "dense_scores_bytes",
+    "fused_memory_probe",
     "fx_tracing_active",
     "install_dense_guards",
     "remove_dense_guards",
@@ -148,6 +149,8 @@ def attend(
             f"block_mask was built for q_len={q_len}, kv_len={kv_len} but q has {q.shape[-2]} rows and k "
             f"{k.shape[-2]}; build the mask for the padded bucket the tensors use."
         )
+    if _guard_state["shown"] is not None:  # re-arm: a call under catch_warnings may have recorded the id
+        _guard_state["shown"].discard(_EAGER_FLEX_WARNING_ID)
     try:
         return FLEX(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     except UserWarning as err:  # install_dense_guards made the eager-path warning an exception
@@ -172,7 +175,12 @@ def attend(
 # Dense-path guards
 # ---------------------------------------------------------------------------------------------------
 
-_guard_state: dict = {"installed": False, "limit_bytes": DEFAULT_DENSE_LIMIT_BYTES, "original": None}
+_guard_state: dict = {
+    "installed": False,
+    "limit_bytes": DEFAULT_DENSE_LIMIT_BYTES,
+    "original": None,  # the unwrapped _math_attention_inner
+    "shown": None,  # flex's _WARNINGS_SHOWN set, once the guards are installed
+}
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -217,6 +225,7 @@ def install_dense_guards(limit_bytes: int = DEFAULT_DENSE_LIMIT_BYTES) -> None:
     # _warn_once is silent once its id is recorded (e.g. after an earlier eager call): forget it. Under an
     # "error" filter warnings.warn raises before the id is recorded, so every eager call raises.
     shown.discard(_EAGER_FLEX_WARNING_ID)
+    _guard_state["shown"] = shown
 
     # `import torch._higher_order_ops.flex_attention` gives the HOP object, not the module: use importlib.
     hop_module, inner = _private("torch._higher_order_ops.flex_attention", "_math_attention_inner")
@@ -240,6 +249,7 @@ def remove_dense_guards() -> None:
         if not (f[0] == "error" and f[1] is not None and f[1].pattern == EAGER_FLEX_WARNING)
     ]
     _guard_state["installed"] = False
+    _guard_state["shown"] = None
 
 
 def dense_guards_installed() -> bool:
@@ -317,6 +327,51 @@ def check_dense_would_not_fit(
             "before warm-up so a fallback stops with a clear error instead of running out of memory."
         )
     return risk
+
+
+def fused_memory_probe(
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[int, int]:
+    """Run one no-grad compiled attention and compare its peak memory with one dense score copy.
+
+    Returns (peak_delta_bytes, dense_score_bytes); raises DenseFallbackError when the peak exceeds a
+    quarter of one dense copy (the fused kernel needs O(B*H*L*D), the math path >3 copies). CUDA only.
+    It compiles a (no-grad) variant of its own: run it inside warm-up (as one of the probe's variants),
+    never after. Measured on an H200 at L=S=8192, H=16: fused +17 MiB vs 4 GiB per dense copy.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"fused_memory_probe measures CUDA memory; got device {device}")
+
+    def full(b, h, q_idx, kv_idx):
+        return q_idx >= 0
+
+    mask = build_block_mask(full, batch, q_len, kv_len, device)
+    q = torch.randn(batch, heads, q_len, head_dim, device=device, dtype=dtype)
+    k = torch.randn(batch, heads, kv_len, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.no_grad():
+        out = attend(q, k, v, mask)
+    torch.cuda.synchronize(device)
+    peak_delta = torch.cuda.max_memory_allocated(device) - before
+    del out
+    dense = dense_scores_bytes(batch, heads, q_len, kv_len)
+    if peak_delta > dense // 4:
+        raise DenseFallbackError(
+            f"attention over [{batch}, {heads}, {q_len}, {kv_len}] peaked at {peak_delta / 2**20:.0f} MiB, "
+            f"more than a quarter of one dense score copy ({dense / 2**20:.0f} MiB): it is not running the "
+            "fused kernel. Check that torch.compile uses Inductor (not eager/aot_eager) on this device."
+        )
+    return peak_delta, dense
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The compile guards of dflash_trainer.attention raise when they should, and the compiled path is exact.
 
-CPU only (flex has no CPU backward through 2.13, so these run forward; the backward tripwire is a GPU
+CPU only (flex has no CPU backward through 2.13, so these run forward; grad mode is covered by a GPU
 test). One compiled flex graph per process, shared by the tests through the Inductor disk cache.
 """
 
@@ -102,6 +102,12 @@ class GuardTest(unittest.TestCase):
         for _ in range(2):  # every time, not once
             with self.assertRaisesRegex(UserWarning, "without torch.compile"):
                 flex_attention(q, k, v, block_mask=mask)
+        with warnings.catch_warnings():  # silenced once more: the id is recorded again ...
+            warnings.simplefilter("ignore")
+            flex_attention(q, k, v, block_mask=mask)
+        # ... and attend() re-arms it, so an eager run through attend still fails loudly.
+        with torch.compiler.set_stance("force_eager"), self.assertRaisesRegex(DenseFallbackError, "eager"):
+            attend(q, k, v, mask)
 
     def test_forced_eager_stance_through_attend_is_a_dense_fallback_error(self):
         q, k, v = qkv()
@@ -197,7 +203,7 @@ def test_missing_private_name_gives_a_clear_error(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_backward_tripwire_and_fused_memory():
+def test_gpu_eager_flex_with_grad_trips_and_compiled_path_is_fused():
     reset_compile_state()
     try:
         install_dense_guards(limit_bytes=0)
@@ -209,5 +215,7 @@ def test_gpu_backward_tripwire_and_fused_memory():
             warnings.simplefilter("ignore")
             with pytest.raises(DenseFallbackError):
                 flex_attention(q, k, v, block_mask=mask).sum().backward()
+        peak, dense = attention.fused_memory_probe(1, 16, 8192, 8192, 64, "cuda")
+        assert peak < dense // 4
     finally:
         reset_compile_state()
