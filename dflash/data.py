@@ -29,10 +29,15 @@ def load_rows(sources: str | Sequence[str], split: str = "train"):
     import datasets
 
     sources = [sources] if isinstance(sources, str) else list(sources)
-    local = [s for s in sources if any(ch in s for ch in "*?") or Path(s).exists()]
+    # A source is a file when it exists, is a glob, or is named like one; anything else is a hub name.
+    looks_local = [s for s in sources if Path(s).exists() or any(ch in s for ch in "*?")
+                   or s.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz"))]
+    missing = [s for s in looks_local if not any(ch in s for ch in "*?") and not Path(s).exists()]
+    if missing:
+        raise DataError(f"data files not found: {missing}; fix the path(s) in data.train / data.eval")
+    local = looks_local
     if local and len(local) != len(sources):
-        missing = sorted(set(sources) - set(local))
-        raise DataError(f"data files not found: {missing}; fix the path or give only hub names")
+        raise DataError(f"mix of local files and hub names {sources}: give one or the other")
     if local:
         return datasets.load_dataset("json", data_files=local, split=split)
     if len(sources) != 1:

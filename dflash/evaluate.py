@@ -9,6 +9,7 @@ exact and cheap at evaluation sizes.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,13 @@ from .target import FrozenTarget
 class SpecResult:
     tokens: list[int]
     accept_lengths: list[int] = field(default_factory=list)
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Drop the rejected draft tokens from the target's cache (crop takes a negative count in 5.x)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
 
 
 def _features(hidden_states, layer_ids):
@@ -69,7 +77,7 @@ def speculative_generate(
         seq.extend(new)
         result.accept_lengths.append(len(new))
         feats = torch.cat([feats, _features(out.hidden_states, drafter.target_layer_ids)[:, : accepted + 1]], 1)
-        cache.crop(start + accepted + 1)
+        _crop(cache, start + accepted + 1)
     return result
 
 
@@ -87,6 +95,8 @@ class SpecEval:
 def evaluate_tau(drafter, target, prompts: list[list[int]], max_new_tokens: int, stop_ids=frozenset()) -> SpecEval:
     was_training = drafter.training
     drafter.eval()
+    # transformers 5.2x renames past_key_values to cache with a FutureWarning; both work.
+    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
     lengths: list[int] = []
     tokens = 0
     for prompt in prompts:

@@ -1,0 +1,64 @@
+"""Data: chat template rendering, assistant loss masks, buckets, the resumable micro-batch stream."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from dflash_trainer.data import (
+    DataError, MicroBatches, bucket_for, has_anchor, load_rows, normalise_messages, tokenize_conversation,
+    tokenize_dataset,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target):
+    return AutoTokenizer.from_pretrained(tiny_target["target"])
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
+    messages = [
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "assistant", "content": "2 plus 3 is 5."},
+        {"role": "user", "content": "And 4 plus 4?"},
+        {"role": "assistant", "content": "It is 8."},
+    ]
+    row = tokenize_conversation(tokenizer, messages, max_length=512)
+    masked = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+    decoded = tokenizer.decode(masked)
+    assert decoded == "2 plus 3 is 5.<|im_end|>\nIt is 8.<|im_end|>\n"
+    unmasked = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if not m])
+    assert "What is 2 plus 3?" in unmasked and "assistant" in unmasked and "5." not in unmasked
+
+
+def test_sharegpt_rows_and_bad_rows():
+    assert normalise_messages({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}) == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    with pytest.raises(DataError, match="neither 'messages' nor 'conversations'"):
+        normalise_messages({"text": "plain"})
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        load_rows([str(tmp_path / "a.jsonl"), "also/missing.jsonl"])
+
+
+def test_dataset_drops_rows_without_a_trainable_position(tiny_target, tokenizer, tmp_path):
+    rows = load_rows([tiny_target["train"]])
+    ds = tokenize_dataset(rows, tokenizer, max_length=128)
+    assert len(ds) == len(rows) and all(has_anchor(r["loss_mask"]) for r in ds)
+    with pytest.raises(DataError, match="no sample has two consecutive assistant tokens"):
+        tokenize_dataset(rows, tokenizer, max_length=8)  # truncated before any answer
+
+
+def test_bucket_and_stream_are_deterministic(tiny_target, tokenizer):
+    assert bucket_for(65, [64, 128]) == 128
+    with pytest.raises(DataError, match="longer than the largest bucket"):
+        bucket_for(129, [64, 128])
+    ds = tokenize_dataset(load_rows([tiny_target["train"]]), tokenizer, max_length=128)
+    a = MicroBatches(ds, 8, [64, 128], tokenizer.pad_token_id, seed=3)
+    b = MicroBatches(ds, 8, [64, 128], tokenizer.pad_token_id, seed=3)
+    for i in (0, 5, a.per_epoch + 2):  # across an epoch boundary too
+        x, y = a.batch(i), b.batch(i)
+        assert x.input_ids.equal(y.input_ids) and x.loss_mask.equal(y.loss_mask)
+        assert x.input_ids.shape[1] in (64, 128)
+        assert (x.loss_mask.bool() <= x.attention_mask.bool()).all()
+    assert not a.batch(0).input_ids.equal(a.batch(a.per_epoch).input_ids)  # a new permutation each epoch

@@ -1,0 +1,83 @@
+"""Drafter model: published layer-id rule, HF directory format, round trip, z-lab's loader."""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from dflash_trainer.model import DFlashDrafter, DrafterShape, build_target_layer_ids, drafter_config
+from dflash_trainer.objective import sdpa_attention
+
+TINY_TARGET = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def test_layer_ids_follow_the_published_rule():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B drafter
+    assert build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]  # Qwen3.6-27B drafter
+    assert build_target_layer_ids(36, 1) == [18]
+    with pytest.raises(ValueError, match="at least 4"):
+        build_target_layer_ids(3, 2)
+
+
+def test_bad_mask_token_is_refused():
+    with pytest.raises(ValueError, match="mask_token_id 300 is not a row"):
+        drafter_config(TINY_TARGET, DrafterShape(num_layers=2, mask_token_id=300))
+
+
+def _drafter(seed=0):
+    torch.manual_seed(seed)
+    return DFlashDrafter(drafter_config(TINY_TARGET, DrafterShape(num_layers=2, block_size=4, mask_token_id=7)))
+
+
+def test_saved_directory_has_the_published_format(tmp_path):
+    _drafter().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 8
+    assert cfg["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, 5]}
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= keys
+    assert not any(k.startswith(("embed_tokens", "lm_head", "model.")) for k in keys)  # draft-only keys
+
+
+def _inputs(b=2, ctx=10, q=4, h=64, k=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(b, ctx, k * h, generator=g)
+    emb = torch.randn(b, q, h, generator=g)
+    pos = torch.cat([torch.arange(ctx), torch.arange(ctx, ctx + q)]).expand(b, -1)
+    return feats, emb, pos
+
+
+def test_round_trip_gives_identical_outputs(tmp_path):
+    model = _drafter()
+    model.save_pretrained(tmp_path)
+    loaded = DFlashDrafter.from_pretrained(tmp_path)
+    feats, emb, pos = _inputs()
+    attn = sdpa_attention(None)
+    torch.testing.assert_close(model(feats, emb, pos, attn), loaded(feats, emb, pos, attn), rtol=0, atol=0)
+
+
+def test_loading_a_non_drafter_directory_fails_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        DFlashDrafter.from_pretrained(tmp_path)
+
+
+def test_zlab_dflash_package_loads_our_directory_and_agrees(tmp_path):
+    """z-lab's `dflash` (PyPI) loads the directory; its forward equals ours (no import-name clash)."""
+    zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is installed by `make venv`")
+    import dflash_trainer
+
+    assert dflash_trainer.__name__ != "dflash"
+    model = _drafter()
+    model.save_pretrained(tmp_path)
+    theirs = zlab.DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert theirs.target_layer_ids == [1, 5] and theirs.block_size == 4 and theirs.mask_token_id == 7
+    feats, emb, pos = _inputs(b=1)
+    ours = model(feats, emb, pos, sdpa_attention(None))
+    torch.testing.assert_close(theirs(position_ids=pos, noise_embedding=emb, target_hidden=feats), ours,
+                               rtol=1e-4, atol=1e-5)
