@@ -23,9 +23,17 @@ from dflash_image import build, oci, rootfs, template
 pytest_plugins = ["image_standins"]  # the stand-in index, lock, wheelhouse and venv fixtures
 
 CACHE = Path(os.environ.get("DFLASH_TEST_CACHE", "/var/cache/dflash-tests"))
-# snapshot.debian.org is not reachable from CI: the tests take the same suite and packages from a
-# plain mirror; the snapshot date still clamps every mtime.
-MIRROR = os.environ.get("DFLASH_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+
+
+def apt_mirror() -> str:
+    """The Debian mirror this machine's apt uses: the snapshot archive is not reachable from CI, so the
+    tests take the same suite and packages from there; the snapshot date still clamps every mtime."""
+    for f in sorted(Path("/etc/apt").glob("sources.list.d/*.sources")) + [Path("/etc/apt/sources.list")]:
+        if f.is_file():
+            m = re.search(r"^(?:URIs:\s*|deb\s+(?:\[[^]]*\]\s+)?)(\S+/debian)/?\s", f.read_text(), re.MULTILINE)
+            if m:
+                return m.group(1)
+    pytest.skip("no Debian mirror in /etc/apt: set DFLASH_DEBIAN_MIRROR")
 
 
 def docker_or_skip():
@@ -40,7 +48,7 @@ def docker_or_skip():
 @pytest.fixture(scope="session")
 def image_cfg():
     cfg = rootfs.load_config()
-    cfg["mirror"] = MIRROR
+    cfg["mirror"] = os.environ.get("DFLASH_DEBIAN_MIRROR") or apt_mirror()
     return cfg
 
 
