@@ -131,39 +131,49 @@ def check_dense_fits(s: Setup) -> None:
                           "Train with attention = 'flex' on a GPU.")
 
 
-def make_mask_builder(s: Setup):
+def make_mask_builder(block: int, device: torch.device):
     from .attention import block_mask_builder
 
-    builder = block_mask_builder(compiled=s.device.type == "cuda")
-    block = s.drafter.block_size
+    builder = block_mask_builder(compiled=device.type == "cuda")
     return lambda anchors, keep, ctx_len: build_block_mask(anchors, keep, block, ctx_len, builder=builder)
 
 
-def compile_step(s: Setup, mask_builder, log) -> object:
-    """Warm every context bucket (forward + backward) before step 1, then forbid recompiles."""
+def warm_drafter(drafter, embed_weight, head_weight, buckets, micro_batch: int, num_anchors: int,
+                 gamma, chunk_rows: int, mask_builder, cache_dir: Path, log):
+    """The serialized compile step: warm every context bucket (forward + backward) before step 1.
+
+    Ranks take turns through a file lock in the shared cache directory; afterwards a recompile is
+    an error and any eager (dense) flex_attention call raises.
+    """
     from .attention import install_dense_guards
     from .warmup import compile_cache_env, warm_up
 
-    cache = Path(s.cfg.train.compile_cache_dir or Path(s.cfg.output_dir) / "compile-cache")
-    compile_cache_env(cache)
+    compile_cache_env(cache_dir)
     install_dense_guards()
-    c, dc = s.cfg, s.drafter.config
-    feat_dim = len(s.drafter.target_layer_ids) * dc.hidden_size
+    dc = drafter.config
+    feat_dim = len(drafter.target_layer_ids) * dc.hidden_size
+    device = embed_weight.device
 
     def probe(ctx_len: int) -> None:
-        b = c.train.micro_batch
-        ids = torch.randint(dc.vocab_size, (b, ctx_len), device=s.device)
-        lm = torch.ones(b, ctx_len, dtype=torch.uint8, device=s.device)
-        feats = torch.randn(b, ctx_len, feat_dim, device=s.device, dtype=s.drafter.fc.weight.dtype)
-        anchors, keep = sample_anchors(lm, c.train.num_anchors)
-        blocks = build_blocks(ids, lm, anchors, keep, dc.block_size, s.drafter.mask_token_id, c.drafter.gamma)
+        ids = torch.randint(dc.vocab_size, (micro_batch, ctx_len), device=device)
+        lm = torch.ones(micro_batch, ctx_len, dtype=torch.uint8, device=device)
+        feats = torch.randn(micro_batch, ctx_len, feat_dim, device=device, dtype=drafter.fc.weight.dtype)
+        anchors, keep = sample_anchors(lm, num_anchors)
+        blocks = build_blocks(ids, lm, anchors, keep, dc.block_size, drafter.mask_token_id, gamma)
         attn = block_attention("flex", blocks, ctx_len, dc.block_size, dc, mask_builder)
-        sums = drafter_loss(s.drafter, s.target.embed_weight, s.target.head_weight, feats, blocks, attn,
-                            c.train.loss_chunk_rows)
+        sums = drafter_loss(drafter, embed_weight, head_weight, feats, blocks, attn, chunk_rows)
         sums.weighted_ce.backward()
-        s.drafter.zero_grad(set_to_none=True)
+        drafter.zero_grad(set_to_none=True)
 
-    return warm_up(probe, list(c.data.context_buckets), cache / "compile.lock", log=log)
+    return warm_up(probe, list(buckets), Path(cache_dir) / "compile.lock", log=log)
+
+
+def compile_step(s: Setup, mask_builder, log):
+    c = s.cfg
+    cache = Path(c.train.compile_cache_dir or Path(c.output_dir) / "compile-cache")
+    return warm_drafter(s.drafter, s.target.embed_weight, s.target.head_weight, c.data.context_buckets,
+                        c.train.micro_batch, c.train.num_anchors, c.drafter.gamma, c.train.loss_chunk_rows,
+                        mask_builder, cache, log)
 
 
 @torch.no_grad()
@@ -239,7 +249,7 @@ def run(cfg: RunConfig, resume: bool = False) -> dict:
 
     mask_builder = None
     if s.attention == "flex":
-        mask_builder = make_mask_builder(s)
+        mask_builder = make_mask_builder(s.drafter.block_size, s.device)
     else:
         check_dense_fits(s)
     if before is None:

@@ -1,0 +1,161 @@
+"""Drafter-step benchmark: `make bench` / `python -m dflash_trainer.bench --preset qwen3-8b`.
+
+Times the full drafter training step (block inputs, drafter forward, chunked LM head + CE,
+backward, fp32-master AdamW) at a fixed shape after the serialized compile step, and reports step
+time, context tokens/s, MFU (shared/notes/performance.md convention) and peak memory. With
+--with-target a random-weight target of the preset's shape produces the features, as in a
+one-GPU run; without it the features are random (the drafter step alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config
+
+from .anchors import build_blocks, sample_anchors
+from .attention import dense_scores_bytes
+from .flops import drafter_step_flops, peak_flops, visible_pairs
+from .model import DFlashDrafter, DrafterShape, drafter_config
+from .objective import block_attention, drafter_loss
+from .optim import MasterWeightAdamW
+from .train import make_mask_builder, warm_drafter
+
+PRESETS = {
+    # Qwen3-8B and its published drafter (z-lab/Qwen3-8B-DFlash-b16).
+    "qwen3-8b": dict(target=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                 num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+                     drafter=dict(num_layers=5, block_size=16, mask_token_id=151669)),
+    # A shape small enough for a CPU smoke run of this script.
+    "tiny": dict(target=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+                 drafter=dict(num_layers=2, block_size=8, mask_token_id=3)),
+}
+
+
+def build_target(cfg: Qwen3Config, device, dtype):
+    """A random-weight causal LM of the preset's shape, initialised on the device (fast for 8B)."""
+    from transformers import Qwen3ForCausalLM
+
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+    return model
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="dflash-bench", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
+    p.add_argument("--seq", type=int, default=3072, help="context tokens per sequence (S)")
+    p.add_argument("--anchors", type=int, default=512, help="blocks per sequence (N)")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps after the compile step")
+    p.add_argument("--chunk-rows", type=int, default=2048)
+    p.add_argument("--with-target", action="store_true", help="features from a random-weight target")
+    p.add_argument("--cache-dir", default="runs/bench/compile-cache")
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and args.preset != "tiny":
+        print(f"error: --preset {args.preset} needs a CUDA GPU; use --preset tiny for a CPU smoke run",
+              file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    preset = PRESETS[args.preset]
+    tcfg = Qwen3Config(**preset["target"], tie_word_embeddings=False)
+    dcfg = drafter_config(tcfg, DrafterShape(**preset["drafter"]))
+    torch.manual_seed(0)
+    target = build_target(tcfg, device, dtype) if args.with_target else None
+    if target is not None:
+        from .target import FrozenTarget
+
+        frozen = FrozenTarget(target, dcfg.dflash_config["target_layer_ids"])
+        embed, head = frozen.embed_weight, frozen.head_weight
+    else:
+        embed = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
+        head = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
+    with torch.device(device):
+        drafter = DFlashDrafter(dcfg).to(dtype)
+    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4)
+    b, S, N, B = args.micro_batch, args.seq, args.anchors, dcfg.block_size
+    mask_builder = make_mask_builder(B, device) if device.type == "cuda" else None
+    attention = "flex" if device.type == "cuda" else "sdpa"
+
+    t0 = time.perf_counter()
+    report = None
+    if attention == "flex":
+        report = warm_drafter(drafter, embed, head, [S], b, N, None, args.chunk_rows, mask_builder,
+                              Path(args.cache_dir), log=print)
+    compile_s = time.perf_counter() - t0
+
+    feat_dim = len(drafter.target_layer_ids) * dcfg.hidden_size
+    ids = torch.randint(tcfg.vocab_size, (b, S), device=device)
+    lm = torch.ones(b, S, dtype=torch.uint8, device=device)
+    times, target_times = [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    flops = 0.0
+    for step in range(args.warmup_steps + args.steps):
+        _sync(device)
+        t_start = time.perf_counter()
+        if target is not None:
+            feats = frozen.features(ids)
+        else:
+            feats = torch.randn(b, S, feat_dim, device=device, dtype=dtype)
+        _sync(device)
+        t_feat = time.perf_counter()
+        anchors, keep = sample_anchors(lm, N)
+        blocks = build_blocks(ids, lm, anchors, keep, B, drafter.mask_token_id)
+        attn = block_attention(attention, blocks, S, B, dcfg, mask_builder)
+        sums = drafter_loss(drafter, embed, head, feats, blocks, attn, args.chunk_rows)
+        sums.weighted_ce.backward()
+        opt.step(1.0 / blocks.total_weight)
+        opt.zero_grad()
+        _sync(device)
+        t_end = time.perf_counter()
+        if step >= args.warmup_steps:
+            times.append(t_end - t_feat)
+            target_times.append(t_feat - t_start)
+            flops = drafter_step_flops(dcfg, b, S, N, float(visible_pairs(anchors, keep, B)), tcfg.vocab_size)
+    step_s = statistics.mean(times)
+    peak = peak_flops(device)
+    result = {
+        "preset": args.preset, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "micro_batch": b, "seq": S, "anchors": N, "block": B,
+        "drafter_params_m": drafter.num_params() / 1e6,
+        "compile_s": compile_s,
+        "compile_cache_hits": report.cache_hits if report else None,
+        "compile_cache_misses": report.cache_misses if report else None,
+        "drafter_step_ms": 1e3 * step_s,
+        "drafter_step_ms_min": 1e3 * min(times),
+        "target_ms": 1e3 * statistics.mean(target_times) if target is not None else None,
+        "context_tokens_per_s_drafter": b * S / step_s,
+        "context_tokens_per_s_one_gpu": b * S / (step_s + statistics.mean(target_times)) if target is not None
+        else None,
+        "model_tflop_per_step": flops / 1e12,
+        "achieved_tflops": flops / step_s / 1e12,
+        "mfu": flops / step_s / peak if peak else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "dense_scores_gib_per_layer": dense_scores_bytes(b, dcfg.num_attention_heads, N * B, S + N * B) / 2**30,
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
