@@ -166,6 +166,15 @@ def merge_raw_lines(conf_text, desired, nvidia_majors):
     return "\n".join(new) + "\n"
 
 
+SSH_ERRORS = ("ssh:", "Permission denied (", "Host key verification failed", "Connection closed by",
+              "Connection reset by", "kex_exchange_identification", "Could not resolve hostname")
+
+
+def _ssh_failed(stderr):
+    """Exit 255 is ssh's own failure, but also what a remote command may return (pct exec)."""
+    return any(marker in stderr for marker in SSH_ERRORS)
+
+
 # ---- running things on the host ---------------------------------------------------------------------
 class HostShell:
     """Runs commands on the Proxmox host with the system ssh client (BatchMode: never prompts)."""
@@ -195,7 +204,7 @@ class HostShell:
             raise PveError("the ssh client is missing on the controller (apt-get install openssh-client)") from None
         out = proc.stdout.decode("utf-8", "replace")
         err = proc.stderr.decode("utf-8", "replace")
-        if proc.returncode == 255:
+        if proc.returncode == 255 and _ssh_failed(err):
             raise PveError(f"SSH to {self.target} port {self.port} failed: {err.strip()[-400:]} (check "
                            f"proxmox_ssh_host, proxmox_ssh_port, proxmox_ssh_user, proxmox_ssh_private_key)")
         if check and proc.returncode != 0:

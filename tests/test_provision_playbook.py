@@ -1,0 +1,359 @@
+"""End-to-end tests of `make provision`: real ansible-playbook runs of ansible/provision.yml against the
+Proxmox VE test host (tests/pve_testhost: real API over TLS, real LXC containers, SSH with pct).
+
+One module-scoped run order: fresh create -> second run no change -> check mode -> diff -> bad inputs.
+Containers use vmids 91xx so they never collide with other tests on the same test host.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ANSIBLE_DIR = REPO / "ansible"
+PLAYBOOK = ANSIBLE_DIR / "provision.yml"
+DRIVER = "580.95.05"
+
+pytestmark = [pytest.mark.lxc, pytest.mark.slow]
+
+# A stand-in for NVIDIA's .run installer, in the format the role expects: it refuses to run without
+# --no-kernel-module (the host's module is shared), installs libnvidia-ml.so.<version> and an
+# nvidia-smi that lists the GPU device nodes the container can actually see.
+STANDIN_INSTALLER = textwrap.dedent("""\
+    #!/bin/sh
+    # Stand-in NVIDIA-Linux-x86_64-{ver}.run for the test host (no GPU here).
+    case " $* " in *" --no-kernel-module "*) ;; *) echo "refusing: kernel module install asked" >&2; exit 3;; esac
+    mkdir -p /usr/lib/x86_64-linux-gnu /usr/bin
+    rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.*
+    echo "{ver}" > /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{ver}
+    cat > /usr/bin/nvidia-smi <<'EOS'
+    #!/bin/sh
+    [ -c /dev/nvidiactl ] || {{ echo "NVIDIA-SMI has failed: /dev/nvidiactl missing" >&2; exit 9; }}
+    [ -c /dev/nvidia-uvm ] || {{ echo "NVIDIA-SMI has failed: /dev/nvidia-uvm missing" >&2; exit 9; }}
+    for d in /dev/nvidia[0-9]*; do
+      [ -c "$d" ] || continue
+      n=${{d#/dev/nvidia}}
+      echo "GPU $n: NVIDIA H200 (UUID: GPU-standin-$n)"
+    done
+    EOS
+    chmod 0755 /usr/bin/nvidia-smi
+    echo "installed userspace {ver} $*" >> /var/log/nvidia-installer.log
+    """)
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+class Provision:
+    """Writes an inventory for the test host and runs ansible-playbook with it."""
+
+    def __init__(self, host, workdir: Path, template: Path):
+        self.host = host
+        self.workdir = workdir
+        self.template = template
+        self.installer_dir = workdir / "nvidia"
+        self.installer_dir.mkdir(exist_ok=True)
+        run = self.installer_dir / f"NVIDIA-Linux-x86_64-{DRIVER}.run"
+        run.write_text(STANDIN_INSTALLER.format(ver=DRIVER))
+        run.chmod(0o755)
+
+    def inventory(self, containers: dict, **group_vars) -> Path:
+        h = self.host
+        base = {
+            "proxmox_api_host": h.api_host, "proxmox_api_port": h.api_port, "proxmox_node": h.node,
+            "proxmox_api_ca_path": h.ca_cert, "proxmox_api_user": "root@pam",
+            # secrets only from the environment, as a user keeps them out of the inventory
+            "proxmox_api_password": "{{ lookup('ansible.builtin.env', 'PROXMOX_PASSWORD') }}",
+            "proxmox_api_token_id": "{{ lookup('ansible.builtin.env', 'PROXMOX_TOKEN_ID') }}",
+            "proxmox_api_token_secret": "{{ lookup('ansible.builtin.env', 'PROXMOX_TOKEN_SECRET') }}",
+            "proxmox_ssh_host": h.api_host, "proxmox_ssh_port": h.ssh_port, "proxmox_ssh_user": h.ssh_user,
+            "proxmox_ssh_private_key": h.ssh_key,
+            "proxmox_ssh_options": ["StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"],
+            "proxmox_task_timeout": 120,
+            "proxmox_template_src": str(self.template), "proxmox_template_storage": h.storage,
+            "proxmox_lxc_storage": h.storage, "proxmox_lxc_disk_gb": 1, "proxmox_lxc_cores": 1,
+            "proxmox_lxc_memory": 256, "proxmox_lxc_swap": 0,
+            "proxmox_lxc_netif": [{"name": "eth0", "bridge": "vmbr0", "ip": "manual"}],
+            "proxmox_lxc_features": {"nesting": True}, "proxmox_lxc_tags": ["dflash", "ci"],
+            "proxmox_gpu_method": "dev", "nvidia_userspace_installer_dir": str(self.installer_dir),
+            "training_venv_enabled": False,
+        }
+        base.update(group_vars)
+        inv = {"all": {"children": {"dflash_containers": {"children": {"testpve": {
+            "vars": base, "hosts": containers}}}}}}
+        path = self.workdir / f"inventory-{abs(hash(json.dumps(inv, sort_keys=True, default=str)))}.json"
+        path.write_text(json.dumps(inv, indent=1, default=str))
+        return path
+
+    def run(self, inventory: Path, *args: str, token: bool = False, password: bool = True,
+            timeout: int = 600) -> subprocess.CompletedProcess:
+        env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
+                   ANSIBLE_FORCE_COLOR="0", ANSIBLE_STDOUT_CALLBACK="default", ANSIBLE_LOCAL_TEMP=str(self.workdir / "tmp"),
+                   ANSIBLE_HOME=str(self.workdir / "ansible-home"))
+        for key in ("PROXMOX_PASSWORD", "PROXMOX_TOKEN_ID", "PROXMOX_TOKEN_SECRET"):
+            env.pop(key, None)
+        if password:
+            env["PROXMOX_PASSWORD"] = self.host.root_password
+        if token:
+            env["PROXMOX_TOKEN_ID"] = self.host.token_id
+            env["PROXMOX_TOKEN_SECRET"] = self.host.token_secret
+        ansible_playbook = Path(os.sys.executable).parent / "ansible-playbook"
+        proc = subprocess.run([str(ansible_playbook), "-i", str(inventory), str(PLAYBOOK), *args],
+                              capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+        out = proc.stdout + proc.stderr
+        for secret in (self.host.root_password, self.host.token_secret):
+            assert secret not in out, "a secret was printed by ansible-playbook"
+        return proc
+
+
+def recap(proc) -> dict[str, dict[str, int]]:
+    """PLAY RECAP -> {host: {'ok': n, 'changed': n, 'failed': n, ...}}."""
+    out = {}
+    for m in re.finditer(r"^(\S+)\s+:\s+(ok=.*)$", proc.stdout, re.M):
+        out[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+    return out
+
+
+def failure_text(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+def api_writes(host) -> list[dict]:
+    return [c for c in host.calls() if c["method"] in ("POST", "PUT", "DELETE")]
+
+
+# ---- fixtures --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prov(pve_host, tmp_path_factory):
+    from tests.pve_testhost.templates import build_test_template
+
+    work = tmp_path_factory.mktemp("provision")
+    template = build_test_template()
+    p = Provision(pve_host, work, template)
+    yield p
+    for vmid in (9101, 9102, 9103, 9104):
+        if pve_host.container_exists(vmid):
+            pve_host.ssh(f"pct stop {vmid}; pct destroy {vmid}")
+
+
+@pytest.fixture(scope="module")
+def created(prov):
+    """Two containers created fresh (multi-container inventory): 9101 with dev[n], 9102 with raw lines."""
+    inv = prov.inventory({
+        "ct9101": {"proxmox_lxc_vmid": 9101, "proxmox_lxc_hostname": "ct9101", "proxmox_gpu_devices": [0]},
+        "ct9102": {"proxmox_lxc_vmid": 9102, "proxmox_lxc_hostname": "ct9102", "proxmox_gpu_devices": "all",
+                   "proxmox_gpu_method": "raw"},
+    })
+    prov.host.reset_calls()
+    proc = prov.run(inv, "--diff")
+    return inv, proc
+
+
+# ---- the happy path ----------------------------------------------------------------------------------
+def test_fresh_create_runs_clean(created, prov):
+    inv, proc = created
+    assert proc.returncode == 0, failure_text(proc)[-6000:]
+    rc = recap(proc)
+    assert rc["ct9101"]["failed"] == 0 and rc["ct9101"]["changed"] > 0
+    assert prov.host.container_exists(9101) and prov.host.container_exists(9102)
+    creates = [c for c in prov.host.calls() if c["method"] == "POST" and c["path"] == "/nodes/pve/lxc"]
+    assert sorted(int(c["params"]["vmid"]) for c in creates) == [9101, 9102]
+    # dev[n] went in at creation, through a ticket login (tokens can't)
+    c9101 = next(c for c in creates if int(c["params"]["vmid"]) == 9101)
+    assert c9101["auth"] == "ticket" and c9101["params"]["dev0"].startswith("/dev/nvidia0")
+    assert not any(k.startswith("lxc") for c in creates for k in c["params"])
+
+
+def test_template_uploaded_once(created, prov):
+    uploads = [c for c in prov.host.calls() if c["path"].endswith("/upload")]
+    assert len(uploads) <= 1  # the second container finds it there (throttled, checksum equal)
+    res = prov.host.ssh(f"sha256sum /var/lib/vz/template/cache/{prov.template.name}")
+    import hashlib
+    assert res.stdout.split()[0] == hashlib.sha256(prov.template.read_bytes()).hexdigest()
+
+
+def test_config_matches_inventory(created, prov):
+    conf = prov.host.pve_conf(9101).read_text()
+    assert "hostname: ct9101" in conf and "memory: 256" in conf and "cores: 1" in conf
+    assert re.search(r"^dev0: /dev/nvidia0", conf, re.M)
+    assert re.search(r"^dev\d+: /dev/nvidia-uvm,", conf, re.M)
+    assert "/dev/nvidia1" not in conf  # only GPU 0 was asked for
+    raw = prov.host.pve_conf(9102).read_text()
+    assert "lxc.mount.entry: /dev/nvidia1 dev/nvidia1 none bind,optional,create=file" in raw
+    uvm_major = re.search(r"^\s*(\d+) nvidia-uvm$", prov.host.ssh("cat /proc/devices").stdout, re.M).group(1)
+    assert f"lxc.cgroup2.devices.allow: c {uvm_major}:* rwm" in raw
+    assert not re.search(r"^dev\d+:", raw, re.M)
+
+
+def test_gpu_devices_visible_inside(created, prov):
+    for vmid, gpus in ((9101, ["/dev/nvidia0"]), (9102, ["/dev/nvidia0", "/dev/nvidia1"])):
+        res = prov.host.exec_in_container(vmid, ["sh", "-c", "ls /dev/nvidia*"])
+        assert res.returncode == 0, res.stderr
+        seen = res.stdout.split()
+        for dev in gpus + ["/dev/nvidiactl", "/dev/nvidia-uvm"]:
+            assert dev in seen, (vmid, seen)
+        smi = prov.host.exec_in_container(vmid, ["nvidia-smi", "-L"])
+        assert smi.returncode == 0 and len(re.findall(r"^GPU \d+:", smi.stdout, re.M)) == len(gpus), smi
+    lib = prov.host.exec_in_container(9101, ["ls", "/usr/lib/x86_64-linux-gnu"])
+    assert f"libnvidia-ml.so.{DRIVER}" in lib.stdout
+
+
+def test_second_run_changes_nothing(created, prov):
+    inv, _ = created
+    prov.host.reset_calls()
+    proc = prov.run(inv)
+    assert proc.returncode == 0, failure_text(proc)[-6000:]
+    assert all(r["changed"] == 0 for r in recap(proc).values()), proc.stdout[-6000:]
+    assert api_writes(prov.host) == []
+    log = prov.host.exec_in_container(9101, ["cat", "/var/log/nvidia-installer.log"]).stdout
+    assert log.count("installed userspace") == 1  # matched version: installer skipped
+
+
+def test_check_mode_reports_and_changes_nothing(created, prov):
+    _, _ = created
+    inv = prov.inventory({
+        "ct9101": {"proxmox_lxc_vmid": 9101, "proxmox_lxc_hostname": "ct9101", "proxmox_gpu_devices": [0],
+                   "proxmox_lxc_memory": 384, "proxmox_lxc_features": {"nesting": True, "keyctl": True}},
+        "ct9103": {"proxmox_lxc_vmid": 9103, "proxmox_lxc_hostname": "ct9103", "proxmox_gpu_devices": [1]},
+    })
+    before = prov.host.pve_conf(9101).read_text()
+    prov.host.reset_calls()
+    proc = prov.run(inv, "--check", "--diff")
+    assert proc.returncode == 0, failure_text(proc)[-6000:]
+    assert api_writes(prov.host) == []
+    assert prov.host.pve_conf(9101).read_text() == before
+    assert not prov.host.container_exists(9103)
+    rc = recap(proc)
+    assert rc["ct9101"]["changed"] >= 1 and rc["ct9103"]["changed"] >= 1
+    out = proc.stdout
+    assert "-memory: 256" in out and "+memory: 384" in out  # the diff of the config
+    assert "would reboot container 9101" in out and "features" in out  # features need a restart
+
+
+def test_diff_applies_update_and_controlled_reboot(created, prov):
+    inv = prov.inventory({
+        "ct9101": {"proxmox_lxc_vmid": 9101, "proxmox_lxc_hostname": "ct9101", "proxmox_gpu_devices": [0],
+                   "proxmox_lxc_memory": 384, "proxmox_lxc_features": {"nesting": True, "keyctl": True}},
+    })
+    prov.host.reset_calls()
+    proc = prov.run(inv, "--diff", "--limit", "ct9101")
+    assert proc.returncode == 0, failure_text(proc)[-6000:]
+    out = proc.stdout
+    assert "+memory: 384" in out and "+features: keyctl=1,nesting=1" in out
+    puts = [c for c in prov.host.calls() if c["method"] == "PUT" and c["path"].endswith("/config")]
+    assert len(puts) == 1 and puts[0]["params"]["memory"] == "384"
+    assert any(c["path"].endswith("/status/reboot") for c in prov.host.calls())  # pending features applied
+    conf = prov.host.pve_conf(9101).read_text()
+    assert "memory: 384" in conf and "keyctl=1" in conf and "[pending]" not in conf
+    again = prov.run(inv, "--limit", "ct9101")
+    assert again.returncode == 0 and recap(again)["ct9101"]["changed"] == 0, again.stdout[-4000:]
+
+
+# ---- bad input: a clear message, nothing changed, no secret printed ----------------------------------
+def one(prov, vmid=9104, hostname="ct9104", **over):
+    host_vars = {"proxmox_lxc_vmid": vmid, "proxmox_lxc_hostname": hostname, "proxmox_gpu_devices": [0]}
+    host_vars.update({k: v for k, v in over.items() if k.startswith("proxmox_lxc_") or k.startswith("proxmox_gpu")})
+    group = {k: v for k, v in over.items() if k not in host_vars}
+    return prov.inventory({hostname: host_vars}, **group)
+
+
+def assert_refused(prov, proc, *needles, vmid=9104):
+    text = failure_text(proc)
+    assert proc.returncode != 0, text[-4000:]
+    for needle in needles:
+        assert needle in text, (needle, text[-4000:])
+    assert "Traceback" not in text
+    assert not prov.host.container_exists(vmid)
+    assert not [c for c in api_writes(prov.host) if c["path"] in ("/nodes/pve/lxc",) or f"/lxc/{vmid}" in c["path"]]
+
+
+@pytest.mark.parametrize("vmid", ["42", "abc"])
+def test_invalid_vmid(created, prov, vmid):
+    prov.host.reset_calls()
+    proc = prov.run(one(prov, vmid=vmid))
+    assert_refused(prov, proc, f"vmid {vmid!r}", "proxmox_lxc_vmid")
+
+
+def test_unknown_node(created, prov):
+    prov.host.reset_calls()
+    proc = prov.run(one(prov, proxmox_node="nosuchnode"))
+    assert_refused(prov, proc, "'nosuchnode'", "proxmox_node")
+
+
+def test_unknown_storage(created, prov):
+    prov.host.reset_calls()
+    proc = prov.run(one(prov, proxmox_lxc_storage="nosuchstore"))
+    assert_refused(prov, proc, "storage 'nosuchstore' does not exist")
+
+
+def test_missing_template(created, prov):
+    prov.host.reset_calls()
+    proc = prov.run(one(prov, proxmox_template_src="", proxmox_lxc_template="local:vztmpl/missing.tar.zst"))
+    assert_refused(prov, proc, "template local:vztmpl/missing.tar.zst is missing")
+
+
+def test_wrong_password(created, prov, monkeypatch):
+    prov.host.reset_calls()
+    inv = one(prov, proxmox_api_password="not-the-password")
+    proc = prov.run(inv)
+    assert_refused(prov, proc, "login to https://127.0.0.1", "wrong user or password")
+    assert "not-the-password" not in failure_text(proc)
+
+
+def test_wrong_token(created, prov):
+    prov.host.reset_calls()
+    inv = one(prov, proxmox_api_token_secret="00000000-dead-beef-0000-000000000000", proxmox_gpu_method="raw")
+    proc = prov.run(inv, token=True, password=False)
+    assert_refused(prov, proc, "API token root@pam!ci was rejected")
+    assert "dead-beef" not in failure_text(proc)
+
+
+def test_tls_verification_failure(created, prov, tmp_path):
+    import trustme
+    other_ca = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other_ca))
+    prov.host.reset_calls()
+    proc = prov.run(one(prov, proxmox_api_ca_path=str(other_ca)))
+    assert_refused(prov, proc, "TLS verification of https://127.0.0.1", "proxmox_api_ca_path")
+
+
+def test_token_with_dev_method_says_so_plainly(created, prov):
+    prov.host.reset_calls()
+    proc = prov.run(one(prov), token=True, password=False)
+    assert_refused(prov, proc, "can only be set by root@pam", "an API token is configured",
+                   "proxmox_gpu_method: raw")
+
+
+def test_token_with_raw_method_works_for_an_existing_container(created, prov):
+    inv = prov.inventory({"ct9102": {"proxmox_lxc_vmid": 9102, "proxmox_lxc_hostname": "ct9102",
+                                     "proxmox_gpu_devices": "all", "proxmox_gpu_method": "raw"}})
+    proc = prov.run(inv, token=True, password=False)
+    assert proc.returncode == 0, failure_text(proc)[-4000:]
+    assert recap(proc)["ct9102"]["changed"] == 0
+
+
+def test_vmid_of_another_hostname_is_refused(created, prov):
+    before = prov.host.pve_conf(9101).read_text()
+    prov.host.reset_calls()
+    proc = prov.run(one(prov, vmid=9101, hostname="intruder"))
+    text = failure_text(proc)
+    assert proc.returncode != 0
+    assert "vmid 9101 is already used by container 'ct9101'" in text
+    assert prov.host.pve_conf(9101).read_text() == before
+    assert api_writes(prov.host) == []
+
+
+def test_failed_create_task_shows_its_log_and_leaves_nothing(created, prov):
+    prov.host.reset_calls()
+    prov.host.set_task_failure("vzcreate", "unable to create CT 9104 - disk quota exceeded (test)")
+    proc = prov.run(one(prov))
+    text = failure_text(proc)
+    assert proc.returncode != 0
+    assert "creating container 9104 failed on node pve" in text
+    assert "disk quota exceeded (test)" in text and "Last lines of the task log" in text
+    assert not prov.host.container_exists(9104)
