@@ -12,7 +12,8 @@ Messages between one (target, drafter) pair are matched in posting order, and bo
 ascending i, so no tags are needed (NCCL ignores them anyway).
 
 Prefetch: a sender keeps at most P batches in flight; a receiver keeps the headers of its next P
-batches posted and starts receiving a batch's tensors as soon as its header is in. End of stream: every
+batches posted and starts receiving a batch's tensors as soon as its header is in (a small thread
+only waits on the posted header receives: gloo reports completion only through a blocking wait). End of stream: every
 target sends stop headers for exactly the positions the drafters have posted receives for (the first P
 positions at or past the end), so no receive is left dangling on either side.
 """
@@ -403,9 +404,8 @@ class FeatureReceiver:
                 f"{self.timeout_s:.0f}s; is the target rank alive and following the same schedule?"
             )
         if p.error is not None:
-            raise TransportError(f"receiving the header of micro-batch {p.index} from rank {p.src} failed") from (
-                p.error
-            )
+            what = f"receiving the header of micro-batch {p.index} from rank {p.src} failed"
+            raise TransportError(what) from p.error
 
     def _start_data(self, p: _Pending) -> None:
         """Decode p's header (which has arrived) and post the receives for its tensors."""
