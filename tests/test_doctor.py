@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from dflash_image import commands, doctor
 
-pytest_plugins = ["image_standins"]  # the stand-in index, lock, wheelhouse and venv fixtures
+pytest_plugins = ["tests.image_standins"]  # the stand-in index, lock, wheelhouse and venv fixtures
 UV = commands.uv()
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from dflash_image import build, oci, rootfs, template
 
-pytest_plugins = ["image_standins"]  # the stand-in index, lock, wheelhouse and venv fixtures
+pytest_plugins = ["tests.image_standins"]  # the stand-in index, lock, wheelhouse and venv fixtures
 
 CACHE = Path(os.environ.get("DFLASH_TEST_CACHE", "/var/cache/dflash-tests"))
 

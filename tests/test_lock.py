@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from dflash_image import commands, lock, markers, pylock, rebuild, wheelhouse
 
-pytest_plugins = ["image_standins"]  # the stand-in index, lock, wheelhouse and venv fixtures
+pytest_plugins = ["tests.image_standins"]  # the stand-in index, lock, wheelhouse and venv fixtures
 UV = commands.uv()
 REPO = Path(__file__).resolve().parents[1]
 
