@@ -216,9 +216,8 @@ def warm_up(
         )
     # The limit is per code object and shared by every variant: all buckets x grad modes, plus margin.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, len(variants) + RECOMPILE_MARGIN)
-    _set_if_present(dynamo_config, "accumulated_recompile_limit", max(
-        getattr(dynamo_config, "accumulated_recompile_limit", 0), 4 * (len(variants) + RECOMPILE_MARGIN)
-    ))
+    accumulated = max(getattr(dynamo_config, "accumulated_recompile_limit", 0), 4 * dynamo_config.recompile_limit)
+    _set_if_present(dynamo_config, "accumulated_recompile_limit", accumulated)
     torch.compiler.set_stance("default")
 
     before = compile_counters()
