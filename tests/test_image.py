@@ -65,8 +65,12 @@ def two_builds(standins, debian_rootfs, image_cfg, tmp_path_factory):
 
     wheelhouse.fetch(standins.project / "pylock.toml", standins.root / "wheelhouse-image", image_cfg["python"])
     out = tmp_path_factory.mktemp("images")
-    return [build.build(standins.project, standins.root / "wheelhouse-image", standins.trainer_wheel, out / run,
-                        rootfs_tar=debian_rootfs, nocache=True, zstd_level=3, cfg=image_cfg) for run in ("a", "b")]
+    results = [build.build(standins.project, standins.root / "wheelhouse-image", standins.trainer_wheel, out / run,
+                           rootfs_tar=debian_rootfs, nocache=True, zstd_level=3, cfg=image_cfg) for run in ("a", "b")]
+    yield results
+    client = build.docker_client()
+    for tag in {r["image"] for r in results}:  # the lock hash differs per session: do not pile images up
+        client.images.remove(tag, force=True)
 
 
 def members(template_path: Path) -> dict[str, tarfile.TarInfo]:
