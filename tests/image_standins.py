@@ -122,7 +122,7 @@ def standin_project(root: Path, urls: dict[str, str], trainer_src: Path) -> Path
     assert real_url in text and 'path = "../.."' in text, "image/env/pyproject.toml changed shape"
     text = text.replace(real_url, urls["cu128"]).replace('path = "../.."', f'path = "{trainer_src}"')
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    text = re.sub(r'requires-python = "[^"]*"', f'requires-python = "=={py}.*"', text)
+    text = re.sub(r'requires-python = "[^"]*"', f'requires-python = ">={py}"', text)  # this host and the image
     text += f'\n[[tool.uv.index]]\nname = "pypi-standin"\nurl = "{urls["pypi"]}"\ndefault = true\n'
     project = root / "env"
     project.mkdir()
