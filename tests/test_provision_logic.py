@@ -11,9 +11,9 @@ COLLECTIONS = Path(__file__).resolve().parents[1] / "ansible" / "collections"
 if str(COLLECTIONS) not in sys.path:
     sys.path.insert(0, str(COLLECTIONS))
 
-from ansible_collections.dflash.proxmox.plugins.module_utils import pve_config as cfg  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host as host  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveError  # noqa: E402
+from ansible_collections.dflash.proxmox.plugins.module_utils import pve_config as cfg
+from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host as host
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveError
 
 # What a real 2-GPU host prints (format of `ls -l /dev/nvidia*` with a directory argument).
 LS_REAL = """\
@@ -43,11 +43,11 @@ Block devices:
 
 
 def base_params(**over):
-    p = dict(hostname="trainer1", cores=4, memory=8192, swap=0, cpulimit=None, cpuunits=None, onboot=True,
-             unprivileged=True, nameserver=None, searchdomain=None, timezone=None, ostype=None, arch=None,
-             startup=None, tags=["dflash", "gpu"], features={"nesting": True},
-             netif=[{"name": "eth0", "bridge": "vmbr0", "ip": "dhcp"}],
-             devices=[{"path": "/dev/nvidia0", "mode": "0666"}])
+    p = {"hostname": "trainer1", "cores": 4, "memory": 8192, "swap": 0, "cpulimit": None, "cpuunits": None,
+         "onboot": True, "unprivileged": True, "nameserver": None, "searchdomain": None, "timezone": None,
+         "ostype": None, "arch": None, "startup": None, "tags": ["dflash", "gpu"], "features": {"nesting": True},
+         "netif": [{"name": "eth0", "bridge": "vmbr0", "ip": "dhcp"}],
+         "devices": [{"path": "/dev/nvidia0", "mode": "0666"}]}
     p.update(over)
     return p
 
@@ -250,3 +250,76 @@ def test_merge_replaces_only_our_lines_in_the_main_section():
 def test_merge_with_no_lines_removes_ours():
     merged = host.merge_raw_lines(CONF, [], {195})
     assert "nvidia" not in merged.split("[snap1]")[0]
+
+
+# ---- task waits: fail fast with the last log lines ------------------------------------------------
+class FakeTasks:
+    """Stands in for proxmoxer's nodes(n).tasks(upid) chain: a task that fails after two polls."""
+
+    def __init__(self, exitstatus, log_lines):
+        self.polls = 0
+        self.exitstatus = exitstatus
+        self.log_lines = log_lines
+
+    def nodes(self, node):
+        return self
+
+    def tasks(self, upid):
+        return self
+
+    @property
+    def status(self):
+        return self
+
+    @property
+    def log(self):
+        return _Log(self.log_lines)
+
+    def get(self, **_):
+        self.polls += 1
+        if self.polls < 3:
+            return {"status": "running"}
+        return {"status": "stopped", "exitstatus": self.exitstatus}
+
+
+class _Log:
+    def __init__(self, lines):
+        self.lines = lines
+
+    def get(self, **_):
+        return [{"n": i + 1, "t": t} for i, t in enumerate(self.lines)]
+
+
+def client_with(api, **params):
+    from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveClient
+
+    client = PveClient.__new__(PveClient)  # no login: the wait logic alone
+    client.api, client.p = api, dict(task_timeout=30, task_log_lines=3, **params)
+    return client
+
+
+def test_failed_task_raises_at_once_with_its_last_log_lines():
+    from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import TaskFailed
+
+    lines = [f"line {i}" for i in range(10)] + ["TASK ERROR: unable to create CT 200 - no space left"]
+    api = FakeTasks("unable to create CT 200 - no space left", lines)
+    import time
+    start = time.monotonic()
+    with pytest.raises(TaskFailed) as info:
+        client_with(api).wait("UPID:pve:0000ABCD:00001234:65000000:vzcreate:200:root@pam:", "creating container 200")
+    assert time.monotonic() - start < 5  # not the 30 s timeout
+    assert "creating container 200 failed on node pve: unable to create CT 200" in info.value.msg
+    assert info.value.details["task_log"] == ["line 8", "line 9", lines[-1]]
+
+
+def test_ok_and_warnings_tasks_succeed():
+    for status in ("OK", "WARNINGS: 2"):
+        assert client_with(FakeTasks(status, []) ).wait("UPID:pve:1:2:3:vzstart:200:root@pam:", "x")["exitstatus"] == status
+
+
+def test_missing_credentials_are_named():
+    from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveClient
+
+    with pytest.raises(PveError, match="no Proxmox credentials.*PROXMOX_PASSWORD"):
+        PveClient({"api_host": "h", "node": "pve", "api_port": 8006, "api_password": "", "api_token_id": "",
+                   "api_token_secret": "", "validate_certs": True, "ca_path": "", "api_timeout": 5})

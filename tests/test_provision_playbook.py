@@ -6,10 +6,10 @@ Containers use vmids 91xx so they never collide with other tests on the same tes
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import textwrap
 from pathlib import Path
@@ -104,7 +104,7 @@ class Provision:
             env["PROXMOX_TOKEN_SECRET"] = self.host.token_secret
         ansible_playbook = Path(os.sys.executable).parent / "ansible-playbook"
         proc = subprocess.run([str(ansible_playbook), "-i", str(inventory), str(PLAYBOOK), *args],
-                              capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+                              capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO, check=False)
         out = proc.stdout + proc.stderr
         for secret in (self.host.root_password, self.host.token_secret):
             assert secret not in out, "a secret was printed by ansible-playbook"
@@ -114,7 +114,7 @@ class Provision:
 def recap(proc) -> dict[str, dict[str, int]]:
     """PLAY RECAP -> {host: {'ok': n, 'changed': n, 'failed': n, ...}}."""
     out = {}
-    for m in re.finditer(r"^(\S+)\s+:\s+(ok=.*)$", proc.stdout, re.M):
+    for m in re.finditer(r"^(\S+)\s+:\s+(ok=.*)$", proc.stdout, re.MULTILINE):
         out[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
     return out
 
@@ -156,7 +156,7 @@ def created(prov):
 
 # ---- the happy path ----------------------------------------------------------------------------------
 def test_fresh_create_runs_clean(created, prov):
-    inv, proc = created
+    _, proc = created
     assert proc.returncode == 0, failure_text(proc)[-6000:]
     rc = recap(proc)
     assert rc["ct9101"]["failed"] == 0 and rc["ct9101"]["changed"] > 0
@@ -173,21 +173,20 @@ def test_template_uploaded_once(created, prov):
     uploads = [c for c in prov.host.calls() if c["path"].endswith("/upload")]
     assert len(uploads) <= 1  # the second container finds it there (throttled, checksum equal)
     res = prov.host.ssh(f"sha256sum /var/lib/vz/template/cache/{prov.template.name}")
-    import hashlib
     assert res.stdout.split()[0] == hashlib.sha256(prov.template.read_bytes()).hexdigest()
 
 
 def test_config_matches_inventory(created, prov):
     conf = prov.host.pve_conf(9101).read_text()
     assert "hostname: ct9101" in conf and "memory: 256" in conf and "cores: 1" in conf
-    assert re.search(r"^dev0: /dev/nvidia0", conf, re.M)
-    assert re.search(r"^dev\d+: /dev/nvidia-uvm,", conf, re.M)
+    assert re.search(r"^dev0: /dev/nvidia0", conf, re.MULTILINE)
+    assert re.search(r"^dev\d+: /dev/nvidia-uvm,", conf, re.MULTILINE)
     assert "/dev/nvidia1" not in conf  # only GPU 0 was asked for
     raw = prov.host.pve_conf(9102).read_text()
     assert "lxc.mount.entry: /dev/nvidia1 dev/nvidia1 none bind,optional,create=file" in raw
-    uvm_major = re.search(r"^\s*(\d+) nvidia-uvm$", prov.host.ssh("cat /proc/devices").stdout, re.M).group(1)
+    uvm_major = re.search(r"^\s*(\d+) nvidia-uvm$", prov.host.ssh("cat /proc/devices").stdout, re.MULTILINE).group(1)
     assert f"lxc.cgroup2.devices.allow: c {uvm_major}:* rwm" in raw
-    assert not re.search(r"^dev\d+:", raw, re.M)
+    assert not re.search(r"^dev\d+:", raw, re.MULTILINE)
 
 
 def test_gpu_devices_visible_inside(created, prov):
@@ -198,7 +197,7 @@ def test_gpu_devices_visible_inside(created, prov):
         for dev in gpus + ["/dev/nvidiactl", "/dev/nvidia-uvm"]:
             assert dev in seen, (vmid, seen)
         smi = prov.host.exec_in_container(vmid, ["nvidia-smi", "-L"])
-        assert smi.returncode == 0 and len(re.findall(r"^GPU \d+:", smi.stdout, re.M)) == len(gpus), smi
+        assert smi.returncode == 0 and len(re.findall(r"^GPU \d+:", smi.stdout, re.MULTILINE)) == len(gpus), smi
     lib = prov.host.exec_in_container(9101, ["ls", "/usr/lib/x86_64-linux-gnu"])
     assert f"libnvidia-ml.so.{DRIVER}" in lib.stdout
 
@@ -254,10 +253,56 @@ def test_diff_applies_update_and_controlled_reboot(created, prov):
     assert again.returncode == 0 and recap(again)["ct9101"]["changed"] == 0, again.stdout[-4000:]
 
 
+def test_pending_changes_are_reported_when_reboot_is_off(created, prov):
+    inv = prov.inventory({
+        "ct9101": {"proxmox_lxc_vmid": 9101, "proxmox_lxc_hostname": "ct9101", "proxmox_gpu_devices": [0],
+                   "proxmox_lxc_memory": 384, "proxmox_lxc_features": {"nesting": True},
+                   "proxmox_lxc_reboot_for_pending": False},
+    })
+    prov.host.reset_calls()
+    proc = prov.run(inv, "--limit", "ct9101")
+    assert proc.returncode == 0, failure_text(proc)[-6000:]
+    assert "pending until its next reboot: features" in proc.stdout
+    assert "has pending changes (features)" in proc.stdout + proc.stderr  # the module's warning
+    assert not any(c["path"].endswith("/status/reboot") for c in prov.host.calls())
+    # the next run with reboots allowed applies them (a controlled reboot) and then settles
+    inv = prov.inventory({"ct9101": {"proxmox_lxc_vmid": 9101, "proxmox_lxc_hostname": "ct9101",
+                                     "proxmox_gpu_devices": [0], "proxmox_lxc_memory": 384,
+                                     "proxmox_lxc_features": {"nesting": True}}})
+    prov.host.reset_calls()
+    proc = prov.run(inv, "--limit", "ct9101")
+    assert proc.returncode == 0, failure_text(proc)[-6000:]
+    assert any(c["path"].endswith("/status/reboot") for c in prov.host.calls())
+    assert "keyctl" not in prov.host.pve_conf(9101).read_text()
+
+
+def test_template_uploaded_again_when_its_checksum_differs(created, prov, tmp_path):
+    changed = tmp_path / prov.template.name  # same name, other content
+    changed.write_bytes(prov.template.read_bytes() + b"\0" * 512)
+    inv = prov.inventory({"ct9101": {"proxmox_lxc_vmid": 9101, "proxmox_lxc_hostname": "ct9101",
+                                     "proxmox_gpu_devices": [0], "proxmox_lxc_memory": 384}},
+                         proxmox_template_src=str(changed))
+    prov.host.reset_calls()
+    proc = prov.run(inv, "--limit", "ct9101", "--check")
+    assert proc.returncode == 0 and not [c for c in prov.host.calls() if c["path"].endswith("/upload")]
+    assert "changed: [ct9101]" in proc.stdout
+    proc = prov.run(inv, "--limit", "ct9101")
+    assert proc.returncode == 0, failure_text(proc)[-4000:]
+    uploads = [c for c in prov.host.calls() if c["path"].endswith("/upload")]
+    assert len(uploads) == 1 and uploads[0]["params"].get("checksum-algorithm") == "sha256"
+    remote = prov.host.ssh(f"sha256sum /var/lib/vz/template/cache/{prov.template.name}").stdout.split()[0]
+    assert remote == hashlib.sha256(changed.read_bytes()).hexdigest()
+    # put the original back for the other tests
+    proc = prov.run(prov.inventory({"ct9101": {"proxmox_lxc_vmid": 9101, "proxmox_lxc_hostname": "ct9101",
+                                               "proxmox_gpu_devices": [0], "proxmox_lxc_memory": 384}}),
+                    "--limit", "ct9101")
+    assert proc.returncode == 0
+
+
 # ---- bad input: a clear message, nothing changed, no secret printed ----------------------------------
 def one(prov, vmid=9104, hostname="ct9104", **over):
     host_vars = {"proxmox_lxc_vmid": vmid, "proxmox_lxc_hostname": hostname, "proxmox_gpu_devices": [0]}
-    host_vars.update({k: v for k, v in over.items() if k.startswith("proxmox_lxc_") or k.startswith("proxmox_gpu")})
+    host_vars.update({k: v for k, v in over.items() if k.startswith(("proxmox_lxc_", "proxmox_gpu"))})
     group = {k: v for k, v in over.items() if k not in host_vars}
     return prov.inventory({hostname: host_vars}, **group)
 

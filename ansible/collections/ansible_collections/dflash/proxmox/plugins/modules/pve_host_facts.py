@@ -36,13 +36,34 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-driver_version: {description: Host kernel module version, e.g. 580.95.05., type: str, returned: always}
-gpus: {description: GPUs from nvidia-smi -L (index, name, uuid)., type: list, returned: always}
-majors: {description: Character device majors of nvidia-uvm, nvidia-caps and others from /proc/devices., type: dict, returned: always}
-device_nodes: {description: The nodes to pass through (path, major, minor)., type: list, returned: always}
-dev_entries: {description: dev[n] entries for pve_lxc's devices option., type: list, returned: always}
-raw_lines: {description: lxc.cgroup2.devices.allow and lxc.mount.entry lines for pve_lxc_raw., type: list, returned: always}
-nvidia_majors: {description: All NVIDIA majors (195 plus the dynamic ones)., type: list, returned: always}
+driver_version:
+  description: Host kernel module version (such as 580.95.05).
+  type: str
+  returned: always
+gpus:
+  description: GPUs from nvidia-smi -L (index, name, uuid).
+  type: list
+  returned: always
+majors:
+  description: Character device majors of the NVIDIA drivers from /proc/devices.
+  type: dict
+  returned: always
+device_nodes:
+  description: The nodes to pass through (path, major, minor).
+  type: list
+  returned: always
+dev_entries:
+  description: dev[n] entries for the devices option of pve_lxc.
+  type: list
+  returned: always
+raw_lines:
+  description: lxc.cgroup2.devices.allow and lxc.mount.entry lines for pve_lxc_raw.
+  type: list
+  returned: always
+nvidia_majors:
+  description: All NVIDIA majors (195 and the dynamic ones).
+  type: list
+  returned: always
 """
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402

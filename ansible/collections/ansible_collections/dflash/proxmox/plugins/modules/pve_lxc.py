@@ -50,12 +50,12 @@ options:
   cpulimit: {description: CPU limit (0 = none)., type: float}
   cpuunits: {description: CPU weight., type: int}
   netif:
-    description: Network interfaces, in order C(net0), C(net1)...; dicts such as C({name: eth0, bridge: vmbr0, ip: dhcp}).
+    description: Network interfaces, in order C(net0), C(net1)...; dicts with the PVE net[n] keys (name, bridge, ip, gw, ...).
     type: list
     elements: raw
     default: []
   features:
-    description: Feature flags, e.g. C({nesting: true}).
+    description: Feature flags, e.g. nesting set to true.
     type: dict
     default: {}
   devices:
@@ -111,7 +111,7 @@ from ansible.module_utils.basic import AnsibleModule  # noqa: E402
 
 from ansible_collections.dflash.proxmox.plugins.module_utils import pve_config as cfgmod  # noqa: E402
 from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import (  # noqa: E402
-    AUTH_ARGSPEC, SSH_ARGSPEC, PveClient, PveError, TaskFailed)
+    AUTH_ARGSPEC, SSH_ARGSPEC, PveClient, PveError, ResourceException, TaskFailed)
 
 
 def argument_spec():
@@ -249,6 +249,8 @@ class Lxc:
             after["rootfs"] = _with_size(current["rootfs"], grow)
         self.diff_before, self.diff_after = cfgmod.render_config(current), cfgmod.render_config(after)
         if not (updates or deletes or grow):
+            if status == "running":  # left pending by an earlier run or by hand
+                self.handle_pending(ct, [])
             return
         self.result.update(changed=True, updates=updates, deletes=deletes, disk_grown_to_gb=grow)
         predicted = cfgmod.needs_restart(updates, deletes) if status == "running" else []
@@ -275,10 +277,16 @@ class Lxc:
     def handle_pending(self, ct, predicted):
         try:
             pending = [e["key"] for e in ct.pending.get() if "pending" in e or e.get("delete")]
-        except Exception:  # a host without the pending endpoint: fall back on what PVE can't hotplug
+        except ResourceException:  # a host without the pending endpoint: fall back on what PVE can't hotplug
             pending = predicted
         self.result["pending"] = pending
         if not pending:
+            return
+        if self.check:
+            if self.p["reboot_for_pending"]:
+                self.result["changed"] = True
+                self.result["messages"].append(f"would reboot container {self.vmid} to apply pending: "
+                                               f"{', '.join(pending)}")
             return
         if self.p["reboot_for_pending"]:
             self.reboot(f"apply pending changes: {', '.join(pending)}")

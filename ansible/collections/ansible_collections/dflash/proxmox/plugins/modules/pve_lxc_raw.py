@@ -22,7 +22,7 @@ options:
     type: int
     required: true
   lines:
-    description: The wanted C(key: value) lines; an empty list removes ours.
+    description: "The wanted lines, each C(lxc.key: value); an empty list removes ours."
     type: list
     elements: str
     required: true
