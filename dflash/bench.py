@@ -60,7 +60,12 @@ def main(argv=None) -> int:
     p.add_argument("--with-target", action="store_true", help="features from a random-weight target")
     p.add_argument("--cache-dir", default="runs/bench/compile-cache")
     p.add_argument("--json", help="write the result here")
+    p.add_argument("--stack-dump-after", type=float, help="dump every thread's stack after N s (diagnosis)")
     args = p.parse_args(argv)
+    if args.stack_dump_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stack_dump_after, repeat=True)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and args.preset != "tiny":
@@ -85,7 +90,7 @@ def main(argv=None) -> int:
         drafter = DFlashDrafter(dcfg).to(dtype)
     opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4)
     b, S, N, B = args.micro_batch, args.seq, args.anchors, dcfg.block_size
-    mask_builder = make_mask_builder(B, device) if device.type == "cuda" else None
+    mask_builder = make_mask_builder(B) if device.type == "cuda" else None
     attention = "flex" if device.type == "cuda" else "sdpa"
 
     t0 = time.perf_counter()

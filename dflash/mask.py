@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+TILE = 128  # flex_attention's default sparse block size
+
 
 def dflash_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, block_size: int, ctx_len: int):
     """mask_mod(b, h, q, kv) for anchors [b, N] and keep [b, N] (padding blocks have keep False)."""
@@ -38,6 +40,46 @@ def build_block_mask(
     return builder(
         dflash_mask_mod(anchors, keep, block_size, ctx_len), b, None, q_len, kv_len, device=anchors.device
     )
+
+
+def dflash_block_mask(anchors: torch.Tensor, keep: torch.Tensor, block_size: int, ctx_len: int,
+                      tile: int = TILE) -> BlockMask:
+    """The BlockMask computed from the anchors directly, with plain tensor ops: no tracing, no compile.
+
+    Every query row sees at most two key intervals, [0, a_j) and its own block [S + jB, S + jB + B),
+    so which 128x128 tiles hold a visible pair (partial) or only visible pairs (full) follows from
+    interval arithmetic on [b, Q, KV/128] booleans. create_block_mask would evaluate mask_mod over the
+    whole Q x KV grid, and compiling it for Qwen3-8B shapes (8,192 x 11,264) took minutes on an H200.
+    """
+    b, n = anchors.shape
+    device = anchors.device
+    q_len, kv_len = n * block_size, ctx_len + n * block_size
+    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
+    rows = torch.arange(q_tiles * tile, device=device)
+    j = torch.clamp(rows // block_size, max=n - 1)
+    live = (rows < q_len).unsqueeze(0) & keep.gather(1, j.expand(b, -1))  # [b, rows]
+    ctx_hi = torch.where(live, anchors.gather(1, j.expand(b, -1)), 0)  # context interval [0, a_j)
+    blk_lo = (ctx_len + j * block_size).expand(b, -1)  # own block [S + jB, S + jB + B)
+    blk_hi = torch.where(live, blk_lo + block_size, blk_lo)
+    k0 = (torch.arange(kv_tiles, device=device) * tile).view(1, 1, -1)
+    k1 = k0 + tile  # the last tile overhangs kv_len: never "full", always masked by mask_mod
+    ctx_hi, blk_lo, blk_hi = ctx_hi.unsqueeze(-1), blk_lo.unsqueeze(-1), blk_hi.unsqueeze(-1)
+    any_pair = (k0 < ctx_hi) | ((torch.maximum(blk_lo, k0) < torch.minimum(blk_hi, k1)) & (blk_hi > blk_lo))
+    all_pairs = (k1 <= ctx_hi) | ((k0 >= blk_lo) & (k1 <= blk_hi))
+    any_tile = any_pair.view(b, q_tiles, tile, kv_tiles).any(2)
+    full_tile = all_pairs.view(b, q_tiles, tile, kv_tiles).all(2)
+    partial_tile = any_tile & ~full_tile
+
+    def as_blocks(tiles):  # [b, QT, KT] bool -> counts [b,1,QT], indices [b,1,QT,KT] (present first)
+        counts = tiles.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts.unsqueeze(1), order.unsqueeze(1)
+
+    kv_num, kv_idx = as_blocks(partial_tile)
+    full_num, full_idx = as_blocks(full_tile)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile,
+                                    mask_mod=dflash_mask_mod(anchors, keep, block_size, ctx_len),
+                                    seq_lengths=(q_len, kv_len))
 
 
 def dense_mask(anchors: torch.Tensor, keep: torch.Tensor, block_size: int, ctx_len: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from .config import ConfigError, RunConfig, load_config
 from .data import DataError, MicroBatches, load_rows, tokenize_dataset
 from .evaluate import evaluate_tau
 from .flops import drafter_step_flops, peak_flops, visible_pairs
-from .mask import build_block_mask
+from .mask import dflash_block_mask
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .objective import block_attention, drafter_loss
 from .optim import MasterWeightAdamW, warmup_cosine
@@ -131,11 +131,9 @@ def check_dense_fits(s: Setup) -> None:
                           "Train with attention = 'flex' on a GPU.")
 
 
-def make_mask_builder(block: int, device: torch.device):
-    from .attention import block_mask_builder
-
-    builder = block_mask_builder(compiled=device.type == "cuda")
-    return lambda anchors, keep, ctx_len: build_block_mask(anchors, keep, block, ctx_len, builder=builder)
+def make_mask_builder(block: int):
+    """BlockMasks from the anchors by interval arithmetic: eager tensor ops, nothing to compile."""
+    return lambda anchors, keep, ctx_len: dflash_block_mask(anchors, keep, block, ctx_len)
 
 
 def warm_drafter(drafter, embed_weight, head_weight, buckets, micro_batch: int, num_anchors: int,
@@ -155,15 +153,19 @@ def warm_drafter(drafter, embed_weight, head_weight, buckets, micro_batch: int, 
     device = embed_weight.device
 
     def probe(ctx_len: int) -> None:
+        t0 = time.perf_counter()
         ids = torch.randint(dc.vocab_size, (micro_batch, ctx_len), device=device)
         lm = torch.ones(micro_batch, ctx_len, dtype=torch.uint8, device=device)
         feats = torch.randn(micro_batch, ctx_len, feat_dim, device=device, dtype=drafter.fc.weight.dtype)
         anchors, keep = sample_anchors(lm, num_anchors)
         blocks = build_blocks(ids, lm, anchors, keep, dc.block_size, drafter.mask_token_id, gamma)
         attn = block_attention("flex", blocks, ctx_len, dc.block_size, dc, mask_builder)
+        t1 = time.perf_counter()
         sums = drafter_loss(drafter, embed_weight, head_weight, feats, blocks, attn, chunk_rows)
+        t2 = time.perf_counter()
         sums.weighted_ce.backward()
         drafter.zero_grad(set_to_none=True)
+        log(f"  bucket {ctx_len}: mask {t1 - t0:.1f}s, forward {t2 - t1:.1f}s, backward {time.perf_counter() - t2:.1f}s")
 
     return warm_up(probe, list(buckets), Path(cache_dir) / "compile.lock", log=log)
 
@@ -249,7 +251,7 @@ def run(cfg: RunConfig, resume: bool = False) -> dict:
 
     mask_builder = None
     if s.attention == "flex":
-        mask_builder = make_mask_builder(s.drafter.block_size, s.device)
+        mask_builder = make_mask_builder(s.drafter.block_size)
     else:
         check_dense_fits(s)
     if before is None:

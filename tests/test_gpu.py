@@ -14,8 +14,7 @@ def test_flex_equals_dense_reference_forward_and_backward_on_gpu():
     from transformers import Qwen3Config
 
     from dflash_trainer.anchors import build_blocks, sample_anchors
-    from dflash_trainer.attention import block_mask_builder
-    from dflash_trainer.mask import build_block_mask
+    from dflash_trainer.mask import dflash_block_mask
     from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
     from dflash_trainer.objective import block_attention
 
@@ -32,13 +31,12 @@ def test_flex_equals_dense_reference_forward_and_backward_on_gpu():
     feats = torch.randn(2, S, 2 * 128, device=dev)
     x = F.embedding(blocks.token_ids, torch.randn(256, 128, device=dev))
     pos = torch.cat([torch.arange(S, device=dev).expand(2, -1), blocks.position_ids], 1)
-    builder = block_mask_builder(compiled=True)
     grads = []
     outs = []
     for backend in ("sdpa", "flex"):
         model.zero_grad()
         attn = block_attention(backend, blocks, S, 16, model.config,
-                               lambda a, k, s: build_block_mask(a, k, 16, s, builder=builder))
+                               lambda a, k, s: dflash_block_mask(a, k, 16, s))
         out = model(feats, x, pos, attn)
         (out.float().square() * blocks.weights.unsqueeze(-1)).sum().backward()
         outs.append(out.detach())

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from dflash_trainer.anchors import build_blocks, default_gamma, sample_anchors
 from dflash_trainer.loss import chunked_block_loss
-from dflash_trainer.mask import build_block_mask, dense_mask
+from dflash_trainer.mask import build_block_mask, dense_mask, dflash_block_mask
 
 
 def brute_force_mask(anchors, keep, block, ctx_len):
@@ -60,9 +60,12 @@ def test_block_mask_matches_brute_force(ctx_len):
         _, anchors, keep = random_case(seed, ctx_len=ctx_len)
         reference = brute_force_mask(anchors, keep, 4, ctx_len)
         assert torch.equal(dense_mask(anchors, keep, 4, ctx_len)[:, 0], reference)
-        bm = build_block_mask(anchors, keep, 4, ctx_len)
+        bm = dflash_block_mask(anchors, keep, 4, ctx_len)
         assert bm.shape[-2:] == (5 * 4, ctx_len + 5 * 4)
-        assert torch.equal(bm.to_dense().bool().any(), reference.any())
+        # The same tiles as create_block_mask evaluating mask_mod everywhere, and the same full tiles.
+        generic = build_block_mask(anchors, keep, 4, ctx_len)
+        assert torch.equal(bm.to_dense(), generic.to_dense())
+        assert torch.equal(bm.full_kv_num_blocks, generic.full_kv_num_blocks)
         # Every tile the BlockMask skips is empty in the reference (no visible pair is dropped).
         dense_tiles = bm.to_dense()[:, 0].bool()
         tile_q, tile_kv = bm.BLOCK_SIZE
@@ -114,7 +117,6 @@ def test_flex_path_equals_dense_sdpa_reference_on_cpu():
     """The drafter with compiled flex_attention (CPU: forward only) equals the SDPA reference."""
     from transformers import Qwen3Config
 
-    from dflash_trainer.attention import block_mask_builder
     from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
     from dflash_trainer.objective import block_attention
 
@@ -129,9 +131,8 @@ def test_flex_path_equals_dense_sdpa_reference_on_cpu():
     emb = torch.randn(64, 32)
     pos = torch.cat([torch.arange(200).expand(2, -1), blocks.position_ids], 1)
     x = F.embedding(blocks.token_ids, emb)
-    builder = block_mask_builder(compiled=False)
     with torch.no_grad():
         ref = model(feats, x, pos, block_attention("sdpa", blocks, 200, 4, model.config))
         flex = model(feats, x, pos, block_attention(
-            "flex", blocks, 200, 4, model.config, lambda a, k, s: build_block_mask(a, k, 4, s, builder=builder)))
+            "flex", blocks, 200, 4, model.config, lambda a, k, s: dflash_block_mask(a, k, 4, s)))
     torch.testing.assert_close(flex, ref, rtol=1e-4, atol=1e-4)
