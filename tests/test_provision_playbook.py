@@ -299,6 +299,31 @@ def test_template_uploaded_again_when_its_checksum_differs(created, prov, tmp_pa
     assert proc.returncode == 0
 
 
+def test_training_venv_missing_gets_a_clear_message(created, prov, tmp_path):
+    host = {"ct9101": {"proxmox_lxc_vmid": 9101, "proxmox_lxc_hostname": "ct9101", "proxmox_gpu_devices": [0],
+                       "proxmox_lxc_memory": 384}}
+    # no venv in the container and no rebuild inputs: use the frozen template or give the inputs
+    proc = prov.run(prov.inventory(host, training_venv_enabled=True), "--limit", "ct9101")
+    text = failure_text(proc)
+    assert proc.returncode != 0
+    assert "Container 9101 has no training venv at /opt/dflash/venv" in text, text[-3000:]
+    assert "training_venv_wheelhouse" in text
+    # with rebuild inputs, a container without python3 is refused before anything is copied in
+    inputs = {}
+    for name in ("lock", "wheelhouse"):
+        (tmp_path / name).mkdir()
+        inputs[f"training_venv_{name}" + ("_dir" if name == "lock" else "")] = str(tmp_path / name)
+    (tmp_path / "dflash_trainer-0.1.0-py3-none-any.whl").write_bytes(b"")
+    (tmp_path / "uv").write_bytes(b"")
+    proc = prov.run(prov.inventory(host, training_venv_enabled=True,
+                                   training_venv_trainer_wheel=str(tmp_path / "dflash_trainer-0.1.0-py3-none-any.whl"),
+                                   training_venv_uv=str(tmp_path / "uv"), **inputs), "--limit", "ct9101")
+    text = failure_text(proc)
+    assert proc.returncode != 0
+    assert "Container 9101 has no python3" in text, text[-3000:]
+    assert prov.host.exec_in_container(9101, ["ls", "/var/tmp"]).stdout.strip() == ""
+
+
 # ---- bad input: a clear message, nothing changed, no secret printed ----------------------------------
 def one(prov, vmid=9104, hostname="ct9104", **over):
     host_vars = {"proxmox_lxc_vmid": vmid, "proxmox_lxc_hostname": hostname, "proxmox_gpu_devices": [0]}

@@ -102,7 +102,8 @@ def run(module):
     if rc != 0 and not p["allow_failure"]:
         raise PveError(f"{' '.join(p['argv'])} failed in container {p['vmid']} (exit {rc}): "
                        f"{(err or out).strip()[-1500:]}", rc=rc, stdout=out, stderr=err)
-    return dict(changed=not p["read_only"], rc=rc, stdout=out, stderr=err,
+    # failed=False: Ansible would call any result with rc != 0 a failure, even with allow_failure
+    return dict(changed=not p["read_only"], rc=rc, stdout=out, stderr=err, failed=False,
                 stdout_lines=out.splitlines())
 
 
