@@ -43,6 +43,15 @@ class DataConfig:
     max_length: int = 3072
     context_buckets: list[int] = field(default_factory=lambda: [512, 1024, 2048, 3072])
     num_proc: int | None = None
+    features_dir: str | None = None  # offline mode: features dumped with --dump-features
+
+
+@dataclass
+class ParallelConfig:
+    target_ranks: int = 0  # processes running the frozen target (torchrun --nproc-per-node = T + D)
+    drafter_ranks: int = 1  # processes training the drafter (DDP)
+    prefetch: int = 2  # micro-batches in flight per target -> drafter pair
+    isolate_gpus: bool = True  # each worker sees its GPU as cuda:0: one compile cache for all ranks
 
 
 @dataclass
@@ -79,6 +88,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output_dir: str = "runs/default"
 
     def to_dict(self) -> dict:
@@ -147,7 +157,9 @@ def validate(c: RunConfig) -> None:
         problems.append("data.context_buckets must be a non-empty ascending list")
     elif c.data.max_length > c.data.context_buckets[-1]:
         problems.append(f"data.max_length {c.data.max_length} exceeds the largest context bucket")
-    if c.target.path != "embedded" and not c.data.train:
+    if c.parallel.target_ranks < 0 or c.parallel.drafter_ranks < 1 or c.parallel.prefetch < 1:
+        problems.append("parallel: target_ranks >= 0, drafter_ranks >= 1 and prefetch >= 1")
+    if c.target.path != "embedded" and not c.data.train and not c.data.features_dir:
         problems.append("data.train is empty: list JSONL files (or a hub dataset name)")
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

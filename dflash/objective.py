@@ -62,10 +62,12 @@ def drafter_loss(
     blocks: Blocks,
     attention: AttentionFn,
     chunk_rows: int = 2048,
+    model=None,
 ) -> LossSums:
+    """`model` is what runs the forward (the DDP wrapper on drafter ranks); `drafter` by default."""
     b, ctx_len = features.shape[:2]
     block_embeds = F.embedding(blocks.token_ids, embed_weight)
     ctx_pos = torch.arange(ctx_len, device=features.device).expand(b, ctx_len)
     position_ids = torch.cat([ctx_pos, blocks.position_ids], dim=1)
-    hidden = drafter(features, block_embeds, position_ids, attention)
+    hidden = (model or drafter)(features, block_embeds, position_ids, attention)
     return chunked_block_loss(hidden, head_weight, blocks.labels, blocks.weights, drafter.block_size, chunk_rows)

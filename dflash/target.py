@@ -80,3 +80,40 @@ class FrozenTarget:
             for h in handles:
                 h.remove()
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+
+
+def load_embed_and_head(path: str, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Only the target's embedding and LM head (what a drafter rank needs), read by key from safetensors.
+
+    The parameter names come from the model class itself (built on the meta device, no memory), so
+    any causal LM works, tied embeddings included.
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = {id(p): n for n, p in skeleton.named_parameters(remove_duplicate=False)}
+    embed_name = names[id(skeleton.get_input_embeddings().weight)]
+    head_name = names[id(skeleton.get_output_embeddings().weight)]
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+
+    def read(name: str) -> torch.Tensor:
+        candidates = [name] + ([name.split(".", 1)[1]] if "." in name else [])
+        for key in candidates:
+            file = root / (weight_map.get(key, "") if weight_map else "model.safetensors")
+            if file.is_file():
+                with safe_open(str(file), "pt") as f:
+                    if key in f.keys():
+                        return f.get_tensor(key).to(device=device, dtype=dtype)
+        if name == head_name and getattr(config, "tie_word_embeddings", False):
+            return read(embed_name)
+        raise KeyError(f"{path}: no tensor {name!r} in its safetensors files")
+
+    return read(embed_name), read(head_name)

@@ -62,6 +62,11 @@ class TransportError(RuntimeError):
     """The two sides of the hand-off disagree (schedule, end of stream, prefetch depth, header)."""
 
 
+def _first_at_or_after(start: int, residue: int, modulus: int) -> int:
+    """The smallest i >= start with i % modulus == residue (a resumed run starts mid-schedule)."""
+    return start + (residue - start) % modulus
+
+
 @dataclass(frozen=True)
 class Roles:
     """Which global rank is a target and which a drafter: targets first, then drafters."""
@@ -131,17 +136,17 @@ class Roles:
         """Global rank of the drafter that consumes micro-batch i."""
         return self.num_targets + i % self.num_drafters
 
-    def batches_for_target(self, t: int, num_batches: int) -> range:
-        """Micro-batch ids target index t produces, in order (t = target_index(rank))."""
+    def batches_for_target(self, t: int, num_batches: int, start: int = 0) -> range:
+        """Micro-batch ids target index t produces, in order (t = target_index(rank)), from `start` on."""
         if not 0 <= t < self.num_targets:
             raise ValueError(f"target index {t} is outside 0..{self.num_targets - 1}")
-        return range(t, num_batches, self.num_targets)
+        return range(_first_at_or_after(start, t, self.num_targets), num_batches, self.num_targets)
 
-    def batches_for_drafter(self, d: int, num_batches: int) -> range:
-        """Micro-batch ids drafter index d consumes, in order (d = drafter_index(rank))."""
+    def batches_for_drafter(self, d: int, num_batches: int, start: int = 0) -> range:
+        """Micro-batch ids drafter index d consumes, in order (d = drafter_index(rank)), from `start` on."""
         if not 0 <= d < self.num_drafters:
             raise ValueError(f"drafter index {d} is outside 0..{self.num_drafters - 1}")
-        return range(d, num_batches, self.num_drafters)
+        return range(_first_at_or_after(start, d, self.num_drafters), num_batches, self.num_drafters)
 
     def stop_positions(self, t: int, d: int, end: int, prefetch: int) -> list[int]:
         """Positions past the end for which target t owes drafter d a stop header.
@@ -258,14 +263,16 @@ class FeatureSender:
     """Target side: send(batch) posts the next scheduled micro-batch; close(num_batches) ends the stream."""
 
     def __init__(
-        self, roles: Roles, rank: int, groups: TransportGroups, prefetch: int = 2, timeout_s: float = 1800.0
+        self, roles: Roles, rank: int, groups: TransportGroups, prefetch: int = 2, timeout_s: float = 1800.0,
+        start: int = 0,
     ):
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         self.roles, self.rank, self.groups = roles, rank, groups
         self.t = roles.target_index(rank)
         self.prefetch, self.timeout_s = prefetch, timeout_s
-        self.next_index = self.t
+        self.start = start
+        self.next_index = _first_at_or_after(start, self.t, roles.num_targets)
         self.num_sent = 0
         self.closed = False
         self._inflight: deque[_InFlight] = deque()
@@ -302,7 +309,7 @@ class FeatureSender:
 
         Every target must pass the same num_batches, and must have sent exactly its share of it.
         """
-        expected = len(self.roles.batches_for_target(self.t, num_batches))
+        expected = len(self.roles.batches_for_target(self.t, num_batches, self.start))
         if self.num_sent != expected:
             raise TransportError(
                 f"target rank {self.rank} sent {self.num_sent} micro-batches but a stream of {num_batches} "
@@ -371,6 +378,7 @@ class FeatureReceiver:
         device: torch.device | str,
         prefetch: int = 2,
         timeout_s: float = 1800.0,
+        start: int = 0,
     ):
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
@@ -383,7 +391,8 @@ class FeatureReceiver:
         self.num_received = 0
         self.last_index: int | None = None
         self.end: int | None = None
-        self._next_to_post = self.d
+        self.start = start
+        self._next_to_post = _first_at_or_after(start, self.d, roles.num_drafters)
         self._pending: deque[_Pending] = deque()
         self._waiter = _HeaderWaiter()
         for _ in range(prefetch):
@@ -461,7 +470,7 @@ class FeatureReceiver:
         return front.tensors
 
     def _finish(self, end: int) -> None:
-        expected = len(self.roles.batches_for_drafter(self.d, end))
+        expected = len(self.roles.batches_for_drafter(self.d, end, self.start))
         if self.num_received != expected:
             raise TransportError(
                 f"drafter rank {self.rank} received {self.num_received} micro-batches but the stream ends "
