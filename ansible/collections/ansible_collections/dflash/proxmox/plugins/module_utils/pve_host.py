@@ -4,6 +4,7 @@
 # The parsers are pure functions (unit-tested); HostShell is the only part that runs anything.
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -189,7 +190,13 @@ class HostShell:
         self.base = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=15", "-p", str(self.port)]
         if params.get("ssh_private_key"):
             self.base += ["-i", params["ssh_private_key"], "-o", "IdentitiesOnly=yes"]
-        for opt in params.get("ssh_options") or []:
+        options = list(params.get("ssh_options") or [])
+        if not any(o.lower().startswith("controlmaster") for o in options):
+            # one connection per host for the many short commands (each handshake costs ~0.5 s)
+            cp_dir = os.path.expanduser("~/.ansible/cp")
+            os.makedirs(cp_dir, mode=0o700, exist_ok=True)
+            options += ["ControlMaster=auto", f"ControlPath={cp_dir}/dflash-%C", "ControlPersist=60"]
+        for opt in options:
             self.base += ["-o", opt]
 
     def run(self, command, stdin=None, check=True, what=None):
