@@ -323,3 +323,39 @@ def test_missing_credentials_are_named():
     with pytest.raises(PveError, match="no Proxmox credentials.*PROXMOX_PASSWORD"):
         PveClient({"api_host": "h", "node": "pve", "api_port": 8006, "api_password": "", "api_token_id": "",
                    "api_token_secret": "", "validate_certs": True, "ca_path": "", "api_timeout": 5})
+
+
+# ---- who may set dev[n] ----------------------------------------------------------------------------
+class _FakePve:
+    def __init__(self, version, auth, user="root@pam"):
+        self.version, self.auth, self.user = {"version": version}, auth, user
+
+    def version_tuple(self):
+        from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveClient
+
+        return PveClient.version_tuple(self)
+
+    def can_pass_devices(self):
+        return self.auth == "ticket" and self.user == "root@pam"
+
+
+def _lxc_with(pve):
+    from ansible_collections.dflash.proxmox.plugins.modules.pve_lxc import Lxc
+
+    lxc = Lxc.__new__(Lxc)
+    lxc.pve = pve
+    return lxc
+
+
+def test_dev_entries_need_pve_8_1():
+    with pytest.raises(PveError, match=r"needs Proxmox VE 8\.1 or newer; this host runs 7\.4-3.*proxmox_gpu_method: raw"):
+        _lxc_with(_FakePve("7.4-3", "ticket")).check_device_rights(["dev0"])
+
+
+def test_dev_entries_refused_plainly_with_a_token_or_another_user():
+    with pytest.raises(PveError, match="an API token is configured"):
+        _lxc_with(_FakePve("9.1.1", "token")).check_device_rights(["dev0"])
+    with pytest.raises(PveError, match="the login user is admin@pve"):
+        _lxc_with(_FakePve("8.2.4", "ticket", "admin@pve")).check_device_rights(["dev0"])
+    _lxc_with(_FakePve("8.1.3", "ticket")).check_device_rights(["dev0"])  # root@pam ticket: allowed
+    _lxc_with(_FakePve("7.0", "token")).check_device_rights([])  # no devices: nothing to check

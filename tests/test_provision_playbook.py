@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import textwrap
 from pathlib import Path
@@ -292,6 +293,14 @@ def test_template_uploaded_again_when_its_checksum_differs(created, prov, tmp_pa
     assert len(uploads) == 1 and uploads[0]["params"].get("checksum-algorithm") == "sha256"
     remote = prov.host.ssh(f"sha256sum /var/lib/vz/template/cache/{prov.template.name}").stdout.split()[0]
     assert remote == hashlib.sha256(changed.read_bytes()).hexdigest()
+    # check mode on a node that lacks the template: would upload, would create, does neither
+    renamed = tmp_path / "debian-12-dflash-check_1.0-1_amd64.tar.zst"
+    shutil.copyfile(prov.template, renamed)
+    prov.host.reset_calls()
+    proc = prov.run(one(prov, proxmox_template_src=str(renamed)), "--check", "--diff")
+    assert proc.returncode == 0, failure_text(proc)[-4000:]
+    assert recap(proc)["ct9104"]["changed"] >= 2 and api_writes(prov.host) == []
+    assert not prov.host.container_exists(9104)
     # put the original back for the other tests
     proc = prov.run(prov.inventory({"ct9101": {"proxmox_lxc_vmid": 9101, "proxmox_lxc_hostname": "ct9101",
                                                "proxmox_gpu_devices": [0], "proxmox_lxc_memory": 384}}),

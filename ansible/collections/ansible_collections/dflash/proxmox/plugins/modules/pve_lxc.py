@@ -78,6 +78,10 @@ options:
     description: Reboot a running container to apply pending changes.
     type: bool
     default: true
+  template_uploading:
+    description: In check mode, an earlier task would upload O(template) (and only pretended to); don't call it missing.
+    type: bool
+    default: false
 author: dflash-trainer developers
 """
 
@@ -134,6 +138,7 @@ def argument_spec():
         ostype=dict(type="str"), arch=dict(type="str"),
         password=dict(type="str", no_log=True), ssh_public_keys=dict(type="str"),
         reboot_for_pending=dict(type="bool", default=True),
+        template_uploading=dict(type="bool", default=False),
     )
     return spec
 
@@ -193,7 +198,7 @@ class Lxc:
         if ":" not in template:
             raise PveError(f"template {template!r} is not a volume id like local:vztmpl/<file>")
         self.pve.storage(tstorage, "vztmpl")
-        if template not in self.pve.templates(tstorage):
+        if template not in self.pve.templates(tstorage) and not (self.check and self.p["template_uploading"]):
             raise PveError(f"template {template} is missing on node {self.pve.node}; upload it first "
                            f"(the proxmox_template role does, from proxmox_template_src) or fix proxmox_lxc_template")
         self.check_device_rights([k for k in self.desired if cfgmod.family(k) == "dev"])
