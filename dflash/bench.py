@@ -48,6 +48,33 @@ def build_target(cfg: Qwen3Config, device, dtype):
     return model
 
 
+def make_assets(root: Path, preset: str, seq: int, rows: int) -> None:
+    """A random-weight target directory of the preset's shape, a tokenizer and pre-tokenized data.
+
+    For end-to-end benchmarks of the real trainer (torchrun, target ranks, drafter ranks) where no
+    real checkpoint can be downloaded. Data rows are random token ids of `seq` tokens with the last
+    3/4 supervised, so every micro-batch has the benchmark's shape.
+    """
+    from transformers import Qwen3ForCausalLM
+
+    from .tiny import build_tokenizer, read_corpus
+
+    cfg = Qwen3Config(**PRESETS[preset]["target"], tie_word_embeddings=False)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(root / "target")
+    tokenizer = build_tokenizer([m["content"] for c in read_corpus() for m in c])
+    tokenizer.save_pretrained(root / "target")
+    g = torch.Generator().manual_seed(1)
+    with open(root / "train.jsonl", "w") as f:
+        for _ in range(rows):
+            ids = torch.randint(len(tokenizer), (seq,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * (seq // 4) + [1] * (seq - seq // 4)}) + "\n")
+    print(f"bench assets in {root}: target ({cfg.num_hidden_layers} layers, random weights), {rows} rows of {seq}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dflash-bench", description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
@@ -60,12 +87,17 @@ def main(argv=None) -> int:
     p.add_argument("--with-target", action="store_true", help="features from a random-weight target")
     p.add_argument("--cache-dir", default="runs/bench/compile-cache")
     p.add_argument("--json", help="write the result here")
+    p.add_argument("--make-assets", metavar="DIR", help="write a random target + data for end-to-end runs")
+    p.add_argument("--rows", type=int, default=64, help="data rows for --make-assets")
     p.add_argument("--stack-dump-after", type=float, help="dump every thread's stack after N s (diagnosis)")
     args = p.parse_args(argv)
     if args.stack_dump_after:
         import faulthandler
 
         faulthandler.dump_traceback_later(args.stack_dump_after, repeat=True)
+    if args.make_assets:
+        make_assets(Path(args.make_assets), args.preset, args.seq, args.rows)
+        return 0
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and args.preset != "tiny":

@@ -70,7 +70,7 @@ class TrainConfig:
     attention: str = "auto"  # auto: flex on CUDA, sdpa on CPU (flex has no CPU backward)
     loss_chunk_rows: int = 2048
     log_every: int = 10
-    checkpoint_every: int = 500
+    checkpoint_every: int = 500  # steps; 0 disables checkpoints (the final drafter is always saved)
     keep_last: int = 3
     compile_cache_dir: str | None = None
 

@@ -75,13 +75,16 @@ def init(target_ranks: int, drafter_ranks: int, offline: bool, isolate_gpus: boo
     if roles.offline and not offline:
         raise ValueError("0 target ranks means offline mode: set data.features_dir to features dumped with "
                          "--dump-features, or give target ranks (--target-gpus T)")
-    use_cuda = torch.cuda.is_available()
-    if use_cuda and isolate_gpus:
+    if isolate_gpus:
         # Every worker sees its GPU as cuda:0, so compile-cache keys match and rank 1+ hit rank 0's cache.
+        # Before ANY torch.cuda call: the driver reads CUDA_VISIBLE_DEVICES once, at its first use
+        # (even torch.cuda.is_available()), after which every process would share GPU 0.
         isolate_local_gpu(local_rank)
-        device = torch.device("cuda", 0)
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        device = torch.device("cuda", 0 if isolate_gpus else local_rank)
     else:
-        device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        device = torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))

@@ -43,6 +43,7 @@ from .optim import MasterWeightAdamW, warmup_cosine
 from .target import FrozenTarget, load_embed_and_head
 
 console = Console(stderr=True)
+PROCESS_START = time.perf_counter()  # for time-to-first-step (imports included)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -414,7 +415,8 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
                     scalars["mfu"] = mfu
                 for k, v in scalars.items():
                     writer.add_scalar(f"train/{k}", v, step + 1)
-        if lead and ((step + 1) % c.train.checkpoint_every == 0 or step + 1 == c.train.steps):
+        every = c.train.checkpoint_every  # 0: no checkpoints (benchmarks); the final drafter is still saved
+        if lead and every and ((step + 1) % every == 0 or step + 1 == c.train.steps):
             state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
                      "step": step + 1, "data_position": (step + 1) * A * D, "config": c.to_dict()}
             ckpt.save_checkpoint(out / "checkpoints", step + 1, drafter.save_pretrained, state, c.train.keep_last)
@@ -433,6 +435,7 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
         "mfu": flops_total / train_time / peak if peak and train_time else None,
         "time_split_s": {wait_kind: t_wait, "drafter": t_drafter},
         "compile_s": warmup_s,
+        "time_to_first_step_s": (first_step_at - PROCESS_START) if first_step_at else None,
         "compile_cache_hits": warmup_report.cache_hits if warmup_report else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "drafter_ranks": D,
@@ -508,7 +511,7 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | No
 def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
     """Run the target over the training stream once; rank r of W writes micro-batches i = r mod W."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if torch.cuda.is_available():
+    if world > 1:  # one GPU per process, chosen before the driver reads CUDA_VISIBLE_DEVICES
         from .warmup import isolate_local_gpu
 
         isolate_local_gpu(int(os.environ.get("LOCAL_RANK", "0")))
