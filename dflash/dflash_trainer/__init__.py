@@ -1,6 +1,6 @@
 """dflash_trainer: train DFlash block-diffusion drafters for speculative decoding.
 
-Imported as ``dflash_trainer`` (the folder is ``dflash/``) so it never shadows z-lab's ``dflash``
+Imported as ``dflash_trainer`` (it lives in ``dflash/dflash_trainer``) so it never shadows z-lab's ``dflash``
 inference package, which users install beside it to serve what we train.
 """
 

@@ -86,7 +86,7 @@ def _private(module_name: str, attr: str):
         raise PrivateTorchAPIError(
             f"{module_name}.{attr} is missing in torch {torch.__version__}; dflash_trainer's dense-path "
             "guards were written against torch 2.11-2.14. Pin torch to a supported version or update "
-            "dflash/attention.py for this one."
+            "dflash/dflash_trainer/attention.py for this one."
         )
     return module, getattr(module, attr)
 
@@ -107,7 +107,7 @@ def fx_tracing_active() -> bool:
         return bool(module.is_fx_tracing())
     raise PrivateTorchAPIError(
         f"torch {torch.__version__} has neither torch.fx._symbolic_trace._get_is_fx_tracing nor "
-        "_is_fx_tracing_flag; update fx_tracing_active() in dflash/attention.py for this version."
+        "_is_fx_tracing_flag; update fx_tracing_active() in dflash/dflash_trainer/attention.py for this version."
     )
 
 
