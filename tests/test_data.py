@@ -1,12 +1,17 @@
 """Data: chat template rendering, assistant loss masks, buckets, the resumable micro-batch stream."""
 
 import pytest
-from transformers import AutoTokenizer
-
 from dflash_trainer.data import (
-    DataError, MicroBatches, bucket_for, has_anchor, load_rows, normalise_messages, tokenize_conversation,
+    DataError,
+    MicroBatches,
+    bucket_for,
+    has_anchor,
+    load_rows,
+    normalise_messages,
+    tokenize_conversation,
     tokenize_dataset,
 )
+from transformers import AutoTokenizer
 
 
 @pytest.fixture(scope="module")

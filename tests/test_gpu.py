@@ -11,12 +11,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_flex_equals_dense_reference_forward_and_backward_on_gpu():
-    from transformers import Qwen3Config
-
     from dflash_trainer.anchors import build_blocks, sample_anchors
     from dflash_trainer.mask import dflash_block_mask
     from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
     from dflash_trainer.objective import block_attention
+    from transformers import Qwen3Config
 
     torch.manual_seed(0)
     dev = torch.device("cuda")

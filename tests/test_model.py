@@ -4,10 +4,9 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3Config
-
 from dflash_trainer.model import DFlashDrafter, DrafterShape, build_target_layer_ids, drafter_config
 from dflash_trainer.objective import sdpa_attention
+from transformers import Qwen3Config
 
 TINY_TARGET = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16)

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from dflash_trainer.anchors import build_blocks, default_gamma, sample_anchors
 from dflash_trainer.loss import chunked_block_loss
 from dflash_trainer.mask import build_block_mask, dense_mask, dflash_block_mask
@@ -115,10 +114,9 @@ def test_chunked_loss_equals_the_full_computation():
 @pytest.mark.slow
 def test_flex_path_equals_dense_sdpa_reference_on_cpu():
     """The drafter with compiled flex_attention (CPU: forward only) equals the SDPA reference."""
-    from transformers import Qwen3Config
-
     from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
     from dflash_trainer.objective import block_attention
+    from transformers import Qwen3Config
 
     torch.manual_seed(0)
     tc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,

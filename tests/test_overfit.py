@@ -6,14 +6,13 @@ reproduce it under real speculative decoding against the target.
 """
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from dflash_trainer.anchors import build_blocks, sample_anchors
 from dflash_trainer.evaluate import evaluate_tau, speculative_generate
 from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
 from dflash_trainer.objective import block_attention, drafter_loss
 from dflash_trainer.optim import MasterWeightAdamW
 from dflash_trainer.target import FrozenTarget
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 BLOCK = 8
 

@@ -4,7 +4,6 @@ import json
 import shutil
 
 import pytest
-
 from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.model import DFlashDrafter

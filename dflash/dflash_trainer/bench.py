@@ -29,13 +29,17 @@ from .train import make_mask_builder, warm_drafter
 
 PRESETS = {
     # Qwen3-8B and its published drafter (z-lab/Qwen3-8B-DFlash-b16).
-    "qwen3-8b": dict(target=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                                 num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-                     drafter=dict(num_layers=5, block_size=16, mask_token_id=151669)),
+    "qwen3-8b": {
+        "target": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
+        "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
+    },
     # A shape small enough for a CPU smoke run of this script.
-    "tiny": dict(target=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-                 drafter=dict(num_layers=2, block_size=8, mask_token_id=3)),
+    "tiny": {
+        "target": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+        "drafter": {"num_layers": 2, "block_size": 8, "mask_token_id": 3},
+    },
 }
 
 

@@ -11,9 +11,10 @@ through unchanged.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 
@@ -92,7 +93,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> d
 
 def has_anchor(loss_mask: Sequence[int]) -> bool:
     """At least one position a with loss_mask[a] and loss_mask[a+1]: otherwise no block can train."""
-    return any(a and b for a, b in zip(loss_mask, loss_mask[1:]))
+    return any(a and b for a, b in pairwise(loss_mask))
 
 
 def tokenize_dataset(rows, tokenizer, max_length: int, num_proc: int | None = None):
@@ -130,7 +131,7 @@ class Batch:
     attention_mask: torch.Tensor  # [b, S] 1 on real tokens
     index: int  # global micro-batch index (data position)
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         return Batch(
             self.input_ids.to(device, non_blocking=True),
             self.loss_mask.to(device, non_blocking=True),

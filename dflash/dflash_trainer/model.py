@@ -8,9 +8,9 @@ it borrows the target's (frozen) ones, and returns normalised hidden states.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -196,7 +196,7 @@ class DFlashDrafter(nn.Module):
         return directory
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None) -> "DFlashDrafter":
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
         directory = Path(directory)
         config_path = directory / "config.json"
         if not config_path.is_file():

@@ -110,7 +110,7 @@ def load_embed_and_head(path: str, device, dtype) -> tuple[torch.Tensor, torch.T
             file = root / (weight_map.get(key, "") if weight_map else "model.safetensors")
             if file.is_file():
                 with safe_open(str(file), "pt") as f:
-                    if key in f.keys():
+                    if key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                         return f.get_tensor(key).to(device=device, dtype=dtype)
         if name == head_name and getattr(config, "tie_word_embeddings", False):
             return read(embed_name)

@@ -24,10 +24,10 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-TARGET_SHAPE = dict(
-    hidden_size=96, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=24, max_position_embeddings=512, tie_word_embeddings=False,
-)
+TARGET_SHAPE = {
+    "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 6, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 24, "max_position_embeddings": 512, "tie_word_embeddings": False,
+}
 
 
 def read_corpus(path: Path = CORPUS) -> list[list[dict]]:

@@ -18,10 +18,10 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from rich.console import Console
@@ -578,7 +578,7 @@ def _tensorboard(directory: Path):
 
 def print_summary(summary: dict) -> None:
     table = Table(title="DFlash training summary", show_header=False)
-    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)
     table.add_row("steps", f"{summary['steps']} ({len(summary['losses'])} in this run)")
     table.add_row("loss", f"{fmt(summary['first_loss'], '.3f')} -> {fmt(summary['final_loss'], '.3f')}")
     table.add_row("tokens/s", fmt(summary["tokens_per_s"], ",.0f"))
