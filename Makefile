@@ -39,8 +39,12 @@ test-fast: venv ## unit tests only (no docker, LXC or slow tests)
 lint: venv ## ruff on the Python code, ansible-lint on the roles
 	$(VENV)/bin/ruff check dflash image tests
 
-train: venv ## embedded default: tiny target + tiny drafter on this machine (CPU is fine)
+train: venv ## embedded default: tiny target + tiny drafter on this machine (CPU is fine); INVENTORY=...: in the containers
+ifeq ($(filter command line environment,$(origin INVENTORY)),)
 	$(PY) -m dflash_trainer.train --config embedded --output-dir $(RUN_DIR)
+else
+	$(MAKE) --no-print-directory train-container
+endif
 
 bench: venv ## drafter-step benchmark (GPU); prints step time, tokens/s, MFU, peak memory
 	$(PY) -m dflash_trainer.bench $(BENCH_ARGS)
@@ -51,3 +55,4 @@ clean: ## remove build outputs and runs (keeps the venv)
 -include image/image.mk
 -include ansible/ansible.mk
 -include tests/testhost.mk
+-include ansible/deploy.mk

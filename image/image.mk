@@ -29,6 +29,8 @@ trainer-wheel: venv ## build the trainer's wheel (dflash-trainer, with dflash_im
 	rm -rf $(TRAINER_WHL)
 	SOURCE_DATE_EPOCH=$$(git log -1 --format=%ct 2>/dev/null || echo 1577836800) $(UV_BIN) build --wheel --out-dir $(TRAINER_WHL) .
 
+# With INVENTORY=... these act on the containers instead (ansible/deploy.mk).
+ifeq ($(filter command line environment,$(origin INVENTORY)),)
 rebuild: trainer-wheel ## recreate $(TRAINENV) from the lock + wheelhouse (offline, copied files), then run the doctor
 	$(PY) -m dflash_image.rebuild --venv $(TRAINENV) --lock $(ENV_DIR) --wheelhouse $(WHEELHOUSE) \
 	  --trainer-wheel $$(ls $(TRAINER_WHL)/dflash_trainer-*.whl) --python $(ENV_PYTHON) --uv $(UV_BIN)
@@ -36,6 +38,10 @@ rebuild: trainer-wheel ## recreate $(TRAINENV) from the lock + wheelhouse (offli
 doctor: ## compare $(TRAINENV) with the lock (inside the container: `dflash-doctor`); exit 1 on drift
 	@test -x $(TRAINENV)/bin/python || { echo "no environment at $(TRAINENV): run make rebuild (or set TRAINENV=/path/to/venv)"; exit 2; }
 	$(TRAINENV)/bin/python -m dflash_image.doctor --lock $(ENV_DIR)/pylock.toml $(DOCTOR_ARGS)
+else
+rebuild: rebuild-container
+doctor: doctor-container
+endif
 
 rootfs: venv ## the Debian base root filesystem (mmdebstrap, pinned snapshot; needs root)
 	$(PY) -m dflash_image.rootfs --out $(IMAGE_OUT)

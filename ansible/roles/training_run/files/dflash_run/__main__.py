@@ -1,0 +1,89 @@
+"""python -m dflash_run {preflight,run,start,stop,status,logs} --run-dir DIR ... (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import preflight, status, supervise
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash_run", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--run-dir", type=Path, required=True, help="the run's output directory")
+    common.add_argument("--unit", help="the systemd unit of the run (production), if any")
+    pf = sub.add_parser("preflight", parents=[common], help="check before starting; exit 1 with the problems")
+    pf.add_argument("--cache-dir", type=Path, required=True)
+    pf.add_argument("--gpus", type=int, default=0, help="GPUs the run needs (0: a CPU run)")
+    pf.add_argument("--min-free-gb", type=float, default=20)
+    pf.add_argument("--max-used-mib", type=int, default=500, help="memory in use above which a GPU is busy")
+    pf.add_argument("--require-mount", action="store_true", help="the run dir must be outside the root fs")
+    pf.add_argument("--config", type=Path, help="the rendered run config, loaded by the trainer's own loader")
+    pf.add_argument("--stop-hint", default="make train-stop")
+    pf.add_argument("--json", action="store_true")
+    r = sub.add_parser("run", parents=[common], help="run the trainer in the foreground (systemd's ExecStart)")
+    r.add_argument("--restart", action="store_true", help="restart after failures itself (no systemd)")
+    sub.add_parser("start", parents=[common], help="start the detached process supervisor (no systemd)")
+    sp = sub.add_parser("stop", parents=[common], help="graceful stop")
+    sp.add_argument("--timeout", type=float, default=600)
+    st = sub.add_parser("status", parents=[common])
+    st.add_argument("--json", action="store_true")
+    lg = sub.add_parser("logs", parents=[common])
+    lg.add_argument("-n", "--lines", type=int, default=50)
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
+    a = ap.parse_args(argv)
+
+    if a.cmd == "preflight":
+        problems = preflight.run_all(a.run_dir, a.cache_dir, a.gpus, a.min_free_gb, a.max_used_mib,
+                                     a.require_mount, a.config, a.stop_hint)
+        if a.json:
+            print(json.dumps([p.__dict__ for p in problems]))
+        elif problems:
+            print(f"preflight: {len(problems)} problem(s), nothing was started:\n" + "\n".join(map(str, problems)))
+        else:
+            print(f"preflight: ok ({a.run_dir})")
+        return 1 if problems else 0
+    if a.cmd == "run":
+        return supervise.run(a.run_dir, a.restart)
+    if a.cmd == "start":
+        return supervise.start_detached(a.run_dir)
+    if a.cmd == "stop":
+        return supervise.stop(a.run_dir, a.unit, a.timeout)
+    if a.cmd == "status":
+        rep = status.report(a.run_dir, a.unit)
+        print(json.dumps(rep, indent=1) if a.json else status.format_report(rep))
+        return 0
+    if a.cmd == "logs":
+        return logs(a.run_dir, a.lines, a.follow)
+    return 2
+
+
+def logs(run_dir: Path, lines: int, follow: bool) -> int:
+    path = Path(supervise.read_state(run_dir.absolute()).get("log") or run_dir / supervise.LOG)
+    if not path.is_file():
+        print(f"no log at {path}: the run was never started detached (make train with INVENTORY), or a "
+              "foreground `make train` printed to its terminal")
+        return 1
+    print("\n".join(status.tail(path, lines)))
+    if not follow:
+        return 0
+    with open(path, errors="replace") as f:
+        f.seek(0, 2)
+        while True:
+            line = f.readline()
+            if line:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                continue
+            if supervise.read_state(run_dir.absolute()).get("state") not in ("running", "restarting", "starting"):
+                return 0
+            time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

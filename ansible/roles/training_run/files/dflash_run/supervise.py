@@ -1,0 +1,244 @@
+"""Run the trainer supervised: resume from the last checkpoint, restart after a failure, stop gracefully.
+
+Two supervisors share this code. Production: a systemd unit inside the container runs `dflash_run run`
+(systemd restarts it, journald keeps its output). Containers without systemd (busybox init, the test
+host's CTs): `dflash_run start` detaches a process supervisor that does the same restarts itself.
+Either way the trainer always starts with --resume, so a restart continues from the last checkpoint,
+and its output goes to stdout (journald) and to the run's log file.
+
+Graceful stop: SIGTERM to the supervisor waits until no checkpoint is being written (the trainer's
+checkpoints appear atomically from a .tmp-step-* directory), then sends SIGTERM to the trainer's
+process group. Even if a save starts in that instant, the previous checkpoint stays whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .procs import alive
+
+LAUNCH = "launch.json"  # written by `make deploy`: the trainer's argv and the restart policy
+STATE = "supervisor.json"
+LOG = "logs/train.log"
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def load_launch(run_dir: Path) -> dict:
+    path = run_dir / LAUNCH
+    if not path.is_file():
+        raise SystemExit(f"no {path}: run `make deploy` first (it writes the run configuration)")
+    launch = json.loads(path.read_text())
+    launch.setdefault("max_restarts", 3)
+    launch.setdefault("restart_delay_s", 10)
+    launch.setdefault("stop_timeout_s", 600)
+    return launch
+
+
+def write_state(run_dir: Path, **state) -> None:
+    tmp = run_dir / (STATE + ".tmp")
+    tmp.write_text(json.dumps(dict(state, updated=now()), indent=1))
+    tmp.replace(run_dir / STATE)
+
+
+def read_state(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def checkpoint_in_progress(run_dir: Path) -> bool:
+    return any((run_dir / "checkpoints").glob(".tmp-step-*"))
+
+
+def graceful_kill(pgid: int, run_dir: Path, timeout_s: float) -> None:
+    """Let a checkpoint in progress finish, then SIGTERM the group; SIGKILL after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while checkpoint_in_progress(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, restart: bool):
+        self.run_dir = run_dir.absolute()
+        self.launch = load_launch(self.run_dir)
+        self.restart = restart
+        self.stopping = threading.Event()
+        self.child: subprocess.Popen | None = None
+        self.log_path = self.run_dir / LOG
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def on_signal(self, signum, _frame) -> None:
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        self.note(f"{signal.Signals(signum).name} received: stopping after the checkpoint in progress")
+        if self.child is not None and self.child.poll() is None:
+            threading.Thread(target=graceful_kill, daemon=True,
+                             args=(self.child.pid, self.run_dir, self.launch["stop_timeout_s"])).start()
+
+    def note(self, line: str) -> None:
+        self.emit(f"[dflash_run {now()}] {line}\n")
+
+    def emit(self, line: str) -> None:
+        with open(self.log_path, "a") as log:
+            log.write(line)
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+    def run_trainer(self) -> int:
+        argv = list(self.launch["argv"]) + ["--resume"]
+        env = dict(os.environ, **self.launch.get("env", {}), PYTHONUNBUFFERED="1")
+        self.note("start: " + " ".join(argv))
+        # Own process group: the graceful stop signals torchrun and all its workers together.
+        self.child = subprocess.Popen(argv, cwd=self.run_dir, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1,
+                                      errors="replace")
+        self.state("running", trainer_pid=self.child.pid)
+        for line in self.child.stdout:
+            self.emit(line)
+        return self.child.wait()
+
+    def state(self, state: str, **extra) -> None:
+        write_state(self.run_dir, state=state, pid=os.getpid(), restarts=self.restarts, log=str(self.log_path),
+                    supervisor=self.launch.get("supervisor", "process"), **extra)
+
+    def loop(self) -> int:
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        self.restarts = 0
+        while True:
+            rc = self.run_trainer()
+            if self.stopping.is_set():
+                self.note(f"stopped (trainer exit {rc}); `make train` resumes from the last checkpoint")
+                self.state("stopped", rc=rc)
+                return 0
+            if rc == 0:
+                self.note("finished")
+                self.state("finished", rc=0)
+                return 0
+            if not self.restart or self.restarts >= self.launch["max_restarts"]:
+                self.note(f"trainer failed (exit {rc})" + ("" if not self.restart else
+                          f" after {self.restarts} restarts; giving up"))
+                self.state("failed", rc=rc)
+                return rc
+            self.restarts += 1
+            self.note(f"trainer failed (exit {rc}); restart {self.restarts}/{self.launch['max_restarts']} in "
+                      f"{self.launch['restart_delay_s']} s from the last checkpoint")
+            self.state("restarting", rc=rc)
+            if self.stopping.wait(self.launch["restart_delay_s"]):
+                self.state("stopped", rc=rc)
+                return 0
+
+
+def run(run_dir: Path, restart: bool) -> int:
+    return Supervisor(run_dir, restart).loop()
+
+
+def start_detached(run_dir: Path) -> int:
+    """The process supervisor, detached from the caller (double fork, new session): survives disconnects."""
+    run_dir = run_dir.absolute()
+    load_launch(run_dir)  # fail here, in the caller, when the run was never deployed
+    current = read_state(run_dir)
+    if current.get("state") in ("running", "restarting") and alive(int(current.get("pid", 0))):
+        print(f"already running (supervisor pid {current['pid']}); make train-status / make train-stop")
+        return 1
+    write_state(run_dir, state="starting", pid=0, restarts=0, log=str(run_dir / LOG), supervisor="process")
+    pid = os.fork()
+    if pid:
+        os.waitpid(pid, 0)
+        for _ in range(100):  # until the supervisor has recorded itself
+            if read_state(run_dir).get("pid"):
+                break
+            time.sleep(0.1)
+        return 0
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    try:
+        code = run(run_dir, restart=True)
+    except BaseException:  # noqa: BLE001 - a detached process has nobody to tell but its log
+        import traceback
+
+        with open(run_dir / LOG, "a") as log:
+            traceback.print_exc(file=log)
+        code = 1
+    os._exit(code)
+
+
+def systemd_unit_state(unit: str) -> dict | None:
+    """ActiveState etc. of the unit, or None where there is no systemd (or no such unit)."""
+    if not Path("/run/systemd/system").is_dir():
+        return None
+    out = subprocess.run(["systemctl", "show", unit, "-p", "LoadState,ActiveState,SubState,NRestarts,MainPID"],
+                         capture_output=True, text=True, check=False).stdout
+    props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    return None if props.get("LoadState") in (None, "not-found") else props
+
+
+def stop(run_dir: Path, unit: str | None, timeout_s: float) -> int:
+    """Graceful stop through whichever supervisor runs it; a foreground run gets the same treatment."""
+    from .procs import of_run, training_processes
+
+    run_dir = run_dir.absolute()
+    if unit and systemd_unit_state(unit):
+        return subprocess.run(["systemctl", "stop", unit], check=False).returncode
+    st = read_state(run_dir)
+    pid = int(st.get("pid") or 0)
+    if st.get("state") in ("running", "restarting") and pid and alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if alive(pid):
+            print(f"supervisor {pid} still running after {timeout_s:g} s", file=sys.stderr)
+            return 1
+        print(f"stopped: {read_state(run_dir).get('state')}; checkpoints in {run_dir / 'checkpoints'}")
+        return 0
+    found = of_run(run_dir, training_processes())
+    if not found:
+        print(f"nothing to stop: no training process writes to {run_dir}")
+        return 0
+    for p in found:  # `make train` in the foreground (local): the same graceful rule
+        _term_one(p.pid, run_dir, timeout_s)
+    print(f"stopped {len(found)} training process(es) of {run_dir}")
+    return 0
+
+
+def _term_one(pid: int, run_dir: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while checkpoint_in_progress(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)

@@ -1,0 +1,242 @@
+"""The deployment stage's logic without a container: the role's jinja2 run config (rendered by a real
+ansible-playbook run of the role's own tasks and read by the trainer's own loader), input validation,
+the preflight checks, and the process supervisor (restart with --resume, graceful stop, status)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+ROLE = REPO / "ansible" / "roles" / "training_run"
+sys.path.insert(0, str(ROLE / "files"))
+
+from dflash_run import preflight, procs, status, supervise
+
+ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+
+
+# ---- rendering: the role's templates through ansible-playbook ---------------------------------------
+def render(tmp_path: Path, **overrides) -> subprocess.CompletedProcess:
+    """Run the role's validate.yml and its two templates on localhost with the defaults + overrides."""
+    play = [{
+        "hosts": "localhost", "connection": "local", "gather_facts": False,
+        "vars_files": [str(ROLE / "defaults" / "main.yml")],
+        "vars": {"ansible_python_interpreter": sys.executable, "training_run_supervisor_kind": "process"},
+        "tasks": [
+            {"name": "validate", "ansible.builtin.include_tasks": str(ROLE / "tasks" / "validate.yml")},
+            {"name": "render", "ansible.builtin.template": {"src": str(ROLE / "templates" / "{{ item }}.j2"),
+                                                            "dest": str(tmp_path / "{{ item }}"), "mode": "0644"},
+             "loop": ["run.toml", "launch.json"]},
+        ],
+    }]
+    (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
+    (tmp_path / "vars.json").write_text(json.dumps(overrides))  # extra vars: they win over the defaults
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_LOCALHOST_WARNING="False",
+               ANSIBLE_INVENTORY_UNPARSED_WARNING="False", ANSIBLE_HOME=str(tmp_path / "ah"),
+               ANSIBLE_LOCAL_TEMP=str(tmp_path / "at"))
+    return subprocess.run([str(ANSIBLE_PLAYBOOK), str(tmp_path / "play.yml"), "-e", f"@{tmp_path / 'vars.json'}"], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+
+
+def test_run_config_renders_for_the_trainer(tmp_path):
+    from dflash_trainer.config import load_config
+
+    proc = render(tmp_path, training_run_root="/srv/d", training_run_name="qwen3-8b",
+                  training_run_target_path="/srv/d/models/Qwen3-8B", training_run_target_gpus=5,
+                  training_run_drafter_gpus=3, training_run_data_train=["/srv/d/data/a.jsonl", "org/ds"],
+                  training_run_settings={"train": {"steps": 2000, "lr": 6e-4, "attention": "flex"},
+                                         "drafter": {"block_size": 16, "mask_token_id": 151669},
+                                         "eval": {"prompts": 8}},
+                  training_run_env={"HF_HOME": "/srv/d/hf"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cfg = load_config(str(tmp_path / "run.toml"), [])
+    assert cfg.output_dir == "/srv/d/runs/qwen3-8b"
+    assert cfg.target.path == "/srv/d/models/Qwen3-8B"
+    assert (cfg.parallel.target_ranks, cfg.parallel.drafter_ranks) == (5, 3)
+    assert cfg.data.train == ["/srv/d/data/a.jsonl", "org/ds"] and cfg.data.eval == []
+    assert cfg.train.compile_cache_dir == "/srv/d/compile-cache"
+    assert (cfg.train.steps, cfg.train.lr, cfg.drafter.mask_token_id, cfg.eval.prompts) == (2000, 6e-4, 151669, 8)
+    launch = json.loads((tmp_path / "launch.json").read_text())
+    # T + D = 8 ranks: torchrun from the environment's bin, the trainer module, the rendered config
+    assert launch["argv"][:4] == ["/opt/dflash/venv/bin/torchrun", "--standalone", "--nproc-per-node", "8"]
+    assert launch["argv"][4:] == ["-m", "dflash_trainer.train", "--config", "/srv/d/runs/qwen3-8b/run.toml",
+                                  "--output-dir", "/srv/d/runs/qwen3-8b"]
+    assert launch["env"] == {"HF_HOME": "/srv/d/hf"} and launch["max_restarts"] == 3
+
+
+def test_single_rank_run_is_one_process(tmp_path):
+    from dflash_trainer.config import load_config
+
+    proc = render(tmp_path, training_run_target_path="embedded", training_run_device="cpu",
+                  training_run_python="/usr/bin/python3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert load_config(str(tmp_path / "run.toml"), []).target.path == "embedded"
+    assert json.loads((tmp_path / "launch.json").read_text())["argv"][:3] == ["/usr/bin/python3", "-m",
+                                                                               "dflash_trainer.train"]
+
+
+@pytest.mark.parametrize("bad, named", [
+    ({"training_run_target_path": ""}, "training_run_target_path must be set"),
+    ({"training_run_target_path": "x", "training_run_drafter_gpus": 0}, "training_run_drafter_gpus >= 1 (are 0, 0)"),
+    ({"training_run_target_path": "x", "training_run_name": "../etc"}, "training_run_name must be letters"),
+    ({"training_run_target_path": "x", "training_run_output_dir": "runs/a"}, "must be absolute paths"),
+])
+def test_bad_variables_are_refused_before_rendering(tmp_path, bad, named):
+    proc = render(tmp_path, **bad)
+    assert proc.returncode != 0
+    assert named in proc.stdout and "Fix it in the inventory" in proc.stdout
+    assert "training_run_supervisor must be" not in proc.stdout  # only the broken rule speaks
+    assert not (tmp_path / "run.toml").exists()  # nothing rendered
+
+
+# ---- preflight -----------------------------------------------------------------------------------------
+# nvidia-smi --query-gpu=index,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits
+IDLE = "0, 1, 143771, 0\n1, 1, 143771, 0\n"
+BUSY = "0, 1, 143771, 0\n1, 80312, 143771, 97\n"
+APPS = "48213, /usr/bin/python3, 80300\n"
+
+
+def test_gpu_checks():
+    assert preflight.check_gpus(IDLE, "", need=2, max_used_mib=500) == []
+    busy = preflight.check_gpus(BUSY, APPS, need=2, max_used_mib=500)
+    assert [p.check for p in busy] == ["gpus", "gpus"]
+    assert "GPU 1 has 80312 MiB" in busy[0].detail and "48213" in busy[1].detail and "kill 48213" in busy[1].fix
+    few = preflight.check_gpus(IDLE, "", need=8, max_used_mib=500)
+    assert "needs 8 GPUs" in few[0].detail and "proxmox_gpu_devices" in few[0].fix
+    assert preflight.query_gpus(0, 500) == []  # a CPU run needs no nvidia-smi
+
+
+def test_disk_writable_and_persistent(tmp_path):
+    assert preflight.check_disk(tmp_path, 0.001) == []
+    (low,) = preflight.check_disk(tmp_path / "new" / "run", 10**9)
+    assert low.check == "disk" and "GiB free" in low.detail
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    (bad,) = preflight.check_writable(blocker / "cache", "compile cache directory")
+    assert "not writable" in bad.detail and "compile cache directory" in bad.fix
+    assert preflight.check_writable(tmp_path / "cache", "compile cache directory") == []
+    same = preflight.check_persistent(tmp_path, root=tmp_path)  # same filesystem as "/" -> refused
+    assert same and same[0].check == "storage" and "mpN" in same[0].fix
+    assert preflight.check_persistent(tmp_path, root=Path("/proc")) == []
+
+
+def test_config_errors_name_the_field(tmp_path):
+    bad = tmp_path / "run.toml"
+    bad.write_text('[train]\nstepz = 3\n')
+    (p,) = preflight.check_config(bad)
+    assert "stepz" in p.detail and "training_run_" in p.fix
+
+
+# ---- supervisor, status, stop (real processes) ------------------------------------------------------
+# The child stands in for nothing: it is the workload the supervisor runs; the container test runs the
+# real trainer under the same supervisor.
+FLAKY = textwrap.dedent("""\
+    import pathlib, sys, time
+    run = pathlib.Path.cwd()
+    n = len(list(run.glob("attempt-*")))
+    (run / f"attempt-{n}").write_text(" ".join(sys.argv[1:]))
+    print(f"attempt {n} args {sys.argv[1:]}", flush=True)
+    sys.exit(3 if n == 0 else 0)
+    """)
+
+SLOW_SAVE = textwrap.dedent("""\
+    import pathlib, signal, sys, time
+    run = pathlib.Path.cwd()
+    tmp = run / "checkpoints" / ".tmp-step-00000002"
+    tmp.mkdir(parents=True)
+    def term(*_):
+        (run / "term-at").write_text(repr(time.time()))
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, term)
+    print("saving", flush=True)
+    time.sleep(2)
+    (tmp / "training_state.pt").write_bytes(b"")
+    (run / "saved-at").write_text(repr(time.time()))
+    tmp.rename(run / "checkpoints" / "step-00000002")
+    time.sleep(60)
+    """)
+
+
+def launch(run_dir: Path, script: str, **extra) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "child.py").write_text(script)
+    (run_dir / supervise.LAUNCH).write_text(json.dumps(
+        {"argv": [sys.executable, str(run_dir / "child.py")], "restart_delay_s": 0, "max_restarts": 2, **extra}))
+
+
+def wait_for(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_restart_after_failure_resumes(tmp_path):
+    run = tmp_path / "run"
+    launch(run, FLAKY)
+    assert supervise.run(run, restart=True) == 0
+    assert (run / "attempt-0").read_text() == "--resume" and (run / "attempt-1").read_text() == "--resume"
+    st = supervise.read_state(run)
+    assert st["state"] == "finished" and st["restarts"] == 1
+    log = (run / supervise.LOG).read_text()
+    assert "attempt 0" in log and "restart 1/2" in log and "attempt 1" in log and "finished" in log
+
+
+def test_gives_up_after_max_restarts(tmp_path):
+    run = tmp_path / "run"
+    launch(run, "import sys; print('boom', flush=True); sys.exit(5)", max_restarts=1)
+    assert supervise.run(run, restart=True) == 5
+    assert supervise.read_state(run)["state"] == "failed"
+    assert (run / supervise.LOG).read_text().count("boom") == 2
+
+
+def test_detached_supervisor_stops_after_the_checkpoint_in_progress(tmp_path):
+    run = tmp_path / "run"
+    launch(run, SLOW_SAVE)
+    cli = [sys.executable, "-m", "dflash_run"]
+    env = dict(os.environ, PYTHONPATH=str(ROLE / "files"))
+    assert subprocess.run([*cli, "start", "--run-dir", str(run)], env=env, timeout=30, check=False).returncode == 0
+    assert wait_for(lambda: "saving" in (run / supervise.LOG).read_text())
+    rep = status.report(run, None)
+    assert rep["state"] == "running" and rep["supervisor"] == "process"
+    again = subprocess.run([*cli, "start", "--run-dir", str(run)], env=env, capture_output=True, text=True,
+                           check=False)
+    assert again.returncode == 1 and "already running" in again.stdout
+    stop = subprocess.run([*cli, "stop", "--run-dir", str(run), "--timeout", "30"], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert stop.returncode == 0, stop.stderr
+    # SIGTERM only reached the trainer once its checkpoint was complete
+    assert float((run / "term-at").read_text()) >= float((run / "saved-at").read_text())
+    rep = status.report(run, None)
+    assert rep["state"] == "stopped" and rep["last_checkpoint"] == 2 and rep["trainer_pids"] == []
+    assert "stopping after the checkpoint in progress" in "\n".join(rep["log_tail"])
+    assert "checkpoint:  step 2" in status.format_report(rep)
+
+
+def test_foreground_trainer_is_found_and_stopped(tmp_path):
+    """A local `make train` (no supervisor): preflight sees it, train-stop ends it."""
+    run = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "dflash_trainer.train",
+                              "--output-dir", str(run)])
+    try:
+        mine = procs.of_run(run, procs.training_processes())
+        assert [p.pid for p in mine] == [child.pid]
+        (stale,) = preflight.check_stale(run, mine, "make train-stop")
+        assert f"training process {child.pid} of this run" in stale.detail and f"kill {child.pid}" in stale.fix
+        assert status.report(run, None)["state"] == "running (foreground, unsupervised)"
+        assert supervise.stop(run, None, timeout_s=20) == 0
+        assert child.wait(timeout=20) == -signal.SIGTERM
+    finally:
+        child.kill()
