@@ -125,10 +125,14 @@ def test_disk_writable_and_persistent(tmp_path):
     (bad,) = preflight.check_writable(blocker / "cache", "compile cache directory")
     assert "not writable" in bad.detail and "compile cache directory" in bad.fix
     assert preflight.check_writable(tmp_path / "cache", "compile cache directory") == []
-    same = preflight.check_persistent(tmp_path, root=tmp_path)  # same filesystem as "/" -> refused
-    assert same and same[0].check == "storage" and "mpN" in same[0].fix
-    assert preflight.check_persistent(tmp_path, root=Path("/proc")) == []
-
+    mountinfo = ("22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n"
+                 "40 22 8:1 /var/lib/vz/runs /srv/dflash rw,relatime - ext4 /dev/sda1 rw\n"
+                 "41 22 0:5 / /srv/my\\040disk rw - ext4 /dev/sdb1 rw\n")
+    (on_root,) = preflight.check_persistent(Path("/srv/runs/a"), mountinfo)  # /srv/runs is not /srv/dflash
+    assert on_root.check == "storage" and "mpN" in on_root.fix
+    assert preflight.check_persistent(Path("/srv/dflash/runs/a"), mountinfo) == []  # a bind mount counts
+    assert preflight.check_persistent(Path("/srv/my disk/x"), mountinfo) == []
+    assert preflight.check_persistent(Path("/proc/self"), None) == []  # this machine's real mountinfo
 
 def test_config_errors_name_the_field(tmp_path):
     bad = tmp_path / "run.toml"
@@ -238,5 +242,29 @@ def test_foreground_trainer_is_found_and_stopped(tmp_path):
         assert status.report(run, None)["state"] == "running (foreground, unsupervised)"
         assert supervise.stop(run, None, timeout_s=20) == 0
         assert child.wait(timeout=20) == -signal.SIGTERM
+    finally:
+        child.kill()
+
+
+def test_local_make_targets_without_inventory(tmp_path):
+    """No INVENTORY: train-status / train-logs / train-stop act on this machine's run ($(RUN_DIR))."""
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("INVENTORY", "MAKEFLAGS")}
+
+    def make(*args):  # -o: never (re)install the venv these tests run in
+        return subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", *args, f"RUN_DIR={run}"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "dflash_trainer.train",
+                              "--output-dir", str(run)])
+    try:
+        st = make("train-status")
+        assert st.returncode == 0 and "running (foreground, unsupervised)" in st.stdout and str(child.pid) in st.stdout
+        logs = make("train-logs")
+        assert logs.returncode != 0 and "foreground `make train` printed to its terminal" in logs.stdout
+        stop = make("train-stop")
+        assert stop.returncode == 0 and "stopped 1 training process" in stop.stdout
+        assert child.wait(timeout=20) == -signal.SIGTERM
+        assert "state:       never started" in make("train-status").stdout
     finally:
         child.kill()

@@ -8,6 +8,7 @@ root filesystem, so `make rebuild` and re-creating the container keep outputs an
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -113,10 +114,25 @@ def check_writable(directory: Path, what: str) -> list[Problem]:
     return []
 
 
-def check_persistent(run_dir: Path, root: Path = Path("/")) -> list[Problem]:
-    """The run directory must not be on the root filesystem: a rebuild or a new container would lose it."""
-    where = _existing(run_dir)
-    if where.stat().st_dev == root.stat().st_dev:
+def mount_points(mountinfo: str) -> list[str]:
+    """Mount points from /proc/self/mountinfo (field 5, octal escapes such as \\040 for a space)."""
+    points = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 4:
+            points.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+    return points
+
+
+def check_persistent(run_dir: Path, mountinfo: str | None = None) -> list[Problem]:
+    """The run directory must sit on its own mount point, not the root filesystem: a rebuild or a new
+    container would lose it. (A bind mount shares the device with / on the host, so st_dev can't tell.)"""
+    if mountinfo is None:
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+    path = os.path.realpath(run_dir)  # resolves what exists, keeps the rest
+    under = max((m for m in mount_points(mountinfo) if path == m or path.startswith(m.rstrip("/") + "/")),
+                key=len, default="/")
+    if under == "/":
         return [Problem("storage", f"{run_dir} is on the root filesystem: checkpoints would be lost with the "
                         "container", "give the container a mount point (mpN: ...,mp=<training_run_root>) or set "
                         "training_run_require_mount: false")]
