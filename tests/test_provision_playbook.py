@@ -315,7 +315,7 @@ def test_training_venv_missing_gets_a_clear_message(created, prov, tmp_path):
     proc = prov.run(prov.inventory(host, training_venv_enabled=True), "--limit", "ct9101")
     text = failure_text(proc)
     assert proc.returncode != 0
-    assert "Container 9101 has no training venv at /opt/dflash/venv" in text, text[-3000:]
+    assert "Container 9101 has no training venv at /opt/venv" in text, text[-3000:]
     assert "training_venv_wheelhouse" in text
     # with rebuild inputs, a container without python3 is refused before anything is copied in
     inputs = {}

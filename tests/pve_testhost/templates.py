@@ -9,15 +9,20 @@ import tempfile
 from pathlib import Path
 
 TEMPLATE_NAME = "debian-12-testhost_1.0-1_amd64.tar.zst"
-PYTHON_TEMPLATE_NAME = "debian-12-testhost-python_1.0-1_amd64.tar.zst"
+PYTHON_TEMPLATE_NAME = "debian-12-testhost-python_1.0-2_amd64.tar.zst"
 # Parts of the stdlib no test CT needs; leaving them out keeps the python template small.
 STDLIB_SKIP = {"test", "idlelib", "tkinter", "turtledemo", "lib2to3", "pydoc_data", "__pycache__"}
+# Libraries of Debian's Essential libc6 and libgcc-s1, so on every stock template: uv (which the
+# training_venv role pushes in) links them, python does not.
+ESSENTIAL_LIBS = ("libgcc_s.so.1", "librt.so.1", "libpthread.so.0", "libdl.so.2")
 DEFAULT_CACHE = Path(__file__).resolve().parents[2] / "build" / "testhost"
 
 # PID 1 of the test CTs: stays up, and ends cleanly on the signals LXC and PVE use to stop a CT.
+# Mounts /run and /dev/shm as systemd does in a real CT (python's multiprocessing needs /dev/shm).
 INIT = """#!/bin/sh
 trap 'exit 0' PWR TERM INT USR1 USR2
 mount -t tmpfs tmpfs /run 2>/dev/null
+mkdir -p /dev/shm && mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm 2>/dev/null
 while :; do sleep 1000 & wait $!; done
 """
 
@@ -62,7 +67,8 @@ def _add_python(root: Path) -> None:
         (root / "usr" / "bin" / "python3").symlink_to(exe.name)
     shutil.copytree(stdlib, root / stdlib.relative_to("/"), symlinks=True,
                     ignore=lambda d, names: [n for n in names if n in STDLIB_SKIP])
-    for lib in _shared_libs([exe, *sorted((stdlib / "lib-dynload").glob("*.so"))]):
+    essential = {Path("/lib/x86_64-linux-gnu") / name for name in ESSENTIAL_LIBS}
+    for lib in _shared_libs([exe, *sorted((stdlib / "lib-dynload").glob("*.so"))]) | essential:
         target = root / lib.relative_to("/")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(os.path.realpath(lib), target)
@@ -76,7 +82,8 @@ def build_test_template(dest_dir: str | os.PathLike = DEFAULT_CACHE, python: boo
     """Build the tiny CT template in dest_dir (reused when already there).
 
     python=False: `debian-12-testhost_1.0-1_amd64.tar.zst` (~1 MB, busybox only).
-    python=True: `debian-12-testhost-python_1.0-1_amd64.tar.zst`, plus this machine's python3 (~15 MB).
+    python=True: `debian-12-testhost-python_1.0-2_amd64.tar.zst`, plus this machine's python3 (~21 MB)
+    and the libc6/libgcc-s1 libraries a stock Debian has (uv needs them).
     """
     dest_dir = Path(dest_dir)
     dest = dest_dir / (PYTHON_TEMPLATE_NAME if python else TEMPLATE_NAME)

@@ -1,0 +1,194 @@
+"""The pinned training venv end to end (issue 6): real ansible-playbook runs of ansible/provision.yml against
+the Proxmox VE test host, the training_venv role working through `pct push` / `pct exec` only.
+
+Stock template path: a container from a template with Python but no venv gets it from the stand-in lock and
+wheelhouse (tests/image_standins.py: real wheels, real sha256 hashes), offline, and the drift doctor is clean;
+a second run changes nothing; planted drift is reported with the fix, and the fix makes it clean again.
+Frozen template path: a template with the venv already at /opt/venv (built by the image stage's own rebuild
+command, in a chroot instead of docker) gets only the doctor.
+Containers use vmids 911x so they never collide with other tests on the same test host.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from dflash_image import commands
+
+from tests.pve_testhost.templates import build_test_template
+from tests.test_provision_playbook import REPO, Provision, failure_text, recap
+
+pytest_plugins = ["tests.image_standins"]  # the stand-in index, lock and wheelhouse fixtures
+pytestmark = [pytest.mark.lxc, pytest.mark.slow]
+
+VENV = "/opt/venv"
+STOCK, FROZEN = 9111, 9112
+FROZEN_TEMPLATE = "debian-12-testhost-trainenv_1.0-1_amd64.tar.zst"
+
+
+# ---- fixtures --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def inputs(standins, stocked_wheelhouse) -> dict:
+    """The role's rebuild inputs: the stand-in lock (with requirements.txt and pylock.toml), its wheelhouse,
+    the trainer wheel and this venv's uv."""
+    return {"training_venv_lock_dir": str(standins.project), "training_venv_wheelhouse": str(stocked_wheelhouse),
+            "training_venv_trainer_wheel": str(standins.trainer_wheel), "training_venv_uv": commands.uv()}
+
+
+@pytest.fixture(scope="module")
+def vprov(pve_host, tmp_path_factory):
+    p = Provision(pve_host, tmp_path_factory.mktemp("training-venv"), build_test_template(python=True))
+    yield p
+    for vmid in (STOCK, FROZEN):
+        if pve_host.container_exists(vmid):
+            pve_host.ssh(f"pct stop {vmid}; pct destroy {vmid}")
+
+
+def inventory(prov: Provision, vmid: int, **group_vars) -> Path:
+    name = f"ct{vmid}"
+    return prov.inventory({name: {"proxmox_lxc_vmid": vmid, "proxmox_lxc_hostname": name, "proxmox_gpu_devices": [0],
+                                  "training_venv_stage_dir": str(prov.workdir / "stage" / name)}},
+                          training_venv_enabled=True, **group_vars)
+
+
+def doctor(prov: Provision, vmid: int) -> tuple[int, dict]:
+    res = prov.host.exec_in_container(vmid, [f"{VENV}/bin/python", "-m", "dflash_image.doctor", "--json"])
+    assert res.returncode in (0, 1), res.stderr
+    return res.returncode, json.loads(res.stdout)
+
+
+def in_ct(prov: Provision, vmid: int, script: str) -> str:
+    res = prov.host.exec_in_container(vmid, ["sh", "-c", script])
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+@pytest.fixture(scope="module")
+def stock(vprov, inputs):
+    """A fresh container from the python template, its venv built by the role from the inputs."""
+    proc = vprov.run(inventory(vprov, STOCK, **inputs))
+    return proc
+
+
+# ---- stock template: the venv from the lock and the wheelhouse ---------------------------------------
+def test_stock_template_gets_the_venv_and_the_doctor_is_clean(stock, vprov, standins):
+    assert stock.returncode == 0, failure_text(stock)[-6000:]
+    assert recap(stock)[f"ct{STOCK}"]["changed"] > 0
+    assert "included: " in stock.stdout and "rebuild.yml" in stock.stdout
+    rc, report = doctor(vprov, STOCK)
+    assert rc == 0 and report["clean"], report["findings"]
+    assert report["locked_packages"] == report["installed_packages"] > 5 and report["torch_cuda"] == "12.8"
+    # built with the container's own python, from the lock the role pushed in
+    assert in_ct(vprov, STOCK, f"cat {VENV}/pyvenv.cfg").count("home = /usr/bin") == 1
+    locked = (standins.project / "pylock.toml").read_text()
+    assert in_ct(vprov, STOCK, f"cat {VENV}/dflash-lock/pylock.toml") == locked
+    # files copied, not hard-linked (nothing outside the venv shares an inode with it)
+    links = in_ct(vprov, STOCK, f"find {VENV} -type f -links +1")
+    assert links == "", links
+    # the bundle (wheelhouse, uv) is gone from the container and from the controller
+    assert in_ct(vprov, STOCK, "ls -A /var/tmp") == ""
+    assert not list((vprov.workdir / "stage").rglob("bundle*"))
+
+
+def test_stock_second_run_changes_nothing(stock, vprov, inputs):
+    proc = vprov.run(inventory(vprov, STOCK, **inputs))
+    assert proc.returncode == 0, failure_text(proc)[-6000:]
+    assert recap(proc)[f"ct{STOCK}"]["changed"] == 0, proc.stdout[-6000:]
+    assert "rebuild.yml" not in proc.stdout  # the doctor found it clean: no rebuild
+
+
+def plant_extra_package(prov: Provision, vmid: int, wheel: Path) -> None:
+    """Unpack a wheel into the venv by hand, as a stray copy would: no installer, no uv."""
+    code = ("import base64, io, sysconfig, zipfile; "
+            f"zipfile.ZipFile(io.BytesIO(base64.b64decode({base64.b64encode(wheel.read_bytes()).decode()!r})))"
+            ".extractall(sysconfig.get_paths()['purelib'])")
+    res = prov.host.exec_in_container(vmid, [f"{VENV}/bin/python", "-c", code])
+    assert res.returncode == 0, res.stderr
+
+
+def test_stock_planted_drift_is_reported_with_the_fix_then_fixed(stock, vprov, inputs, standins):
+    plant_extra_package(vprov, STOCK, next(standins.pypi_wheels.glob("sglang-*.whl")))
+    inv = inventory(vprov, STOCK, **inputs)
+    proc = vprov.run(inv)
+    text = failure_text(proc)
+    assert proc.returncode != 0
+    assert f"The drift doctor found drift in {VENV} of container {STOCK}" in text, text[-4000:]
+    assert "extra: sglang 0.5.0 is installed but not in the lock" in text
+    assert f'make provision ARGS="--limit ct{STOCK} -e training_venv_on_drift=rebuild"' in text
+    assert ("extra", "sglang") in {(f["kind"], f["package"]) for f in doctor(vprov, STOCK)[1]["findings"]}
+    # check mode: would rebuild, touches nothing
+    proc = vprov.run(inv, "--check", "-e", "training_venv_on_drift=rebuild")
+    assert proc.returncode == 0, failure_text(proc)[-4000:]
+    assert recap(proc)[f"ct{STOCK}"]["changed"] >= 1
+    assert doctor(vprov, STOCK)[0] == 1 and in_ct(vprov, STOCK, "ls -A /var/tmp") == ""
+    # the fix the message gives: rebuilt from the lock and the wheelhouse, clean again
+    proc = vprov.run(inv, "-e", "training_venv_on_drift=rebuild")
+    assert proc.returncode == 0, failure_text(proc)[-6000:]
+    rc, report = doctor(vprov, STOCK)
+    assert rc == 0 and report["clean"], report["findings"]
+    assert "sglang" not in in_ct(vprov, STOCK, f"ls {VENV}/lib/python3*/site-packages")
+
+
+# ---- frozen template: the venv is already there, only the doctor runs --------------------------------
+def build_frozen_template(dest: Path, inputs: dict) -> Path:
+    """A stand-in for the frozen template (`make image`): the python test template with the venv built at
+    /opt/venv by the command image/Dockerfile runs, in a chroot of the rootfs instead of a docker build."""
+    root = dest / "rootfs"
+    root.mkdir(parents=True)
+    subprocess.run(["tar", "--zstd", "-xf", build_test_template(python=True), "-C", root], check=True)
+    build = root / "build"
+    shutil.copytree(inputs["training_venv_lock_dir"], build / "lock")
+    shutil.copytree(inputs["training_venv_wheelhouse"], build / "wheelhouse")
+    shutil.copytree(REPO / "image", build / "dflash_image", ignore=shutil.ignore_patterns("__pycache__", "env"))
+    wheel = Path(inputs["training_venv_trainer_wheel"])
+    (build / "trainer").mkdir()
+    shutil.copy2(wheel, build / "trainer" / wheel.name)
+    shutil.copy2(inputs["training_venv_uv"], build / "uv")
+    # A private mount namespace: /proc and /dev for uv inside the chroot, gone when it exits.
+    script = ('mount -t proc proc "$1/proc" && mount --rbind /dev "$1/dev" && exec chroot "$1" /usr/bin/python3 '
+              f"-m dflash_image.rebuild --venv {VENV} --lock /build/lock --wheelhouse /build/wheelhouse "
+              f"--trainer-wheel /build/trainer/{wheel.name} --python /usr/bin/python3 --uv /build/uv")
+    res = subprocess.run(["unshare", "--mount", "--propagation", "private", "--fork", "sh", "-c", script, "sh", root],
+                         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "PYTHONPATH": "/build"},
+                         capture_output=True, text=True, check=False, timeout=300)
+    assert res.returncode == 0 and "CLEAN" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+    shutil.rmtree(build)
+    out = dest / FROZEN_TEMPLATE
+    subprocess.run(["tar", "--zstd", "--numeric-owner", "--owner=0", "--group=0", "-cf", out, "-C", root, "."],
+                   check=True)
+    shutil.rmtree(root)
+    return out
+
+
+@pytest.fixture(scope="module")
+def frozen(vprov, inputs, tmp_path_factory):
+    template = build_frozen_template(tmp_path_factory.mktemp("frozen"), inputs)
+    inv = inventory(vprov, FROZEN, proxmox_template_src=str(template))  # no rebuild inputs
+    return inv, vprov.run(inv)
+
+
+def test_frozen_template_only_runs_the_doctor(frozen, vprov):
+    _, proc = frozen
+    assert proc.returncode == 0, failure_text(proc)[-6000:]
+    assert "TASK [training_venv : Run the drift doctor]" in proc.stdout
+    assert "rebuild.yml" not in proc.stdout
+    rc, report = doctor(vprov, FROZEN)
+    assert rc == 0 and report["clean"], report["findings"]
+
+
+def test_frozen_template_drift_names_the_inputs_to_fix_it(frozen, vprov):
+    inv, _ = frozen
+    target = in_ct(vprov, FROZEN, f"ls {VENV}/lib/python3*/site-packages/torch/__init__.py").strip()
+    in_ct(vprov, FROZEN, f"echo 'import os  # patched by hand' >> {target}")
+    proc = vprov.run(inv)
+    text = failure_text(proc)
+    assert proc.returncode != 0
+    assert "modified: torch/__init__.py: content changed since install (RECORD of torch)" in text, text[-4000:]
+    assert "set training_venv_lock_dir, training_venv_wheelhouse, training_venv_trainer_wheel" in text
+    assert "re-create" in text and "frozen template" in text
+    assert doctor(vprov, FROZEN)[0] == 1  # reported, not touched
+
