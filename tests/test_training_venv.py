@@ -50,6 +50,8 @@ def vprov(pve_host, tmp_path_factory):
 
 def inventory(prov: Provision, vmid: int, **group_vars) -> Path:
     name = f"ct{vmid}"
+    # One GPU and its userspace: the host's driver shows in the container's /proc, so the doctor checks the
+    # userspace libraries too (a container without them is not clean).
     return prov.inventory({name: {"proxmox_lxc_vmid": vmid, "proxmox_lxc_hostname": name, "proxmox_gpu_devices": [0],
                                   "training_venv_stage_dir": str(prov.workdir / "stage" / name)}},
                           training_venv_enabled=True, **group_vars)
@@ -82,6 +84,7 @@ def test_stock_template_gets_the_venv_and_the_doctor_is_clean(stock, vprov, stan
     rc, report = doctor(vprov, STOCK)
     assert rc == 0 and report["clean"], report["findings"]
     assert report["locked_packages"] == report["installed_packages"] > 5 and report["torch_cuda"] == "12.8"
+    assert report["gpu"]["driver"] == "580.95.05"  # and the userspace matches it
     # built with the container's own python, from the lock the role pushed in
     assert in_ct(vprov, STOCK, f"cat {VENV}/pyvenv.cfg").count("home = /usr/bin") == 1
     locked = (standins.project / "pylock.toml").read_text()
