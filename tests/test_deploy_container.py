@@ -1,0 +1,227 @@
+"""`make deploy / train / train-status / train-logs / train-stop / rebuild / doctor` end to end (issue 7):
+real `make` and ansible-playbook runs against the Proxmox VE test host, the real trainer inside a real LXC
+container (CPU, a tiny target), supervised, stopped gracefully and resumed from its checkpoint.
+
+How the test container gets what a real one has (and what differs, said plainly):
+- the frozen environment (/opt/dflash/venv) is rebuilt by `make rebuild` from the stand-in lock and
+  wheelhouse (tests/image_standins.py); the drift doctor guards it, for real;
+- the stand-in lock has no real torch, so the trainer runs with this machine's dev venv, bind-mounted
+  read-only (mpN: <path>,mp=<path>,ro=1) with its Python installation: `training_run_python` points at it;
+- persistent storage is a host folder bind-mounted at /srv/dflash (checkpoints survive the rebuild);
+- the stand-in NVIDIA userspace (as in the provisioning tests) keeps the doctor's driver check clean; the
+  run itself is a CPU run (training_run_device: cpu), so the GPU preflight is covered by unit tests only;
+- the test host's containers run busybox init, not systemd: `auto` picks the process supervisor (the
+  documented fallback). The systemd unit is rendered by deploy but only a real node starts it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.image_standins import UV
+from tests.pve_testhost.templates import build_test_template
+from tests.test_provision_playbook import REPO, Provision
+
+pytest_plugins = ["tests.image_standins"]
+pytestmark = [pytest.mark.lxc, pytest.mark.slow]
+
+VMID = 9301
+STEPS, EVERY = 120, 4
+VENV = "/opt/dflash/venv"
+RUN = "runs/default"  # under the persistent folder
+# torch's system libraries (libstdc++, libgomp, ...): this machine's, beside the busybox template's own
+# /usr/lib (which holds the stand-in NVIDIA userspace), through training_run_env's LD_LIBRARY_PATH.
+HOST_LIBS = os.path.dirname(os.path.realpath("/usr/lib/x86_64-linux-gnu/libstdc++.so.6"))
+
+
+def ldd_libs(binary: str) -> list[str]:
+    out = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+    return [p.split()[0] for line in out.splitlines() if "=>" in line and (p := line.split("=>")[1].strip())
+            and p.startswith("/")]
+
+
+class Site:
+    """The test host, one container, an inventory, and `make` with that INVENTORY."""
+
+    def __init__(self, host, work: Path, inputs: dict, tiny: dict):
+        self.host, self.work = host, work
+        self.persist = work / "persist"
+        (self.persist / "tiny").mkdir(parents=True)
+        for key in ("target",):
+            shutil.copytree(tiny[key], self.persist / "tiny" / key)
+        for key in ("train", "eval"):
+            shutil.copy2(tiny[key], self.persist / "tiny" / f"{key}.jsonl")
+        self.prov = Provision(host, work, build_test_template(python=True))
+        run_vars = {
+            "proxmox_lxc_unprivileged": False,  # writes to the bind-mounted host folder as root
+            "proxmox_lxc_memory": 4096,
+            "training_venv_enabled": True, "training_venv_path": VENV, **inputs,
+            "training_run_target_path": "/srv/dflash/tiny/target", "training_run_target_dtype": "float32",
+            "training_run_data_train": ["/srv/dflash/tiny/train.jsonl"],
+            "training_run_data_eval": ["/srv/dflash/tiny/eval.jsonl"],
+            "training_run_device": "cpu", "training_run_python": f"{REPO}/.venv/bin/python",
+            "training_run_trainer_wheel": inputs["training_venv_trainer_wheel"], "training_run_uv": UV,
+            "training_run_settings": {
+                "drafter": {"num_layers": 2, "block_size": 8},
+                "data": {"max_length": 128, "context_buckets": [64, 128]},
+                "train": {"steps": STEPS, "checkpoint_every": EVERY, "micro_batch": 4, "num_anchors": 8,
+                          "lr": 3e-3, "dtype": "float32", "log_every": 1, "keep_last": 2},
+                "eval": {"prompts": 2, "max_new_tokens": 8}},
+            "training_run_env": {"LD_LIBRARY_PATH": "/host-libs"}, "training_run_min_free_gb": 0.1, "training_run_restart_delay_s": 1, "training_run_stop_timeout_s": 120,
+        }
+        self.inv = self.prov.inventory({f"ct{VMID}": {
+            "proxmox_lxc_vmid": VMID, "proxmox_lxc_hostname": f"ct{VMID}", "proxmox_gpu_devices": [0],
+            "training_venv_stage_dir": str(work / "stage" / "venv"),
+            "training_run_stage_dir": str(work / "stage" / "run")}}, **run_vars)
+        self.inv.rename(work / "hosts.json")
+        self.inv = work / "hosts.json"
+
+    def make(self, *targets: str, timeout: int = 600) -> subprocess.CompletedProcess:
+        env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0", ANSIBLE_STDOUT_CALLBACK="default",
+                   ANSIBLE_LOCAL_TEMP=str(self.work / "tmp"), ANSIBLE_HOME=str(self.work / "ansible-home"),
+                   PROXMOX_PASSWORD=self.host.root_password)
+        for key in ("PROXMOX_TOKEN_ID", "PROXMOX_TOKEN_SECRET", "INVENTORY", "MAKEFLAGS"):
+            env.pop(key, None)
+        # -o: the venv these tests run in is the one make would (re)install; never touch it from here
+        proc = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", *targets,
+                               f"INVENTORY={self.inv}"], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=timeout, check=False)
+        assert self.host.root_password not in proc.stdout + proc.stderr, "a secret was printed"
+        return proc
+
+    def exec(self, *argv: str) -> subprocess.CompletedProcess:
+        return self.host.exec_in_container(VMID, list(argv))
+
+    @property
+    def run_dir(self) -> Path:
+        return self.persist / RUN
+
+    def checkpoints(self) -> list[int]:
+        return sorted(int(p.name.split("-")[1]) for p in (self.run_dir / "checkpoints").glob("step-*")
+                      if (p / "training_state.pt").is_file())
+
+    def state(self) -> dict:
+        try:
+            return json.loads((self.run_dir / "supervisor.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+
+def out(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+def wait_for(cond, timeout: float, what: str, site: Site):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.5)
+    log = site.run_dir / "logs" / "train.log"
+    pytest.fail(f"timed out waiting for {what}; log tail:\n" + (log.read_text()[-3000:] if log.is_file() else "none"))
+
+
+@pytest.fixture(scope="module")
+def site(pve_host, tmp_path_factory, standins, stocked_wheelhouse, tiny_target):
+    inputs = {"training_venv_lock_dir": str(standins.project), "training_venv_wheelhouse": str(stocked_wheelhouse),
+              "training_venv_trainer_wheel": str(standins.trainer_wheel), "training_venv_uv": UV}
+    s = Site(pve_host, tmp_path_factory.mktemp("deploy"), inputs, tiny_target)
+    yield s
+    if pve_host.container_exists(VMID):
+        pve_host.ssh(f"pct stop {VMID}; pct destroy {VMID}")
+
+
+def test_provision_deploy_train_stop_drift_rebuild_resume(site):
+    host = site.host
+    # ---- provision (no venv yet), then the mount points: repo + Python read-only, persistent storage rw
+    proc = site.prov.run(site.inv, "-e", "training_venv_enabled=false")
+    assert proc.returncode == 0, out(proc)[-3000:]
+    mounts = {"mp0": f"{REPO},mp={REPO},ro=1", "mp1": f"{sys.base_prefix},mp={sys.base_prefix},ro=1",
+              "mp2": f"{site.persist},mp=/srv/dflash", "mp3": f"{HOST_LIBS},mp=/host-libs,ro=1"}
+    r = host.ssh(f"pct stop {VMID} && " + " && ".join(f"pct set {VMID} -{k} {v}" for k, v in mounts.items())
+                 + f" && pct start {VMID}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    # uv (the rebuild's and the deploy's installer) needs a few libraries the busybox template lacks
+    for lib in ldd_libs(UV):
+        if site.exec("test", "-e", lib).returncode != 0:
+            assert host.ssh(f"pct push {VMID} {lib} {lib}").returncode == 0
+
+    # ---- deploy refuses a container without the environment, and says how to fix it
+    proc = site.make("deploy")
+    assert proc.returncode != 0 and f"has no training environment at {VENV}" in out(proc)
+    assert f"make rebuild INVENTORY={site.inv}" in out(proc)
+    assert not (site.run_dir / "run.toml").exists()
+
+    # ---- rebuild: the environment from the (stand-in) lock; the doctor is clean
+    proc = site.make("rebuild")
+    assert proc.returncode == 0, out(proc)[-3000:]
+    assert site.make("doctor").returncode == 0
+
+    # ---- deploy: run-control package, trainer wheel (installed with uv, --no-deps), rendered run config
+    proc = site.make("deploy")
+    assert proc.returncode == 0, out(proc)[-3000:]
+    run_toml = (site.run_dir / "run.toml").read_text()
+    assert 'path = "/srv/dflash/tiny/target"' in run_toml and f"steps = {STEPS}" in run_toml
+    assert 'compile_cache_dir = "/srv/dflash/compile-cache"' in run_toml
+    assert json.loads((site.run_dir / "launch.json").read_text())["supervisor"] == "process"  # busybox init
+    again = site.make("deploy")
+    assert again.returncode == 0 and "changed=0" in again.stdout  # idempotent
+
+    # ---- train: preflight, detached process supervisor, status and logs while it runs
+    proc = site.make("train")
+    assert proc.returncode == 0, out(proc)[-3000:]
+    assert f"tail -f /srv/dflash/{RUN}/logs/train.log" in proc.stdout  # how to follow it
+    wait_for(lambda: site.checkpoints() and site.checkpoints()[-1] >= EVERY, 300, "the first checkpoint", site)
+    status = site.make("train-status")
+    assert status.returncode == 0 and "state:       running (supervisor: process" in status.stdout
+    assert "checkpoint:  step" in status.stdout and f"of {STEPS}" in status.stdout
+    busy = site.make("train")  # a second start: the preflight finds the running trainer
+    assert busy.returncode != 0 and "is still running" in out(busy) and "make train-stop INVENTORY=" in out(busy)
+    logs = site.make("train-logs")
+    assert logs.returncode == 0 and "dflash_trainer.train" in logs.stdout and "--resume" in logs.stdout
+
+    # ---- graceful stop: the checkpoint in progress is finished, the trainer is gone
+    proc = site.make("train-stop")
+    assert proc.returncode == 0, out(proc)[-3000:]
+    assert site.state()["state"] == "stopped"
+    stopped_at = site.checkpoints()[-1]
+    assert EVERY <= stopped_at < STEPS and not list((site.run_dir / "checkpoints").glob(".tmp-step-*"))
+    assert site.exec("sh", "-c", "ps | grep -v grep | grep -q dflash_trainer.train").returncode != 0
+    assert "stopped (trainer exit" in (site.run_dir / "logs" / "train.log").read_text()
+
+    # ---- drift: a planted .pth in the environment; deploy refuses and changes nothing
+    site_packages = site.exec("sh", "-c", f"ls -d {VENV}/lib/python3*/site-packages").stdout.strip()
+    assert site.exec("sh", "-c", f"echo 'import os' > {site_packages}/zz_planted.pth").returncode == 0
+    before = (site.run_dir / "run.toml").stat().st_mtime_ns
+    proc = site.make("deploy")
+    assert proc.returncode != 0 and "drift" in out(proc).lower() and "zz_planted.pth" in out(proc)
+    assert f"Fix: make rebuild INVENTORY={site.inv}" in out(proc)
+    assert (site.run_dir / "run.toml").stat().st_mtime_ns == before
+    assert site.make("doctor").returncode != 0
+
+    # ---- rebuild: clean again, run outputs and checkpoints kept (they are on the mount point)
+    proc = site.make("rebuild")
+    assert proc.returncode == 0, out(proc)[-3000:]
+    assert site.checkpoints()[-1] == stopped_at
+    doctor = site.make("doctor")
+    assert doctor.returncode == 0, out(doctor)[-2000:]
+    assert site.make("deploy").returncode == 0
+
+    # ---- train again: it resumes from the checkpoint and finishes
+    proc = site.make("train")
+    assert proc.returncode == 0, out(proc)[-3000:]
+    wait_for(lambda: site.state().get("state") in ("finished", "failed"), 420, "the resumed run to finish", site)
+    assert site.state()["state"] == "finished"
+    summary = json.loads((site.run_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS and len(summary["losses"]) == STEPS - stopped_at  # only the rest was trained
+    log = (site.run_dir / "logs" / "train.log").read_text()
+    assert log.count("] start: ") == 2 and "no checkpoint under" not in log
+    status = site.make("train-status")
+    assert "state:       finished" in status.stdout and f"summary:     {STEPS} steps" in status.stdout
