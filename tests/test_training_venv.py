@@ -121,7 +121,7 @@ def test_stock_planted_drift_is_reported_with_the_fix_then_fixed(stock, vprov, i
     assert proc.returncode != 0
     assert f"The drift doctor found drift in {VENV} of container {STOCK}" in text, text[-4000:]
     assert "extra: sglang 0.5.0 is installed but not in the lock" in text
-    assert f'make provision ARGS="--limit ct{STOCK} -e training_venv_on_drift=rebuild"' in text
+    assert f'make provision INVENTORY={inv} ARGS="--limit ct{STOCK} -e training_venv_on_drift=rebuild"' in text
     assert ("extra", "sglang") in {(f["kind"], f["package"]) for f in doctor(vprov, STOCK)[1]["findings"]}
     # check mode: would rebuild, touches nothing
     proc = vprov.run(inv, "--check", "-e", "training_venv_on_drift=rebuild")
@@ -191,7 +191,7 @@ def test_frozen_template_drift_names_the_inputs_to_fix_it(frozen, vprov):
     text = failure_text(proc)
     assert proc.returncode != 0
     assert "modified: torch/__init__.py: content changed since install (RECORD of torch)" in text, text[-4000:]
-    assert "set training_venv_lock_dir, training_venv_wheelhouse, training_venv_trainer_wheel" in text
+    assert "after setting the rebuild inputs training_venv_lock_dir, training_venv_wheelhouse," in text
     assert "re-create" in text and "frozen template" in text
     assert doctor(vprov, FROZEN)[0] == 1  # reported, not touched
 
