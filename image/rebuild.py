@@ -13,10 +13,13 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from dflash_image import markers
 
 LOCK_FILES = ("pylock.toml", "requirements.txt", "uv.lock", "pyproject.toml")
 LOCK_IN_VENV = "dflash-lock"  # where the doctor finds the lock a venv was built from
@@ -45,6 +48,25 @@ def preflight(lock_dir: Path, wheelhouse: Path, trainer_wheel: Path, uv: str) ->
         raise RebuildError(f"uv not found at {uv}: install it (pip install uv) or pass --uv")
 
 
+def check_python(lock_dir: Path, python: str) -> str:
+    """The venv's interpreter runs and is a version the lock allows (its requires-python), so a wrong base
+    (Debian 12's 3.11 for a 3.13 lock) fails here, clearly, not as a missing wheel halfway through."""
+    try:
+        version = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
+                                 capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RebuildError(f"cannot run {python} for the venv ({exc}): install Python or pass --python") from exc
+    m = re.search(r'^requires-python\s*=\s*"([^"]*)"', (lock_dir / "pylock.toml").read_text(), re.MULTILINE)
+    spec = m.group(1) if m else ""
+    for clause in filter(None, (c.strip() for c in spec.split(","))):
+        op = re.match(r"(===|==|!=|<=|>=|~=|<|>)\s*(\S+)$", clause)
+        if op and not markers.evaluate(f"python_full_version {op.group(1)} '{op.group(2)}'",
+                                       {"python_full_version": version}):
+            raise RebuildError(f"{python} is Python {version}, but the lock needs Python {spec}: use a base with that "
+                               "Python (the frozen template's Debian 13 has 3.13)")
+    return version
+
+
 def pin_install_stamps(venv: Path, epoch: int) -> int:
     """uv writes the install time into each dist-info's uv_cache.json (listed in RECORD), which makes two
     identical builds differ. For a reproducible image, set it to SOURCE_DATE_EPOCH and fix the RECORD line."""
@@ -67,6 +89,7 @@ def pin_install_stamps(venv: Path, epoch: int) -> int:
 def rebuild(venv: Path, lock_dir: Path, wheelhouse: Path, trainer_wheel: Path, python: str, uv: str,
             doctor: bool = True) -> int:
     preflight(lock_dir, wheelhouse, trainer_wheel, uv)
+    check_python(lock_dir, python)
     venv = venv.absolute()
     env = {**os.environ, "UV_NO_CACHE": "1", "UV_LINK_MODE": "copy", "UV_OFFLINE": "1", "UV_NO_CONFIG": "1"}
     env.pop("VIRTUAL_ENV", None)

@@ -198,3 +198,22 @@ def test_rebuild_failure_puts_the_old_env_back(standins, tmp_path):
     with pytest.raises(rebuild.RebuildError, match="install the locked wheels"):
         rebuild.rebuild(venv, standins.project, wh, standins.trainer_wheel, sys.executable, UV)
     assert (venv / "marker").read_text() == "keep"
+
+
+def test_rebuild_refuses_a_python_the_lock_does_not_allow(standins, stocked_wheelhouse, tmp_path):
+    lock_dir = tmp_path / "lock"
+    shutil.copytree(standins.project, lock_dir)
+    pylock_file = lock_dir / "pylock.toml"
+    text = pylock_file.read_text()
+    assert 'requires-python = ">=' in text
+    pylock_file.write_text(re.sub(r'^requires-python = "[^"]*"', 'requires-python = "==3.99.*"', text,
+                                  flags=re.MULTILINE))
+    venv = tmp_path / "trainenv"
+    venv.mkdir()
+    (venv / "marker").write_text("keep")
+    with pytest.raises(rebuild.RebuildError, match=r"is Python 3\.\d+\.\d+, but the lock needs Python ==3\.99\.\*"):
+        rebuild.rebuild(venv, lock_dir, stocked_wheelhouse, standins.trainer_wheel, sys.executable, UV)
+    with pytest.raises(rebuild.RebuildError, match="cannot run .*no-such-python.* for the venv"):
+        rebuild.rebuild(venv, standins.project, stocked_wheelhouse, standins.trainer_wheel,
+                        str(tmp_path / "no-such-python"), UV)
+    assert (venv / "marker").read_text() == "keep"  # refused before anything was touched
