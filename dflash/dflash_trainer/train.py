@@ -415,6 +415,9 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
                     scalars["mfu"] = mfu
                 for k, v in scalars.items():
                     writer.add_scalar(f"train/{k}", v, step + 1)
+                slot_acc = (correct / count.clamp(min=1)).tolist()
+                for k in range(1, dc.block_size):  # slot k predicts the token k after the anchor
+                    writer.add_scalar(f"slot_acc/{k:02d}", slot_acc[k], step + 1)
         every = c.train.checkpoint_every  # 0: no checkpoints (benchmarks); the final drafter is still saved
         if lead and every and ((step + 1) % every == 0 or step + 1 == c.train.steps):
             state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
