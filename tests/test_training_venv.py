@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -92,6 +93,8 @@ def test_stock_template_gets_the_venv_and_the_doctor_is_clean(stock, vprov, stan
     # files copied, not hard-linked (nothing outside the venv shares an inode with it)
     links = in_ct(vprov, STOCK, f"find {VENV} -type f -links +1")
     assert links == "", links
+    # built offline: the container has no route anywhere
+    assert in_ct(vprov, STOCK, "cat /proc/net/route").strip().count("\n") == 0
     # the bundle (wheelhouse, uv) is gone from the container and from the controller
     assert in_ct(vprov, STOCK, "ls -A /var/tmp") == ""
     assert not list((vprov.workdir / "stage").rglob("bundle*"))
@@ -122,6 +125,17 @@ def test_stock_planted_drift_is_reported_with_the_fix_then_fixed(stock, vprov, i
     assert f"The drift doctor found drift in {VENV} of container {STOCK}" in text, text[-4000:]
     assert "extra: sglang 0.5.0 is installed but not in the lock" in text
     assert f'make provision INVENTORY={inv} ARGS="--limit ct{STOCK} -e training_venv_on_drift=rebuild"' in text
+    assert ("extra", "sglang") in {(f["kind"], f["package"]) for f in doctor(vprov, STOCK)[1]["findings"]}
+    # a lock for another Python (a Debian 12 base for the 3.13 lock): refused before the venv is touched
+    other = vprov.workdir / "lock-3.99"
+    shutil.copytree(standins.project, other, dirs_exist_ok=True)
+    pylock_file = other / "pylock.toml"
+    pylock_file.write_text(re.sub(r'^requires-python = "[^"]*"', 'requires-python = "==3.99.*"',
+                                  pylock_file.read_text(), flags=re.MULTILINE))
+    proc = vprov.run(inventory(vprov, STOCK, **dict(inputs, training_venv_lock_dir=str(other))),
+                     "-e", "training_venv_on_drift=rebuild")
+    assert proc.returncode != 0
+    assert re.search(r"is Python 3\.\d+\.\d+, but the lock needs Python ==3\.99\.\*", failure_text(proc))
     assert ("extra", "sglang") in {(f["kind"], f["package"]) for f in doctor(vprov, STOCK)[1]["findings"]}
     # check mode: would rebuild, touches nothing
     proc = vprov.run(inv, "--check", "-e", "training_venv_on_drift=rebuild")

@@ -67,7 +67,7 @@ def _add_python(root: Path) -> None:
         (root / "usr" / "bin" / "python3").symlink_to(exe.name)
     shutil.copytree(stdlib, root / stdlib.relative_to("/"), symlinks=True,
                     ignore=lambda d, names: [n for n in names if n in STDLIB_SKIP])
-    essential = {Path("/lib/x86_64-linux-gnu") / name for name in ESSENTIAL_LIBS}
+    essential = {lib for name in ESSENTIAL_LIBS if (lib := Path("/lib/x86_64-linux-gnu") / name).exists()}
     for lib in _shared_libs([exe, *sorted((stdlib / "lib-dynload").glob("*.so"))]) | essential:
         target = root / lib.relative_to("/")
         target.parent.mkdir(parents=True, exist_ok=True)
