@@ -74,7 +74,7 @@ class Site:
                 "train": {"steps": STEPS, "checkpoint_every": EVERY, "micro_batch": 4, "num_anchors": 8,
                           "lr": 3e-3, "dtype": "float32", "log_every": 1, "keep_last": 2},
                 "eval": {"prompts": 2, "max_new_tokens": 8}},
-            "training_run_env": {"LD_LIBRARY_PATH": "/host-libs"}, "training_run_min_free_gb": 0.1, "training_run_restart_delay_s": 1, "training_run_stop_timeout_s": 120,
+            "training_run_env": {"LD_LIBRARY_PATH": f"{sys.base_prefix}/lib:/host-libs"}, "training_run_min_free_gb": 0.1, "training_run_restart_delay_s": 1, "training_run_stop_timeout_s": 120,
         }
         self.inv = self.prov.inventory({f"ct{VMID}": {
             "proxmox_lxc_vmid": VMID, "proxmox_lxc_hostname": f"ct{VMID}", "proxmox_gpu_devices": [0],
@@ -123,9 +123,11 @@ def wait_for(cond, timeout: float, what: str, site: Site):
     while time.monotonic() < deadline:
         if cond():
             return
+        if site.state().get("state") == "failed":
+            break
         time.sleep(0.5)
     log = site.run_dir / "logs" / "train.log"
-    pytest.fail(f"timed out waiting for {what}; log tail:\n" + (log.read_text()[-3000:] if log.is_file() else "none"))
+    pytest.fail(f"timed out waiting for {what} (run state {site.state().get('state')}); log tail:\n" + (log.read_text()[-3000:] if log.is_file() else "none"))
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +224,8 @@ def test_provision_deploy_train_stop_drift_rebuild_resume(site):
     summary = json.loads((site.run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and len(summary["losses"]) == STEPS - stopped_at  # only the rest was trained
     log = (site.run_dir / "logs" / "train.log").read_text()
-    assert log.count("] start: ") == 2 and "no checkpoint under" not in log
+    assert log.count("] start: ") == 2
+    first, resumed = log.split("] start: ")[1:]
+    assert "no checkpoint under" in first and "no checkpoint under" not in resumed  # resumed, not restarted
     status = site.make("train-status")
     assert "state:       finished" in status.stdout and f"summary:     {STEPS} steps" in status.stdout
