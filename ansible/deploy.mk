@@ -47,3 +47,9 @@ doctor-container: venv
 
 rebuild-container: venv
 	$(TRAINING_PLAYBOOK) -e training_run_action=rebuild
+
+.PHONY: lint-deploy
+lint-deploy: venv ## ansible-lint (production profile) on the run playbook (its role is linted with the others)
+	cd ansible && PATH=$(abspath $(VENV))/bin:$$PATH ANSIBLE_CONFIG=ansible.cfg ansible-lint --profile production training.yml
+
+lint: lint-deploy

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def render(tmp_path: Path, **overrides) -> subprocess.CompletedProcess:
             {"name": "validate", "ansible.builtin.include_tasks": str(ROLE / "tasks" / "validate.yml")},
             {"name": "render", "ansible.builtin.template": {"src": str(ROLE / "templates" / "{{ item }}.j2"),
                                                             "dest": str(tmp_path / "{{ item }}"), "mode": "0644"},
-             "loop": ["run.toml", "launch.json"]},
+             "loop": ["run.toml", "launch.json", "dflash-train.service"]},
         ],
     }]
     (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
@@ -72,6 +73,12 @@ def test_run_config_renders_for_the_trainer(tmp_path):
     assert launch["argv"][4:] == ["-m", "dflash_trainer.train", "--config", "/srv/d/runs/qwen3-8b/run.toml",
                                   "--output-dir", "/srv/d/runs/qwen3-8b"]
     assert launch["env"] == {"HF_HOME": "/srv/d/hf"} and launch["max_restarts"] == 3
+    unit = (tmp_path / "dflash-train.service").read_text().splitlines()
+    # systemd restarts the supervisor (which always resumes); SIGTERM goes to it alone (graceful stop)
+    for line in ("ExecStart=/opt/dflash/venv/bin/python -m dflash_run run --run-dir /srv/d/runs/qwen3-8b",
+                 "Environment=PYTHONPATH=/opt/dflash/lib", "Restart=on-failure", "KillMode=mixed",
+                 "RequiresMountsFor=/srv/d/runs/qwen3-8b", "StartLimitBurst=4", "TimeoutStopSec=930"):
+        assert line in unit
 
 
 def test_single_rank_run_is_one_process(tmp_path):
@@ -83,6 +90,18 @@ def test_single_rank_run_is_one_process(tmp_path):
     assert load_config(str(tmp_path / "run.toml"), []).target.path == "embedded"
     assert json.loads((tmp_path / "launch.json").read_text())["argv"][:3] == ["/usr/bin/python3", "-m",
                                                                                "dflash_trainer.train"]
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze is missing (Debian: systemd)")
+def test_systemd_unit_passes_systemd_analyze(tmp_path):
+    proc = render(tmp_path, training_run_target_path="embedded", training_run_python=sys.executable,
+                  training_run_output_dir=str(tmp_path), training_run_name="ci")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    unit = tmp_path / "dflash-train-ci.service"
+    (tmp_path / "dflash-train.service").rename(unit)
+    check = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60,
+                           check=False)
+    assert check.returncode == 0 and str(unit) not in check.stdout + check.stderr, check.stderr  # no complaint
 
 
 @pytest.mark.parametrize("bad, named", [
