@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.image_standins import UV
 from tests.pve_testhost.templates import build_test_template
 from tests.test_provision_playbook import REPO, Provision
 
@@ -51,7 +50,7 @@ class Site:
     """The test host, one container, an inventory, and `make` with that INVENTORY."""
 
     def __init__(self, host, work: Path, inputs: dict, tiny: dict):
-        self.host, self.work = host, work
+        self.host, self.work, self.uv = host, work, inputs["training_venv_uv"]
         self.persist = work / "persist"
         (self.persist / "tiny").mkdir(parents=True)
         for key in ("target",):
@@ -67,7 +66,7 @@ class Site:
             "training_run_data_train": ["/srv/dflash/tiny/train.jsonl"],
             "training_run_data_eval": ["/srv/dflash/tiny/eval.jsonl"],
             "training_run_device": "cpu", "training_run_python": f"{REPO}/.venv/bin/python",
-            "training_run_trainer_wheel": inputs["training_venv_trainer_wheel"], "training_run_uv": UV,
+            "training_run_trainer_wheel": inputs["training_venv_trainer_wheel"], "training_run_uv": inputs["training_venv_uv"],
             "training_run_settings": {
                 "drafter": {"num_layers": 2, "block_size": 8},
                 "data": {"max_length": 128, "context_buckets": [64, 128]},
@@ -132,6 +131,8 @@ def wait_for(cond, timeout: float, what: str, site: Site):
 
 @pytest.fixture(scope="module")
 def site(pve_host, tmp_path_factory, standins, stocked_wheelhouse, tiny_target):
+    from tests.image_standins import UV  # here, not at import: pytest registers the module as a plugin first
+
     inputs = {"training_venv_lock_dir": str(standins.project), "training_venv_wheelhouse": str(stocked_wheelhouse),
               "training_venv_trainer_wheel": str(standins.trainer_wheel), "training_venv_uv": UV}
     s = Site(pve_host, tmp_path_factory.mktemp("deploy"), inputs, tiny_target)
@@ -151,7 +152,7 @@ def test_provision_deploy_train_stop_drift_rebuild_resume(site):
                  + f" && pct start {VMID}")
     assert r.returncode == 0, r.stdout + r.stderr
     # uv (the rebuild's and the deploy's installer) needs a few libraries the busybox template lacks
-    for lib in ldd_libs(UV):
+    for lib in ldd_libs(site.uv):
         if site.exec("test", "-e", lib).returncode != 0:
             assert host.ssh(f"pct push {VMID} {lib} {lib}").returncode == 0
 
