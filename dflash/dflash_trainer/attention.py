@@ -3,7 +3,7 @@
 Why this file exists (see shared/notes/compile-race.md): an uncompiled flex_attention call is not an
 error in torch, it is a silent fallback to a math path that materializes fp32 B*H*L*S scores (305 GB at
 H=32, L=32768, S=72768). It happens when the FX-tracing flag is set while a compiled call enters (torch
-2.11-2.13 keep that flag in a process global), under `error_on_nested_fx_trace=False`, under a
+2.11-2.13 keep that flag in a process global), with `error_on_nested_fx_trace` switched off, under a
 `force_eager`/`eager_on_recompile` stance, or past the recompile limit. So:
 
 - `attend` is the only run-phase call site. It calls the module-level compiled flex (`FLEX`) and refuses
@@ -140,7 +140,7 @@ def attend(
             "attend() was called while an FX trace is active (torch.fx._symbolic_trace's tracing flag is "
             "set). In torch 2.11-2.13 that flag is process-global, so another thread compiling or tracing "
             "(a lazy backward compile, torch.compile(create_block_mask), make_fx) makes every compiled call "
-            "raise or, with error_on_nested_fx_trace=False, run dense attention. Compile everything in the "
+            "raise or, with error_on_nested_fx_trace switched off, run dense attention. Compile everything in the "
             "serialized warm-up (dflash_trainer.warmup.warm_up), one process per GPU, before step 1."
         )
     q_len, kv_len = block_mask.seq_lengths
@@ -158,7 +158,7 @@ def attend(
             raise
         raise DenseFallbackError(
             "the compiled flex_attention ran its eager (unfused, dense) path. Causes: a compiler stance "
-            "such as force_eager/eager_on_recompile, the recompile limit, or error_on_nested_fx_trace=False. "
+            "such as force_eager/eager_on_recompile, the recompile limit, or error_on_nested_fx_trace switched off. "
             f"Original warning: {str(err).splitlines()[0]}"
         ) from err
     except Exception as err:
