@@ -55,3 +55,38 @@ def test_config_errors_are_clear(tiny_target, tmp_path, capsys):
         load_config(str(tmp_path / "nope.toml"))
     assert main(["--config", "embedded", "--set", "data.context_buckets=[128, 64]"]) == 2
     assert "ascending" in capsys.readouterr().err
+
+
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_resume_continues(tiny_target, tmp_path):
+    """What `make train-stop` / `systemctl stop` do: SIGTERM -> checkpoint at the current step -> exit 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "stopped"
+    sets = [
+        f"target.path={tiny_target['target']}", f"data.train={json.dumps([tiny_target['train']])}",
+        f"data.eval={json.dumps([tiny_target['eval']])}", "train.steps=400", "train.micro_batch=4",
+        "train.num_anchors=8", "train.checkpoint_every=1000", "eval.prompts=1", "eval.max_new_tokens=4",
+    ]
+    cmd = [sys.executable, "-m", "dflash_trainer.train", "--config", "embedded", "--output-dir", str(out)]
+    cmd += [x for s in sets for x in ("--set", s)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (out / "tb").exists() and time.monotonic() < deadline:  # the loop has started
+        time.sleep(0.5)
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "SIGTERM: stopping after this step's checkpoint" in stderr
+    done = ckpt.list_checkpoints(out / "checkpoints")
+    assert len(done) == 1 and 0 < done[0][0] < 400, (done, stderr[-2000:])
+    assert f"stopped at step {done[0][0]}" in stderr
+    assert not (out / "summary.json").exists()  # an interrupted run writes no final summary
+    resumed = run(load_config("embedded", sets + [f"output_dir={out}", "train.steps=" + str(done[0][0] + 2)]),
+                  resume=True)
+    assert len(resumed["losses"]) == 2  # continued from the stop, not from step 0
+    assert os.path.isdir(out / "drafter")

@@ -16,7 +16,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -270,6 +272,40 @@ def disk_source(shards: FeatureShards, indices, dtype, device) -> Iterator[Featu
 
 # ---- the drafter loop ----------------------------------------------------------------------------
 
+class StopRequest:
+    """SIGTERM / SIGINT: finish the step in progress, write a checkpoint, exit cleanly.
+
+    `make train-stop` and `systemctl stop` send SIGTERM (to torchrun, which forwards it to every
+    worker). Drafter ranks agree on the step to stop at (one tiny all-reduce per step), the lead
+    writes the checkpoint, and `--resume` continues from exactly there.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.requested:  # a second signal: stop now, without the checkpoint
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.requested = True
+        console.print(f"{signal.Signals(signum).name}: stopping after this step's checkpoint "
+                      "(send it again to stop at once)")
+
+    def agreed(self, ctx: parallel.Context, device) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        return bool(parallel.all_reduce_sum(ctx, flag).item() > 0)
+
+
 def resume_step(cfg: RunConfig, resume: bool) -> tuple[int, Path | None]:
     latest = ckpt.latest_checkpoint(Path(cfg.output_dir) / "checkpoints") if resume else None
     if latest is None:
@@ -357,75 +393,93 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
     first_step_at = None
     bar = tqdm(range(start_step, c.train.steps), initial=start_step, total=c.train.steps, desc="train",
                dynamic_ncols=True, disable=None if lead else True)
+    def save_checkpoint(done: int) -> Path:
+        state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
+                 "step": done, "data_position": done * A * D, "config": c.to_dict()}
+        return ckpt.save_checkpoint(out / "checkpoints", done, drafter.save_pretrained, state,
+                                    max(1, c.train.keep_last))
+
+    stop = StopRequest()
+    stop.install()  # restored right after the loop
+    stopped_at = None
     drafter.train()
-    for step in bar:
-        t0 = time.perf_counter()
-        ce_sum = torch.zeros((), device=device)
-        weight_sum = torch.zeros((), device=device)
-        correct = torch.zeros(dc.block_size, device=device)
-        count = torch.zeros(dc.block_size, device=device)
-        step_tokens, step_flops, step_wait = 0, 0.0, 0.0
-        for micro in range(A):
-            fb = next(source)
-            step_wait += fb.wait_s
-            anchors, keep = sample_anchors(fb.loss_mask, c.train.num_anchors, anchor_generator(c, device, fb.index))
-            blocks = build_blocks(fb.input_ids, fb.loss_mask, anchors, keep, dc.block_size,
-                                  drafter.mask_token_id, c.drafter.gamma)
-            attn = block_attention(backend, blocks, fb.features.shape[1], dc.block_size, dc, mask_builder)
-            sync = model.no_sync() if D > 1 and micro < A - 1 else nullcontext()  # one all-reduce per step
-            with sync:
-                sums = drafter_loss(drafter, embed, head, fb.features, blocks, attn, c.train.loss_chunk_rows, model)
-                sums.weighted_ce.backward()
-            ce_sum += sums.weighted_ce.detach()
-            weight_sum += blocks.total_weight
-            correct += sums.slot_correct
-            count += sums.slot_count
-            step_tokens += fb.tokens
-            step_flops += drafter_step_flops(dc, fb.features.shape[0], fb.features.shape[1], c.train.num_anchors,
-                                             float(visible_pairs(anchors, keep, dc.block_size)), dc.vocab_size)
-        # The loss is normalised by the total weight of the whole step: every micro-batch, every rank.
-        # DDP averages gradients over the D ranks, hence D / total.
-        totals = parallel.all_reduce_sum(ctx, torch.stack([ce_sum, weight_sum, torch.tensor(
-            float(step_tokens), device=device)]))
-        total = totals[1].clamp(min=1e-6)
-        grad_norm = opt.step(D / total)
-        sched.step()
-        opt.zero_grad()
-        _sync(device)
-        dt = time.perf_counter() - t0
-        first_step_at = first_step_at or time.perf_counter()
-        loss = float(totals[0] / total)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step + 1}; lower train.lr or check the data")
-        losses.append(loss)
-        tokens_total += int(totals[2])
-        flops_total += step_flops
-        train_time += dt
-        t_wait += step_wait
-        t_drafter += dt - step_wait
-        if lead and ((step + 1) % c.train.log_every == 0 or step + 1 == c.train.steps):
-            acc = (correct[1:] / count[1:].clamp(min=1)).mean().item()
-            mfu = step_flops / dt / peak if peak else None
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}", tok_s=f"{int(totals[2]) / dt:,.0f}",
-                            **({"mfu": f"{mfu:.1%}"} if mfu else {}))
-            if writer:
-                scalars = {"loss": loss, "acc": acc, "grad_norm": float(grad_norm), "lr": sched.get_last_lr()[0],
-                           "tokens_per_s": int(totals[2]) / dt, f"{wait_kind}_s": step_wait, "step_s": dt}
-                if mfu:
-                    scalars["mfu"] = mfu
-                for k, v in scalars.items():
-                    writer.add_scalar(f"train/{k}", v, step + 1)
-                slot_acc = (correct / count.clamp(min=1)).tolist()
-                for k in range(1, dc.block_size):  # slot k predicts the token k after the anchor
-                    writer.add_scalar(f"slot_acc/{k:02d}", slot_acc[k], step + 1)
-        every = c.train.checkpoint_every  # 0: no checkpoints (benchmarks); the final drafter is still saved
-        if lead and every and ((step + 1) % every == 0 or step + 1 == c.train.steps):
-            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
-                     "step": step + 1, "data_position": (step + 1) * A * D, "config": c.to_dict()}
-            ckpt.save_checkpoint(out / "checkpoints", step + 1, drafter.save_pretrained, state, c.train.keep_last)
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            ce_sum = torch.zeros((), device=device)
+            weight_sum = torch.zeros((), device=device)
+            correct = torch.zeros(dc.block_size, device=device)
+            count = torch.zeros(dc.block_size, device=device)
+            step_tokens, step_flops, step_wait = 0, 0.0, 0.0
+            for micro in range(A):
+                fb = next(source)
+                step_wait += fb.wait_s
+                anchors, keep = sample_anchors(fb.loss_mask, c.train.num_anchors, anchor_generator(c, device, fb.index))
+                blocks = build_blocks(fb.input_ids, fb.loss_mask, anchors, keep, dc.block_size,
+                                      drafter.mask_token_id, c.drafter.gamma)
+                attn = block_attention(backend, blocks, fb.features.shape[1], dc.block_size, dc, mask_builder)
+                sync = model.no_sync() if D > 1 and micro < A - 1 else nullcontext()  # one all-reduce per step
+                with sync:
+                    sums = drafter_loss(drafter, embed, head, fb.features, blocks, attn, c.train.loss_chunk_rows, model)
+                    sums.weighted_ce.backward()
+                ce_sum += sums.weighted_ce.detach()
+                weight_sum += blocks.total_weight
+                correct += sums.slot_correct
+                count += sums.slot_count
+                step_tokens += fb.tokens
+                step_flops += drafter_step_flops(dc, fb.features.shape[0], fb.features.shape[1], c.train.num_anchors,
+                                                 float(visible_pairs(anchors, keep, dc.block_size)), dc.vocab_size)
+            # The loss is normalised by the total weight of the whole step: every micro-batch, every rank.
+            # DDP averages gradients over the D ranks, hence D / total.
+            totals = parallel.all_reduce_sum(ctx, torch.stack([ce_sum, weight_sum, torch.tensor(
+                float(step_tokens), device=device)]))
+            total = totals[1].clamp(min=1e-6)
+            grad_norm = opt.step(D / total)
+            sched.step()
+            opt.zero_grad()
+            _sync(device)
+            dt = time.perf_counter() - t0
+            first_step_at = first_step_at or time.perf_counter()
+            loss = float(totals[0] / total)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {step + 1}; lower train.lr or check the data")
+            losses.append(loss)
+            tokens_total += int(totals[2])
+            flops_total += step_flops
+            train_time += dt
+            t_wait += step_wait
+            t_drafter += dt - step_wait
+            if lead and ((step + 1) % c.train.log_every == 0 or step + 1 == c.train.steps):
+                acc = (correct[1:] / count[1:].clamp(min=1)).mean().item()
+                mfu = step_flops / dt / peak if peak else None
+                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}", tok_s=f"{int(totals[2]) / dt:,.0f}",
+                                **({"mfu": f"{mfu:.1%}"} if mfu else {}))
+                if writer:
+                    scalars = {"loss": loss, "acc": acc, "grad_norm": float(grad_norm), "lr": sched.get_last_lr()[0],
+                               "tokens_per_s": int(totals[2]) / dt, f"{wait_kind}_s": step_wait, "step_s": dt}
+                    if mfu:
+                        scalars["mfu"] = mfu
+                    for k, v in scalars.items():
+                        writer.add_scalar(f"train/{k}", v, step + 1)
+                    slot_acc = (correct / count.clamp(min=1)).tolist()
+                    for k in range(1, dc.block_size):  # slot k predicts the token k after the anchor
+                        writer.add_scalar(f"slot_acc/{k:02d}", slot_acc[k], step + 1)
+            every = c.train.checkpoint_every  # 0: no checkpoints (benchmarks); the final drafter is still saved
+            if lead and every and ((step + 1) % every == 0 or step + 1 == c.train.steps):
+                save_checkpoint(step + 1)
+            if step + 1 < c.train.steps and stop.agreed(ctx, device):
+                stopped_at = step + 1
+                if lead:
+                    path = save_checkpoint(step + 1)
+                    console.print(f"stopped at step {step + 1}: checkpoint {path}; continue with --resume")
+                break
+    finally:
+        stop.restore()
     bar.close()
     if writer:
         writer.close()
+    if stopped_at is not None:
+        return {"stopped_at": stopped_at}
     if not lead:
         return None
 
@@ -470,6 +524,9 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | No
     from .transport import FeatureSender
 
     c, device = cfg, ctx.device
+    # A stop request ends a target rank at once: the drafters write the checkpoint, and a send that
+    # waits for a drafter that has stopped would otherwise hold this process until the timeout.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     tokenizer = load_tokenizer(c)
     layer_ids = new_drafter(c, AutoConfig.from_pretrained(c.target.path), tokenizer).target_layer_ids
     target = load_target(c, layer_ids, device)
@@ -552,6 +609,10 @@ def run(cfg: RunConfig, resume: bool = False) -> dict | None:
         if ctx.is_target:
             return run_target(cfg, ctx, resume)
         summary = run_drafter(cfg, ctx, resume)
+        if summary is not None and "stopped_at" in summary:
+            if not ctx.colocated:  # the target ranks stop on the same signal; nobody waits for them
+                os._exit(0)
+            return summary
         if ctx.colocated or (summary is not None and ctx.roles.offline):
             print_summary(summary)
         ctx.barrier()
