@@ -13,21 +13,15 @@ import json
 import tarfile
 from pathlib import Path
 
+from dflash_image.wheelhouse import sha256_of
+
 LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
-
-
-def _sha_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write(layer_zst: Path, plain_tar_sha256: str, dest: Path, ref: str, labels: dict[str, str],
           env: list[str], created: str) -> str:
     """Write the archive; returns the manifest digest. `created` is an RFC 3339 time (the snapshot's)."""
-    layer_sha = _sha_file(layer_zst)
+    layer_sha = sha256_of(layer_zst)
     config = {
         "created": created,
         "architecture": "amd64",

@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 from dflash_image.commands import ToolError, find
+from dflash_image.wheelhouse import sha256_of
 
 MAX_ID = 65535  # unprivileged containers map ids 0..65535; a higher one makes `pct create` fail
 HOSTS = "127.0.0.1\tlocalhost\n::1\t\tlocalhost ip6-localhost ip6-loopback\n"
@@ -103,15 +104,7 @@ def pack(root: Path, dest: Path, source_date_epoch: int, zstd_level: int = 10) -
             tmp.unlink(missing_ok=True)
             raise TemplateError(f"packing {root} failed (tar exit {t.returncode}, zstd exit {z.returncode})")
     tmp.rename(dest)
-    digest = _sha_file(dest)
+    digest = sha256_of(dest)
     dest.with_name(dest.name + ".sha256").write_text(f"{digest}  {dest.name}\n")
     return digest, plain.hexdigest()
-
-
-def _sha_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
