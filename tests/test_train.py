@@ -79,7 +79,7 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_resume_continues(tiny
         time.sleep(0.5)
     time.sleep(3)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=240)
+    _stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr[-3000:]
     assert "SIGTERM: stopping after this step's checkpoint" in stderr
     done = ckpt.list_checkpoints(out / "checkpoints")

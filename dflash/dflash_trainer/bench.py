@@ -85,6 +85,11 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=3072, help="context tokens per sequence (S)")
     p.add_argument("--anchors", type=int, default=512, help="blocks per sequence (N)")
     p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--no-compile-layers", action="store_true",
+                   help="eager layers around the compiled flex_attention (A/B against the default)")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the timed steps")
+    p.add_argument("--no-memory-probe", action="store_true", help="skip the attention memory probe")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps after the compile step")
     p.add_argument("--chunk-rows", type=int, default=2048)
@@ -125,15 +130,16 @@ def main(argv=None) -> int:
     with torch.device(device):
         drafter = DFlashDrafter(dcfg).to(dtype)
     opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4)
-    b, S, N, B = args.micro_batch, args.seq, args.anchors, dcfg.block_size
+    b, S, N, B, A = args.micro_batch, args.seq, args.anchors, dcfg.block_size, args.grad_accum
     mask_builder = make_mask_builder(B) if device.type == "cuda" else None
     attention = "flex" if device.type == "cuda" else "sdpa"
+    compiled_layers = attention == "flex" and not args.no_compile_layers
 
     t0 = time.perf_counter()
     report = None
     if attention == "flex":
         report = warm_drafter(drafter, embed, head, [S], b, N, None, args.chunk_rows, mask_builder,
-                              Path(args.cache_dir), log=print)
+                              Path(args.cache_dir), log=print, compiled_layers=compiled_layers)
     compile_s = time.perf_counter() - t0
 
     feat_dim = len(drafter.target_layer_ids) * dcfg.hidden_size
@@ -143,33 +149,48 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     flops = 0.0
+    profiler = _profiler(device) if args.profile else None
     for step in range(args.warmup_steps + args.steps):
-        _sync(device)
-        t_start = time.perf_counter()
-        if target is not None:
-            feats = frozen.features(ids)
-        else:
-            feats = torch.randn(b, S, feat_dim, device=device, dtype=dtype)
-        _sync(device)
-        t_feat = time.perf_counter()
-        anchors, keep = sample_anchors(lm, N)
-        blocks = build_blocks(ids, lm, anchors, keep, B, drafter.mask_token_id)
-        attn = block_attention(attention, blocks, S, B, dcfg, mask_builder)
-        sums = drafter_loss(drafter, embed, head, feats, blocks, attn, args.chunk_rows)
-        sums.weighted_ce.backward()
-        opt.step(1.0 / blocks.total_weight)
+        if profiler is not None and step == args.warmup_steps:
+            profiler.start()
+        t_target = t_drafter = 0.0
+        flops, total_weight = 0.0, 0.0
+        for _ in range(A):  # micro-batches: features (target or random), then the drafter's forward + backward
+            _sync(device)
+            t_start = time.perf_counter()
+            if target is not None:
+                feats = frozen.features(ids)
+            else:
+                feats = torch.randn(b, S, feat_dim, device=device, dtype=dtype)
+            _sync(device)
+            t_feat = time.perf_counter()
+            anchors, keep = sample_anchors(lm, N)
+            blocks = build_blocks(ids, lm, anchors, keep, B, drafter.mask_token_id)
+            attn = block_attention(attention, blocks, S, B, dcfg, mask_builder)
+            sums = drafter_loss(drafter, embed, head, feats, blocks, attn, args.chunk_rows,
+                                compiled_layers=compiled_layers)
+            sums.weighted_ce.backward()
+            total_weight += float(blocks.total_weight)
+            flops += drafter_step_flops(dcfg, b, S, N, float(visible_pairs(anchors, keep, B)), tcfg.vocab_size)
+            t_target += t_feat - t_start
+            t_drafter += time.perf_counter() - t_feat
+        t_opt = time.perf_counter()
+        opt.step(1.0 / total_weight)
         opt.zero_grad()
         _sync(device)
-        t_end = time.perf_counter()
+        t_drafter += time.perf_counter() - t_opt
         if step >= args.warmup_steps:
-            times.append(t_end - t_feat)
-            target_times.append(t_feat - t_start)
-            flops = drafter_step_flops(dcfg, b, S, N, float(visible_pairs(anchors, keep, B)), tcfg.vocab_size)
+            times.append(t_drafter)
+            target_times.append(t_target)
+    if profiler is not None:
+        profiler.stop()
+        _print_profile(profiler, args.steps)
     step_s = statistics.mean(times)
     peak = peak_flops(device)
     result = {
         "preset": args.preset, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "micro_batch": b, "seq": S, "anchors": N, "block": B,
+        "torch": torch.__version__, "micro_batch": b, "grad_accum": A, "seq": S, "anchors": N, "block": B,
+        "compiled_layers": compiled_layers,
         "drafter_params_m": drafter.num_params() / 1e6,
         "compile_s": compile_s,
         "compile_cache_hits": report.cache_hits if report else None,
@@ -177,8 +198,8 @@ def main(argv=None) -> int:
         "drafter_step_ms": 1e3 * step_s,
         "drafter_step_ms_min": 1e3 * min(times),
         "target_ms": 1e3 * statistics.mean(target_times) if target is not None else None,
-        "context_tokens_per_s_drafter": b * S / step_s,
-        "context_tokens_per_s_one_gpu": b * S / (step_s + statistics.mean(target_times)) if target is not None
+        "context_tokens_per_s_drafter": A * b * S / step_s,
+        "context_tokens_per_s_one_gpu": A * b * S / (step_s + statistics.mean(target_times)) if target is not None
         else None,
         "model_tflop_per_step": flops / 1e12,
         "achieved_tflops": flops / step_s / 1e12,
@@ -186,11 +207,89 @@ def main(argv=None) -> int:
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "dense_scores_gib_per_layer": dense_scores_bytes(b, dcfg.num_attention_heads, N * B, S + N * B) / 2**30,
     }
+    if attention == "flex" and not args.no_memory_probe:
+        result.update(attention_memory_probe(dcfg, lm, N, mask_builder))
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def attention_memory_probe(dcfg, loss_mask, num_anchors: int, mask_builder) -> dict:
+    """The fused attention's extra memory (forward + backward, one layer's call at the benchmark shape)
+    against what the dense path would hold: one fp32 score copy, and the ~3.3 copies the eager math path
+    peaks at (shared/notes/performance.md). Runs after the timed steps and compiles the standalone
+    flex_attention for this shape, so it leaves the fail-on-recompile stance first.
+    """
+    from .attention import DENSE_PEAK_COPIES, attend
+    from .warmup import leave_run_phase
+
+    leave_run_phase()
+    device = loss_mask.device
+    b, S = loss_mask.shape
+    h, d = dcfg.num_attention_heads, dcfg.head_dim
+    anchors, keep = sample_anchors(loss_mask, num_anchors)
+    mask = mask_builder(anchors, keep, S)
+    q_len, kv_len = mask.seq_lengths
+    q = torch.randn(b, h, q_len, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, h, kv_len, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, h, kv_len, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    for measure in (False, True):  # the first call compiles
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = attend(q, k, v, mask)
+        out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        q.grad = k.grad = v.grad = None
+        del out
+    dense = dense_scores_bytes(b, h, q_len, kv_len)
+    print(f"attention memory probe [{b}, {h}, {q_len} x {kv_len}]: fused forward + backward used "
+          f"{peak / 2**20:,.0f} MiB above its inputs (outputs and gradients included); one dense fp32 score "
+          f"copy is {dense / 2**30:.1f} GiB and the eager math path peaks near {DENSE_PEAK_COPIES * dense / 2**30:.0f} GiB")
+    return {"attention_probe_shape": [b, h, q_len, kv_len], "attention_fused_peak_mib": peak / 2**20,
+            "attention_dense_copy_gib": dense / 2**30,
+            "attention_dense_eager_peak_gib": DENSE_PEAK_COPIES * dense / 2**30}
+
+
+def _profiler(device):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+# Kernel-name patterns -> what they are, for the profile summary.
+_KERNEL_KINDS = [
+    ("flex attention", ("flex", "triton_tem_fused_flex")),
+    ("GEMM", ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas", "mm_", "triton_tem_fused_mm", "triton_tem_fused_addmm")),
+    ("optimizer", ("adam", "foreach", "multi_tensor", "clip")),
+    ("fused elementwise (Inductor)", ("triton_poi", "triton_red", "triton_per")),
+    ("elementwise (eager)", ("elementwise", "vectorized", "reduce_kernel", "copy", "index", "scatter", "gather")),
+]
+
+
+def _print_profile(profiler, steps: int) -> None:
+    # Kernels only: CPU-side ops (aten::mm, ...) also carry the device time of the kernels they launch.
+    # and so do user annotations such as Optimizer.step#AdamW.step (kernel time counted twice).
+    events = [e for e in profiler.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+              and not getattr(e, "is_user_annotation", False) and not e.key.startswith("Optimizer.")]
+    rows = sorted(((e.key, e.self_device_time_total, e.count) for e in events if e.self_device_time_total > 0),
+                  key=lambda r: -r[1])
+    total = sum(t for _, t, _ in rows) or 1
+    kinds: dict[str, float] = {}
+    for name, t, _ in rows:
+        low = name.lower()
+        kind = next((k for k, pats in _KERNEL_KINDS if any(p in low for p in pats)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + t
+    print(f"GPU time per step by kind ({steps} steps profiled):")
+    for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:32s} {t / steps / 1e3:8.1f} ms  {t / total:6.1%}")
+    print("top kernels (ms per step, calls per step):")
+    for name, t, n in rows[:25]:
+        print(f"  {t / steps / 1e3:8.2f} ms  x{n / steps:5.1f}  {name[:110]}")
 
 
 def _sync(device):

@@ -69,6 +69,7 @@ class TrainConfig:
     dtype: str = "bfloat16"  # drafter parameters; the optimizer keeps fp32 masters
     attention: str = "auto"  # auto: flex on CUDA, sdpa on CPU (flex has no CPU backward)
     loss_chunk_rows: int = 2048
+    compile_layers: bool = True  # flex backend: compile each drafter layer whole (fused norms/RoPE/SwiGLU)
     log_every: int = 10
     checkpoint_every: int = 500  # steps; 0 disables checkpoints (the final drafter is always saved)
     keep_last: int = 3

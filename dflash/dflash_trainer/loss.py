@@ -1,8 +1,15 @@
-"""LM head + weighted cross-entropy, in chunks of rows.
+"""LM head + weighted cross-entropy, in chunks of rows, with the gradient computed in the forward.
 
 The full [N*B, vocab] logits of one sample are 2.5 GB in bf16 for Qwen3-8B (8,192 queries x
-151,936): never materialise them. Each chunk runs head -> CE -> weighted sum under activation
-checkpointing, so only one chunk's logits exist at a time, in the forward and in the backward.
+151,936): never materialise them. The head is the target's and frozen, so the loss needs only the
+gradient with respect to the drafter's hidden states, and that gradient does not depend on anything
+computed later: each chunk computes logits -> CE -> d(loss)/d(hidden) at once, keeps the [rows, H]
+gradient (64 MiB for the 8B shape) and drops its logits. The backward is one multiply by the
+incoming scalar. Against activation checkpointing this saves recomputing the head in the backward:
+a third of the head's GEMM work, the largest GEMM of the step.
+
+The elementwise part (log-softmax, CE, softmax - one-hot, argmax) runs as one compiled kernel on
+GPUs (`CE_AND_GRAD`, compiled in the serialized warm-up like flex_attention) and eagerly on CPUs.
 """
 
 from __future__ import annotations
@@ -11,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -23,15 +29,54 @@ class LossSums:
     slot_count: torch.Tensor  # [B] positions with weight > 0
 
 
-def _chunk_terms(hidden, head_weight, labels, weights, slots, block_size):
-    logits = F.linear(hidden, head_weight).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    with torch.no_grad():
+def ce_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, with_grad: bool):
+    """sum(w * CE), d(that)/d(logits) in the logits' dtype (or None), argmax == label, for [rows, V] logits."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    ce = lse.squeeze(-1) - x.gather(1, labels.unsqueeze(1)).squeeze(1)
+    hit = x.argmax(-1) == labels
+    grad = None
+    if with_grad:
+        one_hot = torch.arange(x.shape[1], device=x.device) == labels.unsqueeze(1)
+        grad = ((torch.exp(x - lse) - one_hot.float()) * weights.unsqueeze(1)).to(logits.dtype)
+    return (ce * weights).sum(), grad, hit
+
+
+# One compiled object per process: dynamic=False (the chunk shapes are fixed by micro_batch, num_anchors
+# and chunk_rows), compiled in the warm-up, so a new shape after it is a RecompileError, not a slow path.
+CE_AND_GRAD = torch.compile(ce_and_grad, dynamic=False, fullgraph=True)
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """sum(weights * CE(hidden @ head^T, labels)) with d/d(hidden) computed chunk by chunk in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad):
+        # No-grad passes (evaluation) run eagerly: they come after warm-up, where a new variant is an error.
+        kernel = CE_AND_GRAD if hidden.is_cuda and with_grad else ce_and_grad
+        total = hidden.new_zeros((), dtype=torch.float32)
+        correct = torch.zeros(block_size, device=hidden.device)
+        count = torch.zeros(block_size, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if with_grad else None
         scored = weights > 0
-        hit = (logits.argmax(-1) == labels) & scored
-        correct = torch.zeros(block_size, device=hidden.device).index_add_(0, slots, hit.float())
-        count = torch.zeros(block_size, device=hidden.device).index_add_(0, slots, scored.float())
-    return (ce * weights).sum(), correct, count
+        for start in range(0, hidden.shape[0], chunk_rows):
+            sl = slice(start, start + chunk_rows)
+            logits = F.linear(hidden[sl], head_weight)
+            part, grad_logits, hit = kernel(logits, labels[sl], weights[sl], with_grad)
+            del logits
+            if with_grad:
+                torch.mm(grad_logits, head_weight, out=grad_hidden[sl])
+            total += part
+            correct.index_add_(0, slots[sl], (hit & scored[sl]).float())
+            count.index_add_(0, slots[sl], scored[sl].float())
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(correct, count)
+        return total, correct, count
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_correct, _grad_count):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None
 
 
 def chunked_block_loss(
@@ -42,21 +87,13 @@ def chunked_block_loss(
     block_size: int,
     chunk_rows: int = 2048,
 ) -> LossSums:
+    if head_weight.requires_grad:
+        raise ValueError("the LM head is the target's and must be frozen (requires_grad=False): DFlash does "
+                         "not train it, and the loss computes gradients for the drafter's hidden states only")
     h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    w = weights.reshape(-1).to(torch.float32)
     slots = torch.arange(h.shape[0], device=h.device) % block_size
-    total = h.new_zeros((), dtype=torch.float32)
-    correct = torch.zeros(block_size, device=h.device)
-    count = torch.zeros(block_size, device=h.device)
-    for start in range(0, h.shape[0], chunk_rows):
-        sl = slice(start, start + chunk_rows)
-        args = (h[sl], head_weight, y[sl], w[sl], slots[sl], block_size)
-        if torch.is_grad_enabled() and h.requires_grad:
-            part, c, n = checkpoint(_chunk_terms, *args, use_reentrant=False)
-        else:
-            part, c, n = _chunk_terms(*args)
-        total = total + part
-        correct += c
-        count += n
+    with_grad = torch.is_grad_enabled() and h.requires_grad
+    total, correct, count = _HeadCrossEntropy.apply(
+        h, head_weight, labels.reshape(-1), weights.reshape(-1).to(torch.float32), slots, block_size, chunk_rows,
+        with_grad)
     return LossSums(total, correct, count)

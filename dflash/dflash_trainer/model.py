@@ -177,12 +177,13 @@ class DFlashDrafter(nn.Module):
         block_embeds: torch.Tensor,  # [b, Q, H] target embedding of the block tokens
         position_ids: torch.Tensor,  # [b, S + Q] context positions, then block positions
         attention: AttentionFn,
+        layer_fn: Callable | None = None,  # (layer, x, context, cos, sin, attention) -> x, e.g. compiled
     ) -> torch.Tensor:
         context = self.hidden_norm(self.fc(features))
         cos, sin = self.rotary_emb(block_embeds, position_ids)
         x = block_embeds
         for layer in self.layers:
-            x = layer(x, context, cos, sin, attention)
+            x = layer_fn(layer, x, context, cos, sin, attention) if layer_fn else layer(x, context, cos, sin, attention)
         return self.norm(x)
 
     # ---- Hugging Face directory in the published drafters' format -------------------------------

@@ -151,7 +151,8 @@ def check_dense_fits(cfg: RunConfig, drafter: DFlashDrafter, device: torch.devic
 
 
 def warm_drafter(drafter, embed_weight, head_weight, buckets, micro_batch: int, num_anchors: int,
-                 gamma, chunk_rows: int, mask_builder, cache_dir: Path, log, label: str = ""):
+                 gamma, chunk_rows: int, mask_builder, cache_dir: Path, log, label: str = "",
+                 compiled_layers: bool = True):
     """The serialized compile step: warm every context bucket (forward + backward) before step 1.
 
     Ranks take turns through a file lock in the shared cache directory, so the first fills the cache
@@ -177,7 +178,8 @@ def warm_drafter(drafter, embed_weight, head_weight, buckets, micro_batch: int, 
         blocks = build_blocks(ids, lm, anchors, keep, dc.block_size, drafter.mask_token_id, gamma)
         attn = block_attention("flex", blocks, ctx_len, dc.block_size, dc, mask_builder)
         t1 = time.perf_counter()
-        sums = drafter_loss(drafter, embed_weight, head_weight, feats, blocks, attn, chunk_rows)
+        sums = drafter_loss(drafter, embed_weight, head_weight, feats, blocks, attn, chunk_rows,
+                            compiled_layers=compiled_layers)
         t2 = time.perf_counter()
         sums.weighted_ce.backward()
         drafter.zero_grad(set_to_none=True)
@@ -380,7 +382,7 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
         t0 = time.perf_counter()
         warmup_report = warm_drafter(drafter, embed, head, c.data.context_buckets, c.train.micro_batch,
                                      c.train.num_anchors, c.drafter.gamma, c.train.loss_chunk_rows, mask_builder,
-                                     cache, console.print, label=ctx.label)
+                                     cache, console.print, label=ctx.label, compiled_layers=c.train.compile_layers)
         warmup_s = time.perf_counter() - t0
     else:
         check_dense_fits(c, drafter, device)
@@ -420,7 +422,8 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
                 attn = block_attention(backend, blocks, fb.features.shape[1], dc.block_size, dc, mask_builder)
                 sync = model.no_sync() if D > 1 and micro < A - 1 else nullcontext()  # one all-reduce per step
                 with sync:
-                    sums = drafter_loss(drafter, embed, head, fb.features, blocks, attn, c.train.loss_chunk_rows, model)
+                    sums = drafter_loss(drafter, embed, head, fb.features, blocks, attn, c.train.loss_chunk_rows, model,
+                                        compiled_layers=backend == "flex" and c.train.compile_layers)
                     sums.weighted_ce.backward()
                 ce_sum += sums.weighted_ce.detach()
                 weight_sum += blocks.total_weight
