@@ -430,8 +430,9 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
                 correct += sums.slot_correct
                 count += sums.slot_count
                 step_tokens += fb.tokens
+                # A device tensor: a float() here would wait for the GPU in the middle of the step.
                 step_flops += drafter_step_flops(dc, fb.features.shape[0], fb.features.shape[1], c.train.num_anchors,
-                                                 float(visible_pairs(anchors, keep, dc.block_size)), dc.vocab_size)
+                                                 visible_pairs(anchors, keep, dc.block_size), dc.vocab_size)
             # The loss is normalised by the total weight of the whole step: every micro-batch, every rank.
             # DDP averages gradients over the D ranks, hence D / total.
             totals = parallel.all_reduce_sum(ctx, torch.stack([ce_sum, weight_sum, torch.tensor(
@@ -442,6 +443,7 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
             opt.zero_grad()
             _sync(device)
             dt = time.perf_counter() - t0
+            step_flops = float(step_flops)
             first_step_at = first_step_at or time.perf_counter()
             loss = float(totals[0] / total)
             if not math.isfinite(loss):
