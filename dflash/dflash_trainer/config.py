@@ -74,6 +74,7 @@ class TrainConfig:
     checkpoint_every: int = 500  # steps; 0 disables checkpoints (the final drafter is always saved)
     keep_last: int = 3
     compile_cache_dir: str | None = None
+    wandb_project: str | None = None  # W&B logging when wandb is installed (or set WANDB_PROJECT)
 
 
 @dataclass

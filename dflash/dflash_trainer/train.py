@@ -39,6 +39,7 @@ from .evaluate import evaluate_tau
 from .features import FeatureShards, write_meta, write_shard
 from .flops import drafter_step_flops, peak_flops, visible_pairs
 from .mask import dflash_block_mask
+from .metrics import Metrics
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .objective import block_attention, drafter_loss
 from .optim import MasterWeightAdamW, warmup_cosine
@@ -388,7 +389,7 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
         check_dense_fits(c, drafter, device)
         warmup_s = 0.0
 
-    writer = _tensorboard(out / "tb") if lead else None
+    metrics = Metrics(out / "tb", c.to_dict(), c.train.wandb_project, out.name, log) if lead else None
     peak = peak_flops(device)
     losses: list[float] = []
     tokens_total, flops_total, train_time, t_wait, t_drafter = 0, 0.0, 0.0, 0.0, 0.0
@@ -459,16 +460,13 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
                 mfu = step_flops / dt / peak if peak else None
                 bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}", tok_s=f"{int(totals[2]) / dt:,.0f}",
                                 **({"mfu": f"{mfu:.1%}"} if mfu else {}))
-                if writer:
-                    scalars = {"loss": loss, "acc": acc, "grad_norm": float(grad_norm), "lr": sched.get_last_lr()[0],
-                               "tokens_per_s": int(totals[2]) / dt, f"{wait_kind}_s": step_wait, "step_s": dt}
-                    if mfu:
-                        scalars["mfu"] = mfu
-                    for k, v in scalars.items():
-                        writer.add_scalar(f"train/{k}", v, step + 1)
-                    slot_acc = (correct / count.clamp(min=1)).tolist()
-                    for k in range(1, dc.block_size):  # slot k predicts the token k after the anchor
-                        writer.add_scalar(f"slot_acc/{k:02d}", slot_acc[k], step + 1)
+                scalars = {"loss": loss, "acc": acc, "grad_norm": float(grad_norm), "lr": sched.get_last_lr()[0],
+                           "tokens_per_s": int(totals[2]) / dt, f"{wait_kind}_s": step_wait, "step_s": dt}
+                if mfu:
+                    scalars["mfu"] = mfu
+                slot_acc = (correct / count.clamp(min=1)).tolist()
+                metrics.scalars({**{f"train/{k}": v for k, v in scalars.items()},  # slot k: the token k after the anchor
+                                 **{f"slot_acc/{k:02d}": slot_acc[k] for k in range(1, dc.block_size)}}, step + 1)
             every = c.train.checkpoint_every  # 0: no checkpoints (benchmarks); the final drafter is still saved
             if lead and every and ((step + 1) % every == 0 or step + 1 == c.train.steps):
                 save_checkpoint(step + 1)
@@ -481,9 +479,9 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
     finally:
         stop.restore()
     bar.close()
-    if writer:
-        writer.close()
     if stopped_at is not None:
+        if metrics:
+            metrics.close()
         return {"stopped_at": stopped_at}
     if not lead:
         return None
@@ -512,6 +510,8 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
             after = evaluate(c, drafter, target, tokenizer, eval_stream, prompts, "after training")
         summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"])
     write_summary(out, summary)
+    metrics.summary(summary)
+    metrics.close()
     return summary
 
 
@@ -635,14 +635,6 @@ def write_summary(out: Path, summary: dict) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _tensorboard(directory: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(directory))
 
 
 def print_summary(summary: dict) -> None:
