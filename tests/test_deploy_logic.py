@@ -248,6 +248,29 @@ def test_detached_supervisor_stops_after_the_checkpoint_in_progress(tmp_path):
     assert "checkpoint:  step 2" in status.format_report(rep)
 
 
+def test_a_killed_save_does_not_hold_up_the_stop(tmp_path):
+    """A .tmp-step-* older than the trainer (a save that was SIGKILLed) is not a checkpoint in progress."""
+    run = tmp_path / "run"
+    stale = run / "checkpoints" / ".tmp-step-00000004-x1"
+    stale.mkdir(parents=True)
+    os.utime(stale, (time.time() - 60, time.time() - 60))
+    launch(run, "import time; print('training', flush=True); time.sleep(120)")
+    assert supervise.checkpoint_in_progress(run) and not supervise.checkpoint_in_progress(run, since=time.time())
+    cli = [sys.executable, "-m", "dflash_run"]
+    env = dict(os.environ, PYTHONPATH=str(ROLE / "files"))
+    assert subprocess.run([*cli, "start", "--run-dir", str(run)], env=env, timeout=30, check=False).returncode == 0
+    assert wait_for(lambda: "training" in (run / supervise.LOG).read_text())
+    t0 = time.monotonic()
+    stop = subprocess.run([*cli, "stop", "--run-dir", str(run), "--timeout", "60"], env=env, capture_output=True,
+                          text=True, timeout=90, check=False)
+    assert stop.returncode == 0, stop.stderr
+    assert time.monotonic() - t0 < 20  # not the whole timeout
+    assert f"stopped (trainer exit -{signal.SIGTERM.value})" in (run / supervise.LOG).read_text()  # not SIGKILL
+    fresh = run / "checkpoints" / ".tmp-step-00000008-x2"  # a save of a running trainer is waited for
+    fresh.mkdir()
+    assert supervise.checkpoint_in_progress(run, since=time.time() - 5)
+
+
 def test_foreground_trainer_is_found_and_stopped(tmp_path):
     """A local `make train` (no supervisor): preflight sees it, train-stop ends it."""
     run = tmp_path / "run"

@@ -59,18 +59,24 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rep, indent=1) if a.json else status.format_report(rep))
         return 0
     if a.cmd == "logs":
-        return logs(a.run_dir, a.lines, a.follow)
+        return logs(a.run_dir, a.lines, a.follow, a.unit)
     return 2
 
 
-def logs(run_dir: Path, lines: int, follow: bool) -> int:
+def logs(run_dir: Path, lines: int, follow: bool, unit: str | None = None) -> int:
     path = Path(supervise.read_state(run_dir.absolute()).get("log") or run_dir / supervise.LOG)
+    # Under systemd, what systemd itself says about the unit (exits, restarts, a unit that never started).
+    journal = supervise.unit_journal(unit, min(lines, 20)) if unit else []
+    said = "".join(f"\n  {x}" for x in journal)
+    said = f"systemd about {unit} (all of it: journalctl -u {unit}):{said}" if said else ""
     if not path.is_file():
         print(f"no log at {path}: the run was never started detached (make train with INVENTORY), or a "
-              "foreground `make train` printed to its terminal")
+              "foreground `make train` printed to its terminal" + (f"\n{said}" if said else ""))
         return 1
     print("\n".join(status.tail(path, lines)))
     if not follow:
+        if said:
+            print(said)
         return 0
     with open(path, errors="replace") as f:
         f.seek(0, 2)

@@ -63,3 +63,14 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def started_at(pid: int) -> float | None:
+    """When pid started, in wall-clock seconds (boot time + its start time in /proc); None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime "))
+        return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5): starttime
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None

@@ -8,7 +8,8 @@ and its output goes to stdout (journald) and to the run's log file.
 
 Graceful stop: SIGTERM to the supervisor waits until no checkpoint is being written (the trainer's
 checkpoints appear atomically from a .tmp-step-* directory), then sends SIGTERM to the trainer's
-process group. Even if a save starts in that instant, the previous checkpoint stays whole.
+process group. Even if a save starts in that instant, the previous checkpoint stays whole. A .tmp-step-*
+older than the trainer is what a killed save left behind: nobody writes it, so the stop does not wait for it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from .procs import alive
+from .procs import alive, started_at
 
 LAUNCH = "launch.json"  # written by `make deploy`: the trainer's argv and the restart policy
 STATE = "supervisor.json"
@@ -57,14 +58,25 @@ def read_state(run_dir: Path) -> dict:
         return {}
 
 
-def checkpoint_in_progress(run_dir: Path) -> bool:
-    return any((run_dir / "checkpoints").glob(".tmp-step-*"))
+def checkpoint_in_progress(run_dir: Path, since: float = 0.0) -> bool:
+    """A save is being written: a .tmp-step-* directory made at or after `since` (the trainer's start).
+
+    Older ones are left-overs of a save that was killed (SIGKILL, OOM, a lost container): waiting for
+    them would hold a stop up for its whole timeout; the trainer removes them at its next save.
+    """
+    for tmp in (run_dir / "checkpoints").glob(".tmp-step-*"):
+        try:
+            if tmp.stat().st_mtime >= since - 1:  # 1 s of slack for coarse file times
+                return True
+        except OSError:  # renamed into place or removed meanwhile
+            continue
+    return False
 
 
-def graceful_kill(pgid: int, run_dir: Path, timeout_s: float) -> None:
+def graceful_kill(pgid: int, run_dir: Path, timeout_s: float, since: float = 0.0) -> None:
     """Let a checkpoint in progress finish, then SIGTERM the group; SIGKILL after timeout_s."""
     deadline = time.monotonic() + timeout_s
-    while checkpoint_in_progress(run_dir) and time.monotonic() < deadline:
+    while checkpoint_in_progress(run_dir, since) and time.monotonic() < deadline:
         time.sleep(0.2)
     try:
         os.killpg(pgid, signal.SIGTERM)
@@ -89,6 +101,7 @@ class Supervisor:
         self.restart = restart
         self.stopping = threading.Event()
         self.child: subprocess.Popen | None = None
+        self.child_started = 0.0
         self.log_path = self.run_dir / LOG
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -98,8 +111,8 @@ class Supervisor:
         self.stopping.set()
         self.note(f"{signal.Signals(signum).name} received: stopping after the checkpoint in progress")
         if self.child is not None and self.child.poll() is None:
-            threading.Thread(target=graceful_kill, daemon=True,
-                             args=(self.child.pid, self.run_dir, self.launch["stop_timeout_s"])).start()
+            threading.Thread(target=graceful_kill, daemon=True, args=(
+                self.child.pid, self.run_dir, self.launch["stop_timeout_s"], self.child_started)).start()
 
     def note(self, line: str) -> None:
         self.emit(f"[dflash_run {now()}] {line}\n")
@@ -114,6 +127,7 @@ class Supervisor:
         argv = list(self.launch["argv"]) + ["--resume"]
         env = dict(os.environ, **self.launch.get("env", {}), PYTHONUNBUFFERED="1")
         self.note("start: " + " ".join(argv))
+        self.child_started = time.time()
         # Own process group: the graceful stop signals torchrun and all its workers together.
         self.child = subprocess.Popen(argv, cwd=self.run_dir, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1,
@@ -193,14 +207,29 @@ def start_detached(run_dir: Path) -> int:
     os._exit(code)
 
 
+# Unit states in which it has (or is about to have) a trainer: `systemctl stop` is the way to stop it.
+UNIT_RUNNING = ("active", "activating", "deactivating", "reloading")
+
+
 def systemd_unit_state(unit: str) -> dict | None:
     """ActiveState etc. of the unit, or None where there is no systemd (or no such unit)."""
     if not Path("/run/systemd/system").is_dir():
         return None
-    out = subprocess.run(["systemctl", "show", unit, "-p", "LoadState,ActiveState,SubState,NRestarts,MainPID"],
+    out = subprocess.run(["systemctl", "show", unit, "-p", "LoadState,ActiveState,SubState,Result,NRestarts,MainPID"],
                          capture_output=True, text=True, check=False).stdout
     props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     return None if props.get("LoadState") in (None, "not-found") else props
+
+
+def unit_journal(unit: str, lines: int) -> list[str]:
+    """systemd's own lines about the unit (starts, exit statuses, restarts, the restart limit): only journald
+    has them; the run's log has the trainer's and dflash_run's. Empty where there is no systemd."""
+    if not Path("/run/systemd/system").is_dir():
+        return []
+    name = unit if "." in unit else unit + ".service"
+    res = subprocess.run(["journalctl", "--no-pager", "-q", "-o", "short-iso", "-n", str(lines), "_PID=1",
+                          f"UNIT={name}"], capture_output=True, text=True, check=False)
+    return res.stdout.splitlines() if res.returncode == 0 else []
 
 
 def stop(run_dir: Path, unit: str | None, timeout_s: float) -> int:
@@ -208,8 +237,19 @@ def stop(run_dir: Path, unit: str | None, timeout_s: float) -> int:
     from .procs import of_run, training_processes
 
     run_dir = run_dir.absolute()
-    if unit and systemd_unit_state(unit):
-        return subprocess.run(["systemctl", "stop", unit], check=False).returncode
+    unit_state = systemd_unit_state(unit) if unit else None
+    if unit_state and unit_state.get("ActiveState") in UNIT_RUNNING:
+        # SIGTERM to dflash_run (KillMode=mixed): it waits for the checkpoint in progress, the trainer writes
+        # one at the step it is on; `systemctl stop` returns when the unit is down.
+        rc = subprocess.run(["systemctl", "stop", unit], check=False).returncode
+        after = systemd_unit_state(unit) or {}
+        if rc != 0:
+            print(f"systemctl stop {unit} failed (exit {rc}; unit {after.get('ActiveState')}): journalctl -u {unit}",
+                  file=sys.stderr)
+            return rc
+        print(f"stopped {unit} (unit {after.get('ActiveState')}, result {after.get('Result')}): "
+              f"{read_state(run_dir).get('state')}; checkpoints in {run_dir / 'checkpoints'}")
+        return 0
     st = read_state(run_dir)
     pid = int(st.get("pid") or 0)
     if st.get("state") in ("running", "restarting") and pid and alive(pid):
@@ -234,7 +274,8 @@ def stop(run_dir: Path, unit: str | None, timeout_s: float) -> int:
 
 def _term_one(pid: int, run_dir: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while checkpoint_in_progress(run_dir) and time.monotonic() < deadline:
+    since = started_at(pid) or 0.0
+    while checkpoint_in_progress(run_dir, since) and time.monotonic() < deadline:
         time.sleep(0.2)
     try:
         os.kill(pid, signal.SIGTERM)
