@@ -1,5 +1,9 @@
 """Shared pytest fixtures."""
 
+import os
+import re
+from pathlib import Path
+
 import pytest
 
 
@@ -10,6 +14,40 @@ def pve_host(tmp_path_factory):
     from tests.pve_testhost.fixture import pve_host_session
 
     yield from pve_host_session(tmp_path_factory.mktemp("pve-testhost"))
+
+
+# --- Debian base (image/rootfs.py): under the image, and the test CTs whose init is systemd ---------
+CACHE = Path(os.environ.get("DFLASH_TEST_CACHE", "/var/cache/dflash-tests"))
+
+
+def apt_mirror() -> str:
+    """The Debian mirror this machine's apt uses: the snapshot archive is not reachable from CI, so the
+    tests take the same suite and packages from there; the snapshot date still clamps every mtime."""
+    for f in sorted(Path("/etc/apt").glob("sources.list.d/*.sources")) + [Path("/etc/apt/sources.list")]:
+        if f.is_file():
+            m = re.search(r"^(?:URIs:\s*|deb\s+(?:\[[^]]*\]\s+)?)(\S+/debian)/?\s", f.read_text(), re.MULTILINE)
+            if m:
+                return m.group(1)
+    pytest.skip("no Debian mirror in /etc/apt: set DFLASH_DEBIAN_MIRROR")
+
+
+@pytest.fixture(scope="session")
+def image_cfg():
+    from dflash_image import rootfs
+
+    cfg = rootfs.load_config()
+    cfg["mirror"] = os.environ.get("DFLASH_DEBIAN_MIRROR") or apt_mirror()
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def debian_rootfs(image_cfg) -> Path:
+    """The Debian 13 base (mmdebstrap; systemd-sysv, python3), built once and cached in DFLASH_TEST_CACHE."""
+    from dflash_image import rootfs
+
+    if os.geteuid() != 0:
+        pytest.skip("the Debian base needs root (mmdebstrap --mode=root)")
+    return rootfs.build(CACHE, image_cfg)
 
 
 # --- Trainer (dflash/) ---------------------------------------------------------------------------

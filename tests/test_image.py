@@ -18,22 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
-from dflash_image import build, oci, rootfs, template
+from dflash_image import build, oci, template
 
 pytest_plugins = ["tests.image_standins"]  # the stand-in index, lock, wheelhouse and venv fixtures
-
-CACHE = Path(os.environ.get("DFLASH_TEST_CACHE", "/var/cache/dflash-tests"))
-
-
-def apt_mirror() -> str:
-    """The Debian mirror this machine's apt uses: the snapshot archive is not reachable from CI, so the
-    tests take the same suite and packages from there; the snapshot date still clamps every mtime."""
-    for f in sorted(Path("/etc/apt").glob("sources.list.d/*.sources")) + [Path("/etc/apt/sources.list")]:
-        if f.is_file():
-            m = re.search(r"^(?:URIs:\s*|deb\s+(?:\[[^]]*\]\s+)?)(\S+/debian)/?\s", f.read_text(), re.MULTILINE)
-            if m:
-                return m.group(1)
-    pytest.skip("no Debian mirror in /etc/apt: set DFLASH_DEBIAN_MIRROR")
+# image_cfg and debian_rootfs (the Debian base, cached between runs) come from tests/conftest.py
 
 
 def docker_or_skip():
@@ -46,21 +34,13 @@ def docker_or_skip():
 
 
 @pytest.fixture(scope="session")
-def image_cfg():
-    cfg = rootfs.load_config()
-    cfg["mirror"] = os.environ.get("DFLASH_DEBIAN_MIRROR") or apt_mirror()
-    return cfg
+def docker_daemon():
+    return docker_or_skip()
 
 
 @pytest.fixture(scope="session")
-def debian_rootfs(image_cfg) -> Path:
-    docker_or_skip()
-    return rootfs.build(CACHE, image_cfg)
-
-
-@pytest.fixture(scope="session")
-def two_builds(standins, debian_rootfs, image_cfg, tmp_path_factory):
-    """The same inputs built twice, without docker's layer cache."""
+def two_builds(docker_daemon, standins, debian_rootfs, image_cfg, tmp_path_factory):
+    """The same inputs built twice, without docker's layer cache (skipped, before any build, without docker)."""
     from dflash_image import wheelhouse
 
     wheelhouse.fetch(standins.project / "pylock.toml", standins.root / "wheelhouse-image", image_cfg["python"])

@@ -1,4 +1,5 @@
-"""A tiny Debian-flavoured CT template (busybox-static), built once and cached, for fast container starts."""
+"""CT templates for the test host, built once and cached: a tiny Debian-flavoured one (busybox-static) for
+fast container starts, and the image stage's Debian 13 base (init: systemd) for what needs a real systemd."""
 
 from __future__ import annotations
 
@@ -121,4 +122,24 @@ def build_test_template(dest_dir: str | os.PathLike = DEFAULT_CACHE, python: boo
         subprocess.run(["tar", "--zstd", "--numeric-owner", "--owner=0", "--group=0", "-cf", str(part),
                         "-C", str(root), "."], check=True)
         part.replace(dest)
+    return dest
+
+
+def build_systemd_template(rootfs_tar: str | os.PathLike, dest_dir: str | os.PathLike = DEFAULT_CACHE) -> Path:
+    """The image stage's Debian 13 base (image/rootfs.py: mmdebstrap, systemd-sysv, python3) as a CT template.
+
+    Its /sbin/init is systemd, as in the frozen template and a stock Proxmox Debian template, so the
+    training_run role's systemd path runs for real. Named after the rootfs (whose name carries the hash
+    of its inputs): `debian-13-testhost-systemd_1.0-<hash>_amd64.tar.zst`, reused when already there.
+    """
+    rootfs_tar = Path(rootfs_tar)
+    tag = rootfs_tar.stem.rsplit("-", 1)[-1]
+    dest = Path(dest_dir) / f"debian-13-testhost-systemd_1.0-{tag}_amd64.tar.zst"
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    # mmdebstrap's tar is already a rootfs archive (./dev entries included: PVE's extract skips them).
+    subprocess.run(["zstd", "-q", "-f", "-T0", "-3", str(rootfs_tar), "-o", str(part)], check=True)
+    part.replace(dest)
     return dest
