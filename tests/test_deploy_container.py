@@ -11,7 +11,7 @@ How the test container gets what a real one has (and what differs, said plainly)
 - the stand-in NVIDIA userspace (as in the provisioning tests) keeps the doctor's driver check clean; the
   run itself is a CPU run (training_run_device: cpu), so the GPU preflight is covered by unit tests only;
 - the test host's containers run busybox init, not systemd: `auto` picks the process supervisor (the
-  documented fallback). The systemd unit is rendered by deploy but only a real node starts it.
+  documented fallback). tests/test_deploy_systemd.py runs the systemd unit, in a CT whose init is systemd.
 """
 from __future__ import annotations
 
@@ -47,18 +47,24 @@ def ldd_libs(binary: str) -> list[str]:
 
 
 class Site:
-    """The test host, one container, an inventory, and `make` with that INVENTORY."""
+    """The test host, one container, an inventory, and `make` with that INVENTORY.
 
-    def __init__(self, host, work: Path, inputs: dict, tiny: dict):
-        self.host, self.work, self.uv = host, work, inputs["training_venv_uv"]
+    Defaults: the busybox template with python, this machine's dev venv as the trainer's interpreter, a run
+    of STEPS steps with a checkpoint every EVERY; `template`, `vmid`, `steps`, `every` and `run_vars`
+    (training_run_* and other group vars) change them.
+    """
+
+    def __init__(self, host, work: Path, inputs: dict, tiny: dict, *, vmid: int = VMID,
+                 template: Path | None = None, steps: int = STEPS, every: int = EVERY, run_vars: dict | None = None):
+        self.host, self.work, self.uv, self.vmid = host, work, inputs["training_venv_uv"], vmid
         self.persist = work / "persist"
         (self.persist / "tiny").mkdir(parents=True)
         for key in ("target",):
             shutil.copytree(tiny[key], self.persist / "tiny" / key)
         for key in ("train", "eval"):
             shutil.copy2(tiny[key], self.persist / "tiny" / f"{key}.jsonl")
-        self.prov = Provision(host, work, build_test_template(python=True))
-        run_vars = {
+        self.prov = Provision(host, work, template or build_test_template(python=True))
+        group_vars = {
             "proxmox_lxc_unprivileged": False,  # writes to the bind-mounted host folder as root
             "proxmox_lxc_memory": 4096,
             "training_venv_enabled": True, "training_venv_path": VENV, **inputs,
@@ -70,15 +76,16 @@ class Site:
             "training_run_settings": {
                 "drafter": {"num_layers": 2, "block_size": 8},
                 "data": {"max_length": 128, "context_buckets": [64, 128]},
-                "train": {"steps": STEPS, "checkpoint_every": EVERY, "micro_batch": 4, "num_anchors": 8,
+                "train": {"steps": steps, "checkpoint_every": every, "micro_batch": 4, "num_anchors": 8,
                           "lr": 3e-3, "dtype": "float32", "log_every": 1, "keep_last": 2},
                 "eval": {"prompts": 2, "max_new_tokens": 8}},
             "training_run_env": {"LD_LIBRARY_PATH": f"{sys.base_prefix}/lib:/host-libs"}, "training_run_min_free_gb": 0.1, "training_run_restart_delay_s": 1, "training_run_stop_timeout_s": 120,
+            **(run_vars or {}),
         }
-        self.inv = self.prov.inventory({f"ct{VMID}": {
-            "proxmox_lxc_vmid": VMID, "proxmox_lxc_hostname": f"ct{VMID}", "proxmox_gpu_devices": [0],
+        self.inv = self.prov.inventory({f"ct{vmid}": {
+            "proxmox_lxc_vmid": vmid, "proxmox_lxc_hostname": f"ct{vmid}", "proxmox_gpu_devices": [0],
             "training_venv_stage_dir": str(work / "stage" / "venv"),
-            "training_run_stage_dir": str(work / "stage" / "run")}}, **run_vars)
+            "training_run_stage_dir": str(work / "stage" / "run")}}, **group_vars)
         self.inv.rename(work / "hosts.json")
         self.inv = work / "hosts.json"
 
@@ -96,7 +103,18 @@ class Site:
         return proc
 
     def exec(self, *argv: str) -> subprocess.CompletedProcess:
-        return self.host.exec_in_container(VMID, list(argv))
+        return self.host.exec_in_container(self.vmid, list(argv))
+
+    def remount(self, mounts: dict[str, str]) -> None:
+        """Set mount points (mpN: volume,mp=path[,ro=1]) the way an admin would: stop, pct set, start."""
+        r = self.host.ssh(f"pct stop {self.vmid} && "
+                          + " && ".join(f"pct set {self.vmid} -{k} {v}" for k, v in mounts.items())
+                          + f" && pct start {self.vmid}")
+        assert r.returncode == 0, r.stdout + r.stderr
+
+    def destroy(self) -> None:
+        if self.host.container_exists(self.vmid):
+            self.host.ssh(f"pct stop {self.vmid}; pct destroy {self.vmid}")
 
     @property
     def run_dir(self) -> Path:
@@ -117,28 +135,33 @@ def out(proc) -> str:
     return proc.stdout + proc.stderr
 
 
-def wait_for(cond, timeout: float, what: str, site: Site):
+def wait_for(cond, timeout: float, what: str, site: Site, failed=None):
+    """Poll cond; stop early when the run failed (by default: the supervisor recorded `failed`)."""
+    failed = failed or (lambda: site.state().get("state") == "failed")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
             return
-        if site.state().get("state") == "failed":
+        if failed():
             break
         time.sleep(0.5)
     log = site.run_dir / "logs" / "train.log"
     pytest.fail(f"timed out waiting for {what} (run state {site.state().get('state')}); log tail:\n" + (log.read_text()[-3000:] if log.is_file() else "none"))
 
 
-@pytest.fixture(scope="module")
-def site(pve_host, tmp_path_factory, standins, stocked_wheelhouse, tiny_target):
+def venv_inputs(standins, wheelhouse: Path) -> dict:
+    """The training_venv_* rebuild inputs: the stand-in lock, its wheelhouse, the trainer wheel and uv."""
     from tests.image_standins import UV  # here, not at import: pytest registers the module as a plugin first
 
-    inputs = {"training_venv_lock_dir": str(standins.project), "training_venv_wheelhouse": str(stocked_wheelhouse),
-              "training_venv_trainer_wheel": str(standins.trainer_wheel), "training_venv_uv": UV}
-    s = Site(pve_host, tmp_path_factory.mktemp("deploy"), inputs, tiny_target)
+    return {"training_venv_lock_dir": str(standins.project), "training_venv_wheelhouse": str(wheelhouse),
+            "training_venv_trainer_wheel": str(standins.trainer_wheel), "training_venv_uv": UV}
+
+
+@pytest.fixture(scope="module")
+def site(pve_host, tmp_path_factory, standins, stocked_wheelhouse, tiny_target):
+    s = Site(pve_host, tmp_path_factory.mktemp("deploy"), venv_inputs(standins, stocked_wheelhouse), tiny_target)
     yield s
-    if pve_host.container_exists(VMID):
-        pve_host.ssh(f"pct stop {VMID}; pct destroy {VMID}")
+    s.destroy()
 
 
 def test_provision_deploy_train_stop_drift_rebuild_resume(site):
@@ -148,13 +171,11 @@ def test_provision_deploy_train_stop_drift_rebuild_resume(site):
     assert proc.returncode == 0, out(proc)[-3000:]
     mounts = {"mp0": f"{REPO},mp={REPO},ro=1", "mp1": f"{sys.base_prefix},mp={sys.base_prefix},ro=1",
               "mp2": f"{site.persist},mp=/srv/dflash", "mp3": f"{HOST_LIBS},mp=/host-libs,ro=1"}
-    r = host.ssh(f"pct stop {VMID} && " + " && ".join(f"pct set {VMID} -{k} {v}" for k, v in mounts.items())
-                 + f" && pct start {VMID}")
-    assert r.returncode == 0, r.stdout + r.stderr
+    site.remount(mounts)
     # uv (the rebuild's and the deploy's installer) needs a few libraries the busybox template lacks
     for lib in ldd_libs(site.uv):
         if site.exec("test", "-e", lib).returncode != 0:
-            assert host.ssh(f"pct push {VMID} {lib} {lib}").returncode == 0
+            assert host.ssh(f"pct push {site.vmid} {lib} {lib}").returncode == 0
 
     # ---- deploy refuses a container without the environment, and says how to fix it
     proc = site.make("deploy")
