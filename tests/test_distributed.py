@@ -67,6 +67,31 @@ def test_two_targets_one_drafter(tiny_target, tmp_path, colocated_accum2):
     assert summary["losses"] == pytest.approx(colocated_accum2["losses"], rel=1e-4)
 
 
+def test_two_nodes_through_torchrun_rendezvous(tiny_target, tmp_path, colocated_accum2):
+    """Two torchrun agents (two "machines" on this host) meet at a static rendezvous: node 0 runs the
+    target ranks 0-1, node 1 the drafter ranks 2-3, so every feature crosses between nodes and the lead
+    drafter (rank 2) is local rank 0 of the second node."""
+    out = tmp_path / "nodes"
+    sets = [x for o in overrides(tiny_target, out) for x in ("--set", o)]
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2",
+         "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "dflash_trainer.train", "--config", "embedded",
+         *sets, "--target-gpus", "2", "--drafter-gpus", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node in (0, 1)]
+    results = [p.communicate(timeout=420) for p in procs]
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0, stdout[-2000:] + stderr[-5000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["drafter_ranks"] == 2 and summary["target_ranks"] == 2
+    assert summary["losses"] == pytest.approx(colocated_accum2["losses"], rel=1e-4)
+    # rank 0 (a target rank, node 0) measures tau of the saved drafter and prints the summary: it reads
+    # what the lead drafter wrote on node 1, so output_dir must be storage both nodes see
+    assert "target done" in results[0][1] and "DFlash training summary" in results[0][1]
+    assert "2 drafter rank(s)" in results[1][1]
+
+
 def test_offline_dump_then_two_drafters(tiny_target, tmp_path, colocated_accum2):
     feats, out = tmp_path / "features", tmp_path / "offline"
     sets = [x for o in overrides(tiny_target, out) for x in ("--set", o)]
