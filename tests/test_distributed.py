@@ -104,6 +104,35 @@ def test_offline_dump_then_two_drafters(tiny_target, tmp_path, colocated_accum2)
     assert "disk" in summary["time_split_s"]
 
 
+def test_offline_fsdp_drafters_match_one_process_and_resume(tiny_target, tmp_path, colocated_accum2):
+    """parallel.drafter_sharding = fsdp: the drafter split across 2 drafter ranks (FSDP2 on gloo) trains
+    the same losses, writes whole checkpoints (gathered), and a resume from one continues identically."""
+    feats, out = tmp_path / "features", tmp_path / "fsdp"
+    sets = [x for o in overrides(tiny_target, out) + ["train.checkpoint_every=2", "train.keep_last=3",
+                                                      "parallel.drafter_sharding=fsdp"] for x in ("--set", o)]
+    torchrun(2, ["--config", "embedded", *sets, "--dump-features", str(feats), "--dump-batches", "8"])
+    offline = [*sets, "--set", f"data.features_dir={feats}", "--target-gpus", "0", "--drafter-gpus", "2"]
+    proc = torchrun(2, ["--config", "embedded", *offline])
+    assert "2 drafter rank(s) (fsdp)" in " ".join(proc.stderr.split())
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["losses"] == pytest.approx(colocated_accum2["losses"], rel=1e-4)
+    # the checkpoint holds the whole drafter (a plain HF directory) and the fp32 masters + AdamW state
+    from dflash_trainer.checkpoint import load_train_state
+    from dflash_trainer.model import DFlashDrafter
+
+    step2 = out / "checkpoints" / "step-00000002"
+    whole = DFlashDrafter.from_pretrained(step2)
+    assert whole.num_params() == DFlashDrafter.from_pretrained(out / "drafter").num_params()
+    assert set(load_train_state(step2)["optimizer"]["fsdp_full"]) == {"masters", "adamw"}
+    # resume from step 2 (as after a crash there): steps 3-4 repeat exactly
+    import shutil
+
+    shutil.rmtree(out / "checkpoints" / "step-00000004")
+    torchrun(2, ["--config", "embedded", *offline, "--resume"])
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["losses"] == pytest.approx(summary["losses"][2:], rel=1e-5)
+
+
 def test_bad_split_is_refused_before_anything_starts(tiny_target, tmp_path):
     sets = [x for o in overrides(tiny_target, tmp_path / "bad") for x in ("--set", o)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",

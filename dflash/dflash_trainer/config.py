@@ -49,7 +49,8 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     target_ranks: int = 0  # processes running the frozen target (torchrun --nproc-per-node = T + D)
-    drafter_ranks: int = 1  # processes training the drafter (DDP)
+    drafter_ranks: int = 1  # processes training the drafter
+    drafter_sharding: str = "ddp"  # ddp: a full copy per drafter rank; fsdp: split across them (sharding.py)
     prefetch: int = 2  # micro-batches in flight per target -> drafter pair
     isolate_gpus: bool = True  # each worker sees its GPU as cuda:0: one compile cache for all ranks
 
@@ -161,6 +162,8 @@ def validate(c: RunConfig) -> None:
         problems.append(f"data.max_length {c.data.max_length} exceeds the largest context bucket")
     if c.parallel.target_ranks < 0 or c.parallel.drafter_ranks < 1 or c.parallel.prefetch < 1:
         problems.append("parallel: target_ranks >= 0, drafter_ranks >= 1 and prefetch >= 1")
+    if c.parallel.drafter_sharding not in ("ddp", "fsdp"):
+        problems.append(f"parallel.drafter_sharding {c.parallel.drafter_sharding!r}: use ddp or fsdp")
     if c.target.path != "embedded" and not c.data.train and not c.data.features_dir:
         problems.append("data.train is empty: list JSONL files (or a hub dataset name)")
     if problems:

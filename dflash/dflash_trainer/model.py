@@ -188,11 +188,12 @@ class DFlashDrafter(nn.Module):
 
     # ---- Hugging Face directory in the published drafters' format -------------------------------
 
-    def save_pretrained(self, directory: str | Path) -> Path:
+    def save_pretrained(self, directory: str | Path, state_dict: dict | None = None) -> Path:
+        """state_dict: the weights to write when this module holds only a shard of them (FSDP)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.config.save_pretrained(directory)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
         save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
         return directory
 

@@ -49,8 +49,13 @@ class MasterWeightAdamW:
         if not live:
             return torch.zeros(())
         grads = [p.grad for p, _ in live]
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        norm = torch.linalg.vector_norm(torch.stack(norms)) * grad_scale
+        sharded = _is_dtensor(grads[0])
+        if sharded:  # FSDP: each rank holds a shard; the norm is the whole gradient's
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+            norm = (norm.full_tensor() if _is_dtensor(norm) else norm) * grad_scale
+        else:
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(torch.stack(norms)) * grad_scale
         # torch.nn.utils.clip_grad_norm_'s rule, folded with the scale: one multiplier per step.
         coef = grad_scale * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         cast = [(p, m) for p, m in live if m is not p]
@@ -59,7 +64,7 @@ class MasterWeightAdamW:
                 m.grad = torch.empty_like(m)
         if cast:
             torch._foreach_copy_([m.grad for _, m in cast], [p.grad for p, _ in cast])
-        if self.fused:
+        if self.fused and not sharded:
             # The fused kernel divides each gradient by grad_scale (the AMP unscale hook).
             self.opt.grad_scale = (1.0 / coef).reshape(1).float()
             try:
@@ -67,7 +72,8 @@ class MasterWeightAdamW:
             finally:
                 self.opt.grad_scale = None
         else:
-            torch._foreach_mul_([m.grad for _, m in live], coef)
+            master_grads = [m.grad.to_local() if sharded else m.grad for _, m in live]
+            torch._foreach_mul_(master_grads, coef)
             self.opt.step()
         if cast:
             torch._foreach_copy_([p for p, _ in cast], [m for _, m in cast])
@@ -89,6 +95,12 @@ class MasterWeightAdamW:
                 if m is not p:
                     p.copy_(m)
         self.opt.load_state_dict(state["adamw"])
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, min_ratio: float = 0.0):

@@ -21,7 +21,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from .metrics import Metrics
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .objective import block_attention, drafter_loss
 from .optim import MasterWeightAdamW, warmup_cosine
+from .sharding import shard_drafter
 from .target import FrozenTarget, load_embed_and_head
 
 console = Console(stderr=True)
@@ -153,7 +153,7 @@ def check_dense_fits(cfg: RunConfig, drafter: DFlashDrafter, device: torch.devic
 
 def warm_drafter(drafter, embed_weight, head_weight, buckets, micro_batch: int, num_anchors: int,
                  gamma, chunk_rows: int, mask_builder, cache_dir: Path, log, label: str = "",
-                 compiled_layers: bool = True):
+                 compiled_layers: bool = True, serialized: bool = True):
     """The serialized compile step: warm every context bucket (forward + backward) before step 1.
 
     Ranks take turns through a file lock in the shared cache directory, so the first fills the cache
@@ -187,7 +187,8 @@ def warm_drafter(drafter, embed_weight, head_weight, buckets, micro_batch: int, 
         log(f"{label}  bucket {ctx_len}: mask {t1 - t0:.1f}s, forward {t2 - t1:.1f}s, "
             f"backward {time.perf_counter() - t2:.1f}s")
 
-    return warm_up(probe, list(buckets), Path(cache_dir) / "compile.lock", log=log, label=label)
+    lock = Path(cache_dir) / "compile.lock" if serialized else None  # FSDP: the forward needs every rank
+    return warm_up(probe, list(buckets), lock, log=log, label=label)
 
 
 # ---- evaluation (where the target is) ---------------------------------------------------------
@@ -325,8 +326,9 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
 
     drafter = new_drafter(c, AutoConfig.from_pretrained(c.target.path), tokenizer)
     dtype = DTYPES[c.train.dtype]
-    drafter = drafter.to(device=device, dtype=dtype)
     dc, A, D = drafter.config, c.train.grad_accum, ctx.num_drafters
+    shard = shard_drafter(c.parallel.drafter_sharding, drafter, device, dtype,
+                          ctx.groups.drafters if ctx.groups is not None else None, D)
     num_batches = c.train.steps * A * D
     start_step, latest = resume_step(c, resume)
     if resume and latest is None:
@@ -354,20 +356,15 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
     log(f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, block {dc.block_size}, target layers "
         f"{drafter.target_layer_ids}, {drafter.num_params() / 1e6:.2f}M params; "
         + (f"{samples} training samples; " if samples else "")
-        + f"{D} drafter rank(s); attention {attention_backend(c, device)} on {device}")
+        + f"{D} drafter rank(s) ({shard.name}); attention {attention_backend(c, device)} on {device}")
 
-    model = drafter
-    if D > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(drafter, process_group=ctx.groups.drafters, device_ids=[device] if device.type == "cuda" else None)
+    model = shard.module  # what runs the forward: the drafter, its DDP wrapper, or the FSDP-sharded drafter
     opt = MasterWeightAdamW(drafter.parameters(), lr=c.train.lr, weight_decay=c.train.weight_decay,
                             max_grad_norm=c.train.max_grad_norm)
     sched = warmup_cosine(opt.opt, c.train.steps, int(c.train.warmup_ratio * c.train.steps), c.train.min_lr_ratio)
     if latest is not None:
         state = ckpt.load_train_state(latest)
-        drafter.load_state_dict(DFlashDrafter.from_pretrained(latest).state_dict())
-        opt.load_state_dict(state["optimizer"])
+        shard.load(latest, state["optimizer"], opt)
         sched.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
         log(f"resumed from {latest} at step {start_step}")
@@ -378,12 +375,14 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
     if ctx.colocated and start_step == 0:
         before = evaluate(c, drafter, target, tokenizer, eval_stream, prompts, "before training")
     warmup_report = None
+    compiled_layers = backend == "flex" and c.train.compile_layers and shard.compiled_layers
     if backend == "flex":
         cache = Path(c.train.compile_cache_dir or out / "compile-cache")
         t0 = time.perf_counter()
         warmup_report = warm_drafter(drafter, embed, head, c.data.context_buckets, c.train.micro_batch,
                                      c.train.num_anchors, c.drafter.gamma, c.train.loss_chunk_rows, mask_builder,
-                                     cache, console.print, label=ctx.label, compiled_layers=c.train.compile_layers)
+                                     cache, console.print, label=ctx.label, compiled_layers=compiled_layers,
+                                     serialized=shard.serial_warmup)
         warmup_s = time.perf_counter() - t0
     else:
         check_dense_fits(c, drafter, device)
@@ -396,10 +395,14 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
     first_step_at = None
     bar = tqdm(range(start_step, c.train.steps), initial=start_step, total=c.train.steps, desc="train",
                dynamic_ncols=True, disable=None if lead else True)
-    def save_checkpoint(done: int) -> Path:
-        state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
+    def save_checkpoint(done: int) -> Path | None:
+        """Every drafter rank calls it (FSDP gathers the state from all of them); the lead writes."""
+        weights, opt_state = shard.full_state(opt, lead)
+        if not lead:
+            return None
+        state = {"optimizer": opt_state, "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
                  "step": done, "data_position": done * A * D, "config": c.to_dict()}
-        return ckpt.save_checkpoint(out / "checkpoints", done, drafter.save_pretrained, state,
+        return ckpt.save_checkpoint(out / "checkpoints", done, lambda d: drafter.save_pretrained(d, weights), state,
                                     max(1, c.train.keep_last))
 
     stop = StopRequest()
@@ -421,10 +424,9 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
                 blocks = build_blocks(fb.input_ids, fb.loss_mask, anchors, keep, dc.block_size,
                                       drafter.mask_token_id, c.drafter.gamma)
                 attn = block_attention(backend, blocks, fb.features.shape[1], dc.block_size, dc, mask_builder)
-                sync = model.no_sync() if D > 1 and micro < A - 1 else nullcontext()  # one all-reduce per step
-                with sync:
+                with shard.gradient_sync(micro == A - 1):  # one gradient reduction per step
                     sums = drafter_loss(drafter, embed, head, fb.features, blocks, attn, c.train.loss_chunk_rows, model,
-                                        compiled_layers=backend == "flex" and c.train.compile_layers)
+                                        compiled_layers=compiled_layers)
                     sums.weighted_ce.backward()
                 ce_sum += sums.weighted_ce.detach()
                 weight_sum += blocks.total_weight
@@ -468,12 +470,12 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
                 metrics.scalars({**{f"train/{k}": v for k, v in scalars.items()},  # slot k: the token k after the anchor
                                  **{f"slot_acc/{k:02d}": slot_acc[k] for k in range(1, dc.block_size)}}, step + 1)
             every = c.train.checkpoint_every  # 0: no checkpoints (benchmarks); the final drafter is still saved
-            if lead and every and ((step + 1) % every == 0 or step + 1 == c.train.steps):
+            if every and ((step + 1) % every == 0 or step + 1 == c.train.steps):
                 save_checkpoint(step + 1)
             if step + 1 < c.train.steps and stop.agreed(ctx, device):
                 stopped_at = step + 1
+                path = save_checkpoint(step + 1)
                 if lead:
-                    path = save_checkpoint(step + 1)
                     console.print(f"stopped at step {step + 1}: checkpoint {path}; continue with --resume")
                 break
     finally:
@@ -483,10 +485,11 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
         if metrics:
             metrics.close()
         return {"stopped_at": stopped_at}
+    weights, _ = shard.full_state(None, lead)
     if not lead:
         return None
 
-    final_dir = drafter.save_pretrained(out / "drafter")
+    final_dir = drafter.save_pretrained(out / "drafter", weights)
     summary = {
         "steps": c.train.steps,
         "first_loss": losses[0] if losses else None,

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,7 +186,7 @@ def _set_if_present(config_module: Any, name: str, value: Any) -> bool:
 def warm_up(
     probe_fn: Callable[[Any], None],
     variants: Sequence[Any],
-    lock_path: str | os.PathLike,
+    lock_path: str | os.PathLike | None,
     log: Callable[[str], None] = print,
     label: str = "",
 ) -> WarmupReport:
@@ -196,6 +196,8 @@ def warm_up(
     requires_grad, grad mode and activation checkpointing (use_reentrant=True adds a no_grad variant per
     bucket). Call it in the main thread, with no other thread running torch. Afterwards any recompile
     raises (torch.compiler.set_stance("fail_on_recompile")); leave_run_phase() undoes that.
+    lock_path None: no turn-taking, for probes whose forward needs every rank (FSDP's all-gathers); each
+    process still compiles only in its main thread, and the ranks may then each fill the cache.
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
@@ -223,8 +225,9 @@ def warm_up(
     before = compile_counters()
     breaks_before = set(counters["graph_break"])
     variant_s: dict[str, float] = {}
-    with compile_lock(lock_path) as waited:
-        log(f"{label}compile lock taken after {waited:.1f}s; warming {len(variants)} variant(s)")
+    with compile_lock(lock_path) if lock_path is not None else nullcontext(0.0) as waited:
+        log(f"{label}compile lock taken after {waited:.1f}s; warming {len(variants)} variant(s)" if lock_path
+            is not None else f"{label}warming {len(variants)} variant(s) together with the other ranks (no lock)")
         start = time.monotonic()
         for variant in variants:
             t0 = time.monotonic()
