@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from dflash_trainer.anchors import build_blocks, default_gamma, sample_anchors
 from dflash_trainer.loss import chunked_block_loss
-from dflash_trainer.mask import build_block_mask, dense_mask, dflash_block_mask
+from dflash_trainer.mask import dense_mask, dflash_block_mask, reference_block_mask
 
 
 def brute_force_mask(anchors, keep, block, ctx_len):
@@ -62,7 +62,7 @@ def test_block_mask_matches_brute_force(ctx_len):
         bm = dflash_block_mask(anchors, keep, 4, ctx_len)
         assert bm.shape[-2:] == (5 * 4, ctx_len + 5 * 4)
         # The same tiles as create_block_mask evaluating mask_mod everywhere, and the same full tiles.
-        generic = build_block_mask(anchors, keep, 4, ctx_len)
+        generic = reference_block_mask(anchors, keep, 4, ctx_len)
         assert torch.equal(bm.to_dense(), generic.to_dense())
         assert torch.equal(bm.full_kv_num_blocks, generic.full_kv_num_blocks)
         # Every tile the BlockMask skips is empty in the reference (no visible pair is dropped).

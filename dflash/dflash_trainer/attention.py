@@ -7,11 +7,15 @@ H=32, L=32768, S=72768). It happens when the FX-tracing flag is set while a comp
 `force_eager`/`eager_on_recompile` stance, or past the recompile limit. So:
 
 - `attend` is the only run-phase call site. It calls the module-level compiled flex (`FLEX`) and refuses
-  to enter it while an FX trace is active, instead of letting dynamo raise or fall back.
+  to enter it while an FX trace is active, instead of letting dynamo raise or fall back. Inside a
+  compiled drafter layer (objective.COMPILED_LAYER, the default on GPUs) it inlines flex_attention
+  into that layer's graph instead: that graph is compiled in the warm-up like FLEX.
 - `install_dense_guards` turns every eager flex_attention entry into an error and puts a size tripwire on
   the math path itself, so a fallback that bypasses `attend` still stops with a named error.
 - `check_dense_would_not_fit` tells the trainer, before step 1, what a dense fallback would cost.
-- `build_block_mask` is the one compiled `create_block_mask`; compile it for every bucket during warm-up.
+- `build_block_mask` is the one compiled `create_block_mask`, for masks given as a mask_mod (the memory
+  probe, the guard tests); compile it for every bucket during warm-up. The trainer's DFlash masks need no
+  compile at all: mask.dflash_block_mask computes them from the anchors.
 
 Everything here relies on private torch names; each is looked up by name and fails with a clear error
 naming the torch version when it is missing (checked on 2.13; the notes read them in 2.11-2.14).

@@ -21,11 +21,11 @@ from transformers import Qwen3Config
 
 from .anchors import build_blocks, sample_anchors
 from .attention import dense_scores_bytes
+from .compile_step import make_mask_builder, warm_drafter
 from .flops import drafter_step_flops, peak_flops, visible_pairs
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .objective import block_attention, drafter_loss
 from .optim import MasterWeightAdamW
-from .train import make_mask_builder, warm_drafter
 
 PRESETS = {
     # Qwen3-8B and its published drafter (z-lab/Qwen3-8B-DFlash-b16).

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from .anchors import build_blocks, sample_anchors
+from .loading import DTYPES, console, new_drafter
 from .model import DFlashDrafter
-from .objective import sdpa_attention
+from .objective import block_attention, drafter_loss, sdpa_attention
 from .target import FrozenTarget
 
 
@@ -107,3 +110,43 @@ def evaluate_tau(drafter, target, prompts: list[list[int]], max_new_tokens: int,
     steps = max(1, len(lengths))
     slot = [sum(1 for n in lengths if n - 1 >= k) / steps for k in range(1, drafter.block_size)]
     return SpecEval(sum(lengths) / steps, len(lengths), tokens, slot)
+
+
+# ---- evaluation during and after training (where the target is) ----------------------------------
+@torch.no_grad()
+def teacher_forced_accuracy(cfg, drafter, target, eval_stream, batches: int = 4) -> list[float]:
+    """Per-slot accuracy on held-out data, the training objective's view (no target in the loop)."""
+    block, device = drafter.block_size, target.embed_weight.device
+    correct = torch.zeros(block, device=device)
+    count = torch.zeros(block, device=device)
+    g = torch.Generator(device=device).manual_seed(cfg.train.seed + 7)
+    for i in range(min(batches, eval_stream.per_epoch)):
+        batch = eval_stream.batch(i).to(device)
+        feats = target.features(batch.input_ids, batch.attention_mask).to(drafter.fc.weight.dtype)
+        anchors, keep = sample_anchors(batch.loss_mask, cfg.train.num_anchors, g)
+        blocks = build_blocks(batch.input_ids, batch.loss_mask, anchors, keep, block, drafter.mask_token_id)
+        # The dense reference: no compiled variant is needed for this no-grad pass.
+        attn = block_attention("sdpa", blocks, feats.shape[1], block, drafter.config)
+        sums = drafter_loss(drafter, target.embed_weight, target.head_weight, feats, blocks, attn)
+        correct += sums.slot_correct
+        count += sums.slot_count
+    return (correct[1:] / count[1:].clamp(min=1)).tolist()
+
+
+def evaluate(cfg, drafter, target, tokenizer, eval_stream, prompts, label: str) -> dict:
+    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    spec = evaluate_tau(drafter, target, prompts, cfg.eval.max_new_tokens, stop)
+    acc = teacher_forced_accuracy(cfg, drafter, target, eval_stream) if eval_stream is not None else []
+    console.print(f"[bold]{label}[/]: {spec.summary()}; per-slot accuracy " + " ".join(f"{a:.2f}" for a in acc))
+    return {"tau": spec.tau, "verify_steps": spec.verify_steps, "slot_acceptance": spec.slot_acceptance,
+            "slot_accuracy": acc}
+
+
+def evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, drafter_dir: Path, device) -> tuple[dict, dict]:
+    """tau of the initial drafter (same seed, rebuilt) and of the trained one saved in drafter_dir."""
+    dtype = DTYPES[cfg.train.dtype]
+    initial = new_drafter(cfg, target.config, tokenizer).to(device=device, dtype=dtype)
+    before = evaluate(cfg, initial, target, tokenizer, eval_stream, prompts, "before training")
+    trained = DFlashDrafter.from_pretrained(drafter_dir).to(device=device, dtype=dtype)
+    after = evaluate(cfg, trained, target, tokenizer, eval_stream, prompts, "after training")
+    return before, after

@@ -31,10 +31,11 @@ def dflash_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, block_size: int, 
     return mask_mod
 
 
-def build_block_mask(
+def reference_block_mask(
     anchors: torch.Tensor, keep: torch.Tensor, block_size: int, ctx_len: int, builder=create_block_mask
 ) -> BlockMask:
-    """BlockMask with H=None (one mask shared by all heads: H=num_heads multiplies its memory)."""
+    """The same BlockMask through create_block_mask (mask_mod evaluated over the whole grid): the
+    reference dflash_block_mask is tested against. H=None: one mask shared by all heads."""
     b, n = anchors.shape
     q_len, kv_len = n * block_size, ctx_len + n * block_size
     return builder(

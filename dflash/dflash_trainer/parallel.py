@@ -102,3 +102,9 @@ def all_reduce_sum(ctx: Context, tensor: torch.Tensor) -> torch.Tensor:
     if ctx.groups is not None and ctx.groups.drafters is not None and ctx.num_drafters > 1:
         dist.all_reduce(tensor, group=ctx.groups.drafters)
     return tensor
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timing, hand-offs); a no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

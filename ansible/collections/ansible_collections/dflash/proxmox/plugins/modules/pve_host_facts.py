@@ -66,11 +66,8 @@ nvidia_majors:
   returned: always
 """
 
-from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-
 from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import (  # noqa: E402
-    AUTH_ARGSPEC, SSH_ARGSPEC, PveError)
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module  # noqa: E402
 
 
 def run(params):
@@ -92,13 +89,8 @@ def run(params):
 
 
 def main():
-    spec = dict(AUTH_ARGSPEC, **SSH_ARGSPEC)
-    spec.update(gpus=dict(type="raw", default="all"), device_mode=dict(type="str", default="0666"))
-    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
-    try:
-        module.exit_json(**run(module.params))
-    except PveError as exc:
-        module.fail_json(msg=exc.msg)
+    run_module(lambda module: run(module.params),
+               dict(gpus=dict(type="raw", default="all"), device_mode=dict(type="str", default="0666")), details=())
 
 
 if __name__ == "__main__":

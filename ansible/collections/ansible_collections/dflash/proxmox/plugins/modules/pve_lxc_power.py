@@ -37,10 +37,8 @@ RETURN = r"""
 status: {description: Status afterwards., type: str, returned: always}
 """
 
-from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import (  # noqa: E402
-    AUTH_ARGSPEC, SSH_ARGSPEC, PveClient, PveError)
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveClient, PveError  # noqa: E402
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module  # noqa: E402
 
 
 def run(module):
@@ -71,15 +69,9 @@ def run(module):
 
 
 def main():
-    spec = dict(AUTH_ARGSPEC, **SSH_ARGSPEC)
-    spec.update(vmid=dict(type="int", required=True),
-                state=dict(type="str", default="rebooted", choices=["started", "stopped", "rebooted"]),
-                start_stopped=dict(type="bool", default=False))
-    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
-    try:
-        module.exit_json(**run(module))
-    except PveError as exc:
-        module.fail_json(msg=exc.msg, **{k: v for k, v in exc.details.items() if k in ("task_log", "upid")})
+    run_module(run, dict(vmid=dict(type="int", required=True),
+                         state=dict(type="str", default="rebooted", choices=["started", "stopped", "rebooted"]),
+                         start_stopped=dict(type="bool", default=False)))
 
 
 if __name__ == "__main__":

@@ -53,11 +53,9 @@ restart_needed: {description: The lines changed while the container runs., type:
 
 import shlex  # noqa: E402
 
-from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-
 from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import (  # noqa: E402
-    AUTH_ARGSPEC, SSH_ARGSPEC, PveError)
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveError  # noqa: E402
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module  # noqa: E402
 
 
 def run(module):
@@ -94,15 +92,9 @@ def _running(shell, vmid):
 
 
 def main():
-    spec = dict(AUTH_ARGSPEC, **SSH_ARGSPEC)
-    spec.update(vmid=dict(type="int", required=True), lines=dict(type="list", elements="str", required=True),
-                nvidia_majors=dict(type="list", elements="int", default=[195]),
-                conf_dir=dict(type="str", default="/etc/pve/lxc"))
-    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
-    try:
-        module.exit_json(**run(module))
-    except PveError as exc:
-        module.fail_json(msg=exc.msg)
+    run_module(run, dict(vmid=dict(type="int", required=True), lines=dict(type="list", elements="str", required=True),
+                         nvidia_majors=dict(type="list", elements="int", default=[195]),
+                         conf_dir=dict(type="str", default="/etc/pve/lxc")), details=())
 
 
 if __name__ == "__main__":

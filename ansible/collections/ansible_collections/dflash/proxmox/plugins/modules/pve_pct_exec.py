@@ -48,11 +48,9 @@ import os  # noqa: E402
 import shlex  # noqa: E402
 import uuid  # noqa: E402
 
-from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-
 from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import (  # noqa: E402
-    AUTH_ARGSPEC, SSH_ARGSPEC, PveError)
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveError  # noqa: E402
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module  # noqa: E402
 
 
 def sha256_of(path):
@@ -107,22 +105,20 @@ def run(module):
                 stdout_lines=out.splitlines())
 
 
-def main():
-    spec = dict(AUTH_ARGSPEC, **SSH_ARGSPEC)
-    spec.update(vmid=dict(type="int", required=True), argv=dict(type="list", elements="str"),
-                read_only=dict(type="bool", default=False), allow_failure=dict(type="bool", default=False),
-                push_src=dict(type="path"), push_dest=dict(type="str"), push_mode=dict(type="str", default="0644"),
-                host_src=dict(type="str"))
-    module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
-                           required_one_of=[("argv", "push_dest")], mutually_exclusive=[("argv", "push_dest"),
-                                                                                       ("push_src", "host_src")],
-                           required_by={"push_dest": ("vmid",)})
+def validate(module):
     if module.params["push_dest"] and not (module.params["push_src"] or module.params["host_src"]):
         module.fail_json(msg="push_dest needs push_src (a controller file) or host_src (a file on the host)")
-    try:
-        module.exit_json(**run(module))
-    except PveError as exc:
-        module.fail_json(msg=exc.msg, **{k: v for k, v in exc.details.items() if k in ("rc", "stdout", "stderr")})
+
+
+def main():
+    run_module(run, dict(vmid=dict(type="int", required=True), argv=dict(type="list", elements="str"),
+                         read_only=dict(type="bool", default=False), allow_failure=dict(type="bool", default=False),
+                         push_src=dict(type="path"), push_dest=dict(type="str"),
+                         push_mode=dict(type="str", default="0644"), host_src=dict(type="str")),
+               details=("rc", "stdout", "stderr"), validate=validate,
+               required_one_of=[("argv", "push_dest")],
+               mutually_exclusive=[("argv", "push_dest"), ("push_src", "host_src")],
+               required_by={"push_dest": ("vmid",)})
 
 
 if __name__ == "__main__":

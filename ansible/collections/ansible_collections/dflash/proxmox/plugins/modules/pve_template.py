@@ -51,10 +51,8 @@ import hashlib  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
 
-from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import (  # noqa: E402
-    AUTH_ARGSPEC, SSH_ARGSPEC, PveClient, PveError)
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveClient, PveError  # noqa: E402
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module  # noqa: E402
 from ansible_collections.dflash.proxmox.plugins.module_utils.pve_host import HostShell  # noqa: E402
 
 SUFFIXES = (".tar.gz", ".tar.xz", ".tar.zst", ".tgz", ".tar.bz2")
@@ -110,14 +108,8 @@ def run(module):
 
 
 def main():
-    spec = dict(AUTH_ARGSPEC, **SSH_ARGSPEC)
-    spec.update(src=dict(type="path", required=True), storage=dict(type="str", default="local"),
-                template_dir=dict(type="str", default="/var/lib/vz/template/cache"))
-    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
-    try:
-        module.exit_json(**run(module))
-    except PveError as exc:
-        module.fail_json(msg=exc.msg, **{k: v for k, v in exc.details.items() if k in ("task_log", "upid")})
+    run_module(run, dict(src=dict(type="path", required=True), storage=dict(type="str", default="local"),
+                         template_dir=dict(type="str", default="/var/lib/vz/template/cache")))
 
 
 if __name__ == "__main__":

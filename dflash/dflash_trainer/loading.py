@@ -1,0 +1,107 @@
+"""What every role loads: the target (or the embedded default), its tokenizer, the data, the initial drafter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from . import checkpoint as ckpt
+from . import parallel
+from .config import ConfigError, RunConfig
+from .data import MicroBatches, load_rows, tokenize_dataset
+from .model import DFlashDrafter, DrafterShape, drafter_config
+from .target import FrozenTarget
+
+console = Console(stderr=True)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_target(cfg: RunConfig, ctx: parallel.Context) -> RunConfig:
+    """The embedded default builds its own target and data under the run directory (rank 0 builds)."""
+    if cfg.target.path != "embedded":
+        return cfg
+    from .tiny import build_embedded
+
+    where = Path(cfg.output_dir) / "embedded"
+    if ctx.rank == 0:
+        console.print("[bold]embedded default[/]: building the tiny target, tokenizer and data (cached)")
+        build_embedded(where)
+    ctx.barrier()
+    assets = build_embedded(where)  # cached: reads assets.json
+    cfg.target.path = assets["target"]
+    if not cfg.data.features_dir:
+        cfg.data.train, cfg.data.eval = [assets["train"]], [assets["eval"]]
+    return cfg
+
+
+def load_tokenizer(cfg: RunConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.target.path)
+
+
+def mask_token_id(cfg: RunConfig, tokenizer) -> int:
+    if cfg.drafter.mask_token_id is not None:
+        return cfg.drafter.mask_token_id
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return tokenizer.mask_token_id
+    raise ConfigError("the tokenizer has no mask token: set drafter.mask_token_id to a reserved row of the "
+                      "target embedding (Qwen3: 151669)")
+
+
+def new_drafter(cfg: RunConfig, target_config, tokenizer) -> DFlashDrafter:
+    """The initial drafter: the same weights on every rank and in every run with the same seed."""
+    d = cfg.drafter
+    if d.init_from:
+        return DFlashDrafter.from_pretrained(d.init_from)
+    dconf = drafter_config(target_config, DrafterShape(
+        num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_token_id(cfg, tokenizer),
+        target_layer_ids=tuple(d.target_layer_ids) if d.target_layer_ids else None,
+        intermediate_size=d.intermediate_size,
+    ))
+    torch.manual_seed(cfg.train.seed)
+    return DFlashDrafter(dconf)  # built on the CPU: identical across devices
+
+
+def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype]).to(device)
+    return FrozenTarget(model, layer_ids)
+
+
+def load_data(cfg: RunConfig, tokenizer) -> tuple[MicroBatches, MicroBatches | None, list[list[int]]]:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_ds = tokenize_dataset(load_rows(cfg.data.train), tokenizer, cfg.data.max_length, cfg.data.num_proc)
+    if cfg.data.eval:
+        eval_ds = tokenize_dataset(load_rows(cfg.data.eval), tokenizer, cfg.data.max_length, cfg.data.num_proc)
+    else:  # hold out a few samples from the training data
+        split = train_ds.train_test_split(test_size=min(len(train_ds) // 10 or 1, 64), seed=cfg.train.seed)
+        train_ds, eval_ds = split["train"], split["test"]
+    stream = MicroBatches(train_ds, cfg.train.micro_batch, cfg.data.context_buckets, pad, cfg.train.seed)
+    eval_stream = MicroBatches(eval_ds, min(cfg.train.micro_batch, len(eval_ds)), cfg.data.context_buckets, pad,
+                               cfg.train.seed)
+    prompts = [prompt_of(eval_ds[i]) for i in range(min(cfg.eval.prompts, len(eval_ds)))]
+    return stream, eval_stream, prompts
+
+
+def prompt_of(row: dict) -> list[int]:
+    """The prompt part of a tokenized row: everything before the first supervised token."""
+    return row["input_ids"][: row["loss_mask"].index(1)]
+
+
+def attention_backend(cfg: RunConfig, device: torch.device) -> str:
+    if cfg.train.attention != "auto":
+        return cfg.train.attention
+    return "flex" if device.type == "cuda" else "sdpa"  # flex_attention has no backward on CPU
+
+
+def resume_step(cfg: RunConfig, resume: bool) -> tuple[int, Path | None]:
+    latest = ckpt.latest_checkpoint(Path(cfg.output_dir) / "checkpoints") if resume else None
+    if latest is None:
+        return 0, None
+    return int(ckpt.load_train_state(latest)["step"]), latest
+
+
