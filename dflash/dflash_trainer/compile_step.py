@@ -58,6 +58,7 @@ def warm_drafter(drafter, embed_weight, head_weight, buckets, micro_batch: int, 
     device = embed_weight.device
 
     def probe(ctx_len: int) -> None:
+        drafter.train()  # the step's mode: compiled graphs are guarded on it
         t0 = time.perf_counter()
         ids = torch.randint(dc.vocab_size, (micro_batch, ctx_len), device=device)
         lm = torch.ones(micro_batch, ctx_len, dtype=torch.uint8, device=device)

@@ -27,7 +27,12 @@ class DataError(ValueError):
 
 def load_rows(sources: str | Sequence[str], split: str = "train"):
     """A `datasets.Dataset` from JSONL files/globs, or from a hub dataset name."""
+    import sys
+
     import datasets
+
+    if not sys.stderr.isatty():  # a log file or journald: carriage-return progress bars are just noise
+        datasets.disable_progress_bars()
 
     sources = [sources] if isinstance(sources, str) else list(sources)
     # A source is a file when it exists, is a glob, or is named like one; anything else is a hub name.

@@ -66,7 +66,13 @@ def new_drafter(cfg: RunConfig, target_config, tokenizer) -> DFlashDrafter:
 
 
 def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:
+    import sys
+
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if not sys.stderr.isatty():  # a log file or journald: no carriage-return progress bars
+        hf_logging.disable_progress_bar()
 
     model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype]).to(device)
     return FrozenTarget(model, layer_ids)
