@@ -1,0 +1,27 @@
+"""`make bench` on CPU with the tiny preset: the timing loop, accumulation, the target path and the report."""
+
+import json
+
+import pytest
+from dflash_trainer import bench
+
+
+@pytest.mark.parametrize("extra", [[], ["--grad-accum", "2", "--with-target"]], ids=["drafter", "accum+target"])
+def test_tiny_bench_reports_a_consistent_result(tmp_path, extra):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--preset", "tiny", "--seq", "128", "--anchors", "8", "--steps", "2", "--warmup-steps", "1",
+                       "--json", str(out), *extra]) == 0
+    r = json.loads(out.read_text())
+    accum = 2 if extra else 1
+    assert r["grad_accum"] == accum and r["compiled_layers"] is False and r["device"] == "cpu"
+    assert r["drafter_step_ms"] > 0 and r["drafter_step_ms_min"] <= r["drafter_step_ms"]
+    # tokens/s counts every micro-batch of the step; the FLOPs are those of all of them
+    assert r["context_tokens_per_s_drafter"] == pytest.approx(accum * 128 / (r["drafter_step_ms"] / 1e3))
+    assert r["achieved_tflops"] == pytest.approx(r["model_tflop_per_step"] / (r["drafter_step_ms"] / 1e3))
+    assert (r["target_ms"] is not None) == bool(extra) and r["mfu"] is None  # no GPU peak on a CPU
+
+
+def test_real_presets_need_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--preset", "qwen3-8b"]) == 2
+    assert "needs a CUDA GPU; use --preset tiny" in capsys.readouterr().err
