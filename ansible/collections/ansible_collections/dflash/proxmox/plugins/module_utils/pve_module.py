@@ -1,7 +1,10 @@
 # -*- coding: utf-8 -*-
-# The main() every module of this collection shares: connection options, check mode, and a PveError
-# turned into fail_json with the details that help (the task's log lines, its UPID, a command's output).
+# What the modules of this collection share: their main() (connection options, check mode, and a
+# PveError turned into fail_json with the details that help: the task's log lines, its UPID, a command's
+# output) and the checksum of a controller file.
 from __future__ import annotations
+
+import hashlib
 
 from ansible.module_utils.basic import AnsibleModule
 
@@ -25,3 +28,12 @@ def run_module(run, options, details=TASK_DETAILS, validate=None, **module_kwarg
     except PveError as exc:
         module.fail_json(msg=exc.msg, **{k: v for k, v in exc.details.items() if k in details})
     module.exit_json(**result)
+
+
+def sha256_of(path):
+    """A controller file's checksum (compared with the host's copy to skip a transfer)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

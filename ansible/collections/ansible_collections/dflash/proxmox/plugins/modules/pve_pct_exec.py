@@ -43,22 +43,13 @@ stdout: {description: Standard output., type: str, returned: when argv is given}
 stderr: {description: Standard error., type: str, returned: when argv is given}
 """
 
-import hashlib  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
 import uuid  # noqa: E402
 
 from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host  # noqa: E402
 from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveError  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module  # noqa: E402
-
-
-def sha256_of(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module, sha256_of  # noqa: E402
 
 
 def push(module, shell):

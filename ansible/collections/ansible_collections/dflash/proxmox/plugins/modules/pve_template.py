@@ -47,23 +47,14 @@ sha256: {description: sha256 of the local file., type: str, returned: always}
 reason: {description: Why it was (or would be) uploaded; empty when nothing to do., type: str, returned: always}
 """
 
-import hashlib  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
 
 from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveClient, PveError  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module  # noqa: E402
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module, sha256_of  # noqa: E402
 from ansible_collections.dflash.proxmox.plugins.module_utils.pve_host import HostShell  # noqa: E402
 
 SUFFIXES = (".tar.gz", ".tar.xz", ".tar.zst", ".tgz", ".tar.bz2")
-
-
-def sha256_of(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def run(module):
