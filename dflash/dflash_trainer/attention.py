@@ -12,7 +12,9 @@ H=32, L=32768, S=72768). It happens when the FX-tracing flag is set while a comp
   into that layer's graph instead: that graph is compiled in the warm-up like FLEX.
 - `install_dense_guards` turns every eager flex_attention entry into an error and puts a size tripwire on
   the math path itself, so a fallback that bypasses `attend` still stops with a named error.
-- `check_dense_would_not_fit` tells the trainer, before step 1, what a dense fallback would cost.
+- `check_dense_would_not_fit` says, before step 1, what a dense fallback would cost, and refuses when it
+  would not fit while nothing stops it. The trainer itself installs the guards in its compile step (so a
+  fallback raises instead); its sdpa path checks `dense_risk` (compile_step.check_dense_fits).
 - `build_block_mask` is the one compiled `create_block_mask`, for masks given as a mask_mod (the memory
   probe, the guard tests); compile it for every bucket during warm-up. The trainer's DFlash masks need no
   compile at all: mask.dflash_block_mask computes them from the anchors.
@@ -309,21 +311,14 @@ def dense_risk(
     return DenseRisk(score, int(score * DENSE_PEAK_COPIES), free_bytes)
 
 
-def check_dense_would_not_fit(
-    batch: int,
-    heads: int,
-    q_len: int,
-    kv_len: int,
-    device: torch.device | str | None = None,
-    free_bytes: int | None = None,
-) -> DenseRisk:
+def check_dense_would_not_fit(batch: int, heads: int, q_len: int, kv_len: int, **where) -> DenseRisk:
     """Preflight before step 1: refuse to start when a dense fallback would not fit and nothing stops it.
 
     Returns the DenseRisk so the trainer can log `risk.explain()`. Raises DenseFallbackError when the
     dense path would not fit in memory and install_dense_guards() has not run: a fallback would then end
     in an out-of-memory error deep in the step instead of an error that names the cause.
     """
-    risk = dense_risk(batch, heads, q_len, kv_len, device=device, free_bytes=free_bytes)
+    risk = dense_risk(batch, heads, q_len, kv_len, **where)  # where: device=..., free_bytes=...
     if not risk.fits and not dense_guards_installed():
         raise DenseFallbackError(
             f"{risk.explain()} for batch={batch}, heads={heads}, q_len={q_len}, kv_len={kv_len}, and the "
