@@ -73,25 +73,36 @@ def checkpoint_in_progress(run_dir: Path, since: float = 0.0) -> bool:
     return False
 
 
-def graceful_kill(pgid: int, run_dir: Path, timeout_s: float, since: float = 0.0) -> None:
-    """Let a checkpoint in progress finish, then SIGTERM the group; SIGKILL after timeout_s."""
+def _stop_gracefully(send, is_alive, run_dir: Path, timeout_s: float, since: float, force: bool) -> None:
+    """Let a checkpoint in progress finish, SIGTERM, wait; with force, SIGKILL once timeout_s is up."""
     deadline = time.monotonic() + timeout_s
     while checkpoint_in_progress(run_dir, since) and time.monotonic() < deadline:
         time.sleep(0.2)
     try:
-        os.killpg(pgid, signal.SIGTERM)
+        send(signal.SIGTERM)
     except ProcessLookupError:
         return
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
+    while is_alive() and time.monotonic() < deadline:
         time.sleep(0.2)
+    if force:
+        try:
+            send(signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _group_alive(pgid: int) -> bool:
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(pgid, 0)
     except ProcessLookupError:
-        pass
+        return False
+    return True
+
+
+def graceful_kill(pgid: int, run_dir: Path, timeout_s: float, since: float = 0.0) -> None:
+    """Let a checkpoint in progress finish, then SIGTERM the group; SIGKILL after timeout_s."""
+    _stop_gracefully(lambda sig: os.killpg(pgid, sig), lambda: _group_alive(pgid), run_dir, timeout_s, since,
+                     force=True)
 
 
 class Supervisor:
@@ -273,13 +284,6 @@ def stop(run_dir: Path, unit: str | None, timeout_s: float) -> int:
 
 
 def _term_one(pid: int, run_dir: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    since = started_at(pid) or 0.0
-    while checkpoint_in_progress(run_dir, since) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    """A foreground trainer: the same graceful rule, SIGTERM only (its owner decides what comes next)."""
+    _stop_gracefully(lambda sig: os.kill(pid, sig), lambda: alive(pid), run_dir, timeout_s,
+                     started_at(pid) or 0.0, force=False)
