@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -130,16 +131,28 @@ def build_systemd_template(rootfs_tar: str | os.PathLike, dest_dir: str | os.Pat
 
     Its /sbin/init is systemd, as in the frozen template and a stock Proxmox Debian template, so the
     training_run role's systemd path runs for real. Named after the rootfs (whose name carries the hash
-    of its inputs): `debian-13-testhost-systemd_1.0-<hash>_amd64.tar.zst`, reused when already there.
+    of its inputs): `debian-13-testhost-systemd_1.1-<hash>_amd64.tar.zst`, reused when already there.
+
+    One test-only change: tmp.mount is masked. Debian 13 mounts a tmpfs on /tmp at boot, over the
+    container's bind mounts; the tests bind-mount this checkout at its own path, which may be under /tmp
+    (a CI clone), and the tmpfs would hide it.
     """
     rootfs_tar = Path(rootfs_tar)
     tag = rootfs_tar.stem.rsplit("-", 1)[-1]
-    dest = Path(dest_dir) / f"debian-13-testhost-systemd_1.0-{tag}_amd64.tar.zst"
+    dest = Path(dest_dir) / f"debian-13-testhost-systemd_1.1-{tag}_amd64.tar.zst"
     if dest.is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
-    # mmdebstrap's tar is already a rootfs archive (./dev entries included: PVE's extract skips them).
-    subprocess.run(["zstd", "-q", "-f", "-T0", "-3", str(rootfs_tar), "-o", str(part)], check=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        # mmdebstrap's tar is already a rootfs archive (./dev entries included: PVE's extract skips them);
+        # a copy gets the mask appended, the cached rootfs is shared with the image tests.
+        tar = Path(tmp) / "rootfs.tar"
+        shutil.copyfile(rootfs_tar, tar)
+        with tarfile.open(tar, "a") as archive:
+            mask = tarfile.TarInfo("./etc/systemd/system/tmp.mount")
+            mask.type, mask.linkname = tarfile.SYMTYPE, "/dev/null"
+            archive.addfile(mask)
+        subprocess.run(["zstd", "-q", "-f", "-T0", "-3", str(tar), "-o", str(part)], check=True)
     part.replace(dest)
     return dest
