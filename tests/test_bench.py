@@ -25,3 +25,24 @@ def test_real_presets_need_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
     assert bench.main(["--preset", "qwen3-8b"]) == 2
     assert "needs a CUDA GPU; use --preset tiny" in capsys.readouterr().err
+
+
+def test_idle_gaps_are_charged_to_the_phase_and_op_the_cpu_was_in():
+    from dflash_trainer.bench import idle_gaps
+
+    def ev(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    trace = [
+        ev("user_annotation", "bench/forward", 0, 100), ev("user_annotation", "bench/sync", 100, 60),
+        ev("cpu_op", "aten::mm", 0, 20), ev("cpu_op", "aten::index_add_", 30, 40),
+        ev("cuda_runtime", "cudaStreamSynchronize", 100, 60), ev("cpu_op", "autograd::engine", 0, 200, tid=2),
+        ev("kernel", "gemm", 10, 20, tid=7), ev("kernel", "gemm", 32, 3, tid=7),  # 2 us gap: launch latency
+        ev("kernel", "add", 60, 30, tid=7),  # 25 us gap at t=47.5, inside index_add_ within forward
+        ev("gpu_memcpy", "DtoH", 150, 5, tid=7),  # 60 us gap at t=120, in the sync
+        {"ph": "i", "name": "marker", "ts": 5},
+    ]
+    charged, gaps = idle_gaps(trace)
+    assert gaps == 2
+    assert charged == {("forward", "aten::index_add_"): 25.0, ("sync", "cudaStreamSynchronize"): 60.0}
+    assert idle_gaps([ev("kernel", "k", 0, 1)]) == ({}, 0)  # no bench phases: nothing to charge

@@ -140,3 +140,17 @@ def test_bad_split_is_refused_before_anything_starts(tiny_target, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode != 0
     assert "target ranks (2) + drafter ranks (1) = 3, but the world has 2 processes" in proc.stderr
+
+
+def test_a_failing_drafter_rank_ends_the_whole_run_with_its_error(tiny_target, tmp_path):
+    """A drafter rank that raises mid-run (here: the loss turns non-finite) must not leave the run
+    hanging with the target rank still sending: the error is printed and torchrun stops every rank."""
+    sets = [x for o in overrides(tiny_target, tmp_path / "fail") + ["train.steps=8", "train.lr=1e30",
+                                                                     "train.warmup_ratio=0"]
+            for x in ("--set", o)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "dflash_trainer.train", "--config", "embedded", *sets, "--target-gpus", "1", "--drafter-gpus", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode != 0
+    assert "lower train.lr or check the data" in proc.stdout + proc.stderr

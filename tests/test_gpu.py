@@ -12,7 +12,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_flex_equals_dense_reference_forward_and_backward_on_gpu():
     from dflash_trainer.anchors import build_blocks, sample_anchors
-    from dflash_trainer.mask import dflash_block_mask
     from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
     from dflash_trainer.objective import COMPILED_LAYER, block_attention
     from dflash_trainer.warmup import leave_run_phase
@@ -37,8 +36,7 @@ def test_flex_equals_dense_reference_forward_and_backward_on_gpu():
     # sdpa reference, compiled flex under eager layers, whole layers compiled (flex inlined)
     for backend, layer_fn in (("sdpa", None), ("flex", None), ("flex", COMPILED_LAYER)):
         model.zero_grad()
-        attn = block_attention(backend, blocks, S, 16, model.config,
-                               lambda a, k, s: dflash_block_mask(a, k, 16, s))
+        attn = block_attention(backend, blocks, S, 16, model.config)
         out = model(feats, x, pos, attn, layer_fn)
         (out.float().square() * blocks.weights.unsqueeze(-1)).sum().backward()
         outs.append(out.detach())

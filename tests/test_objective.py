@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from dflash_trainer.anchors import build_blocks, default_gamma, sample_anchors
 from dflash_trainer.loss import chunked_block_loss
 from dflash_trainer.mask import dense_mask, dflash_block_mask, reference_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 
 def brute_force_mask(anchors, keep, block, ctx_len):
@@ -65,6 +66,11 @@ def test_block_mask_matches_brute_force(ctx_len):
         generic = reference_block_mask(anchors, keep, 4, ctx_len)
         assert torch.equal(bm.to_dense(), generic.to_dense())
         assert torch.equal(bm.full_kv_num_blocks, generic.full_kv_num_blocks)
+        # The backward's Q-direction tables, set from the transposed tiles, are what torch derives.
+        derived = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                           bm.full_kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE, seq_lengths=bm.seq_lengths)
+        for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(bm, name), getattr(derived, name)), name
         # Every tile the BlockMask skips is empty in the reference (no visible pair is dropped).
         dense_tiles = bm.to_dense()[:, 0].bool()
         tile_q, tile_kv = bm.BLOCK_SIZE
@@ -161,6 +167,28 @@ def test_flex_path_equals_dense_sdpa_reference_on_cpu():
     x = F.embedding(blocks.token_ids, emb)
     with torch.no_grad():
         ref = model(feats, x, pos, block_attention("sdpa", blocks, 200, 4, model.config))
-        flex = model(feats, x, pos, block_attention(
-            "flex", blocks, 200, 4, model.config, lambda a, k, s: dflash_block_mask(a, k, 4, s)))
+        flex = model(feats, x, pos, block_attention("flex", blocks, 200, 4, model.config))
     torch.testing.assert_close(flex, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_prepare_micro_batch_is_the_helpers_in_order():
+    """The train loop, the compile step's probe and the bench all build a micro-batch through it."""
+    from dflash_trainer.model import DrafterShape, drafter_config
+    from dflash_trainer.objective import prepare_micro_batch
+    from transformers import Qwen3Config
+
+    g = torch.Generator().manual_seed(3)
+    ctx_len, n, block = 300, 12, 4
+    lm = (torch.rand(2, ctx_len, generator=g) < 0.7).to(torch.uint8)
+    ids = torch.randint(64, (2, ctx_len), generator=g)
+    tc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    dc = drafter_config(tc, DrafterShape(num_layers=2, block_size=block, mask_token_id=3))
+    mb = prepare_micro_batch(ids, lm, n, dc, 3, 2.0, "sdpa", torch.Generator().manual_seed(5))
+    anchors, keep = sample_anchors(lm, n, torch.Generator().manual_seed(5))
+    blocks = build_blocks(ids, lm, anchors, keep, block, 3, 2.0)
+    for name in ("anchors", "keep", "token_ids", "position_ids", "labels", "weights"):
+        assert torch.equal(getattr(mb.blocks, name), getattr(blocks, name)), name
+    assert mb.visible_pairs == ((anchors + block) * block * keep).sum()
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        prepare_micro_batch(ids, lm, n, dc, 3, None, "dense")

@@ -42,7 +42,6 @@ __all__ = [
     "PrivateTorchAPIError",
     "RecompileError",
     "attend",
-    "block_mask_builder",
     "build_block_mask",
     "check_dense_would_not_fit",
     "dense_guards_installed",
@@ -410,12 +409,3 @@ def build_block_mask(
             f"the compiled create_block_mask met (B={B}, H={H}, Q_LEN={Q_LEN}, KV_LEN={KV_LEN}) after "
             "warm-up; pad to a warmed bucket or add it to the warm-up variants."
         ) from err
-
-
-def block_mask_builder(compiled: bool = True) -> Callable[..., BlockMask]:
-    """A callable with create_block_mask's signature (mask_mod, B, H, Q_LEN, KV_LEN, device=...)."""
-
-    def builder(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda") -> BlockMask:
-        return build_block_mask(mask_mod, B, Q_LEN, KV_LEN, device, compiled=compiled, H=H)
-
-    return builder

@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config
 
-from .anchors import build_blocks, sample_anchors
+from .anchors import sample_anchors
 from .attention import dense_scores_bytes
-from .compile_step import make_mask_builder, warm_drafter
-from .flops import drafter_step_flops, peak_flops, visible_pairs
+from .compile_step import warm_drafter
+from .flops import drafter_step_flops, peak_flops
+from .mask import dflash_block_mask
 from .model import DFlashDrafter, DrafterShape, drafter_config
-from .objective import block_attention, drafter_loss
+from .objective import drafter_loss, prepare_micro_batch
 from .optim import MasterWeightAdamW
 
 PRESETS = {
@@ -131,15 +132,13 @@ def main(argv=None) -> int:
         drafter = DFlashDrafter(dcfg).to(dtype)
     opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4)
     b, S, N, B, A = args.micro_batch, args.seq, args.anchors, dcfg.block_size, args.grad_accum
-    mask_builder = make_mask_builder(B) if device.type == "cuda" else None
     attention = "flex" if device.type == "cuda" else "sdpa"
     compiled_layers = attention == "flex" and not args.no_compile_layers
 
     t0 = time.perf_counter()
     report = None
     if attention == "flex":
-        report = warm_drafter(drafter, embed, head, [S], b, N, None, args.chunk_rows, mask_builder,
-                              Path(args.cache_dir), log=print, compiled_layers=compiled_layers)
+        report = warm_drafter(drafter, embed, head, [S], b, N, None, args.chunk_rows, Path(args.cache_dir), log=print, compiled_layers=compiled_layers, optimizer=opt)
     compile_s = time.perf_counter() - t0
 
     feat_dim = len(drafter.target_layer_ids) * dcfg.hidden_size
@@ -166,17 +165,20 @@ def main(argv=None) -> int:
                 t_target += time.perf_counter() - t_start
             else:
                 feats = torch.randn(b, S, feat_dim, device=device, dtype=dtype)
-            anchors, keep = sample_anchors(lm, N)
-            blocks = build_blocks(ids, lm, anchors, keep, B, drafter.mask_token_id)
-            attn = block_attention(attention, blocks, S, B, dcfg, mask_builder)
-            sums = drafter_loss(drafter, embed, head, feats, blocks, attn, args.chunk_rows,
-                                compiled_layers=compiled_layers)
-            sums.weighted_ce.backward()
-            total_weight = total_weight + blocks.total_weight  # device tensors: no sync inside the step
-            flops = flops + drafter_step_flops(dcfg, b, S, N, visible_pairs(anchors, keep, B), tcfg.vocab_size)
-        opt.step(1.0 / total_weight)
-        opt.zero_grad()
-        _sync(device)
+            with _phase("blocks"):
+                mb = prepare_micro_batch(ids, lm, N, dcfg, drafter.mask_token_id, None, attention)
+            with _phase("forward"):
+                sums = drafter_loss(drafter, embed, head, feats, mb.blocks, mb.attention, args.chunk_rows,
+                                    compiled_layers=compiled_layers)
+            with _phase("backward"):
+                sums.weighted_ce.backward()
+            total_weight = total_weight + mb.blocks.total_weight  # device tensors: no sync inside the step
+            flops = flops + drafter_step_flops(dcfg, b, S, N, mb.visible_pairs, tcfg.vocab_size)
+        with _phase("optimizer"):
+            opt.step(1.0 / total_weight)
+            opt.zero_grad()
+        with _phase("sync"):
+            _sync(device)
         t_drafter = time.perf_counter() - t_step - t_target
         flops = float(flops)
         if step >= args.warmup_steps:
@@ -208,7 +210,7 @@ def main(argv=None) -> int:
         "dense_scores_gib_per_layer": dense_scores_bytes(b, dcfg.num_attention_heads, N * B, S + N * B) / 2**30,
     }
     if attention == "flex" and not args.no_memory_probe:
-        result.update(attention_memory_probe(dcfg, lm, N, mask_builder))
+        result.update(attention_memory_probe(dcfg, lm, N))
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +218,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def attention_memory_probe(dcfg, loss_mask, num_anchors: int, mask_builder) -> dict:
+def attention_memory_probe(dcfg, loss_mask, num_anchors: int) -> dict:
     """The fused attention's extra memory (forward + backward, one layer's call at the benchmark shape)
     against what the dense path would hold: one fp32 score copy, and the ~3.3 copies the eager math path
     peaks at (shared/notes/performance.md). Runs after the timed steps and compiles the standalone
@@ -230,7 +232,7 @@ def attention_memory_probe(dcfg, loss_mask, num_anchors: int, mask_builder) -> d
     b, S = loss_mask.shape
     h, d = dcfg.num_attention_heads, dcfg.head_dim
     anchors, keep = sample_anchors(loss_mask, num_anchors)
-    mask = mask_builder(anchors, keep, S)
+    mask = dflash_block_mask(anchors, keep, dcfg.block_size, S)
     q_len, kv_len = mask.seq_lengths
     q = torch.randn(b, h, q_len, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(b, h, kv_len, d, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -271,6 +273,11 @@ _KERNEL_KINDS = [
 ]
 
 
+def _phase(name: str):
+    """A named range in the profiler trace (free when not profiling): idle GPU time is charged to it."""
+    return torch.profiler.record_function(f"bench/{name}")
+
+
 def _print_profile(profiler, steps: int) -> None:
     # Kernels only: CPU-side ops (aten::mm, ...) also carry the device time of the kernels they launch.
     # and so do user annotations such as Optimizer.step#AdamW.step (kernel time counted twice).
@@ -290,6 +297,49 @@ def _print_profile(profiler, steps: int) -> None:
     print("top kernels (ms per step, calls per step):")
     for name, t, n in rows[:25]:
         print(f"  {t / steps / 1e3:8.2f} ms  x{n / steps:5.1f}  {name[:110]}")
+    _print_idle(profiler, steps)
+
+
+def _print_idle(profiler, steps: int) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        charged, gaps = idle_gaps(json.loads(trace.read_text())["traceEvents"])
+    if not gaps:
+        return
+    print(f"GPU idle {sum(charged.values()) / steps / 1e3:.1f} ms per step ({gaps / steps:.0f} gaps > 5 us), "
+          "by phase and the CPU op at the gap's middle:")
+    for (phase, op), t in sorted(charged.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {t / steps / 1e3:8.2f} ms  {phase:10s} {op[:90]}")
+
+
+def idle_gaps(trace_events: list[dict], min_gap_us: float = 5.0) -> tuple[dict[tuple[str, str], float], int]:
+    """Where the GPU waits for the CPU, from a Chrome trace: gaps between GPU work longer than min_gap_us,
+    charged to the bench phase (a `bench/*` range) and the innermost CPU op the main thread was in at
+    the gap's middle (a sync, a Python-side loop, a slow launch path). Returns ({(phase, op): us}, gaps).
+    """
+    events = [e for e in trace_events if e.get("ph") == "X"]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    phases = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("bench/")]
+    if not gpu or not phases:
+        return {}, 0
+    main_tid = phases[0]["tid"]
+    cpu = [e for e in events if e.get("tid") == main_tid and e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")]
+    charged: dict[tuple[str, str], float] = {}
+    count, end = 0, gpu[0][1]
+    for start, stop in gpu[1:]:
+        if start - end > min_gap_us:
+            mid = (start + end) / 2
+            around = [e for e in cpu if e["ts"] <= mid <= e["ts"] + e["dur"]]
+            phase = next((e["name"][len("bench/"):] for e in around if e["name"].startswith("bench/")), "-")
+            ops = [e for e in around if e["cat"] != "user_annotation"]
+            op = min(ops, key=lambda e: e["dur"])["name"] if ops else "(python)"
+            charged[(phase, op)] = charged.get((phase, op), 0.0) + start - end
+            count += 1
+        end = max(end, stop)
+    return charged, count
 
 
 def _sync(device):

@@ -12,16 +12,9 @@ from pathlib import Path
 
 import torch
 
-from .anchors import build_blocks, sample_anchors
 from .config import ConfigError, RunConfig
-from .mask import dflash_block_mask
 from .model import DFlashDrafter
-from .objective import block_attention, drafter_loss
-
-
-def make_mask_builder(block: int):
-    """BlockMasks from the anchors by interval arithmetic: eager tensor ops, nothing to compile."""
-    return lambda anchors, keep, ctx_len: dflash_block_mask(anchors, keep, block, ctx_len)
+from .objective import drafter_loss, prepare_micro_batch
 
 
 def check_dense_fits(cfg: RunConfig, drafter: DFlashDrafter, device: torch.device) -> None:
@@ -39,14 +32,15 @@ def check_dense_fits(cfg: RunConfig, drafter: DFlashDrafter, device: torch.devic
 
 
 def warm_drafter(drafter, embed_weight, head_weight, buckets, micro_batch: int, num_anchors: int,
-                 gamma, chunk_rows: int, mask_builder, cache_dir: Path, log, label: str = "",
-                 compiled_layers: bool = True, serialized: bool = True):
+                 gamma, chunk_rows: int, cache_dir: Path, log, label: str = "",
+                 compiled_layers: bool = True, serialized: bool = True, optimizer=None):
     """The serialized compile step: warm every context bucket (forward + backward) before step 1.
 
     Ranks take turns through a file lock in the shared cache directory, so the first fills the cache
     and the others hit it; afterwards a recompile is an error and an eager flex_attention call raises.
     The probe runs the bare drafter, not its DDP wrapper: a gradient all-reduce inside the lock
-    would wait for ranks that are waiting for the lock.
+    would wait for ranks that are waiting for the lock. `optimizer` (a MasterWeightAdamW) has its
+    compiled update warmed too, on scratch tensors.
     """
     from .attention import install_dense_guards
     from .warmup import compile_cache_env, warm_up
@@ -63,17 +57,18 @@ def warm_drafter(drafter, embed_weight, head_weight, buckets, micro_batch: int, 
         ids = torch.randint(dc.vocab_size, (micro_batch, ctx_len), device=device)
         lm = torch.ones(micro_batch, ctx_len, dtype=torch.uint8, device=device)
         feats = torch.randn(micro_batch, ctx_len, feat_dim, device=device, dtype=drafter.fc.weight.dtype)
-        anchors, keep = sample_anchors(lm, num_anchors)
-        blocks = build_blocks(ids, lm, anchors, keep, dc.block_size, drafter.mask_token_id, gamma)
-        attn = block_attention("flex", blocks, ctx_len, dc.block_size, dc, mask_builder)
+        mb = prepare_micro_batch(ids, lm, num_anchors, dc, drafter.mask_token_id, gamma, "flex")
         t1 = time.perf_counter()
-        sums = drafter_loss(drafter, embed_weight, head_weight, feats, blocks, attn, chunk_rows,
+        sums = drafter_loss(drafter, embed_weight, head_weight, feats, mb.blocks, mb.attention, chunk_rows,
                             compiled_layers=compiled_layers)
         t2 = time.perf_counter()
         sums.weighted_ce.backward()
         drafter.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        if optimizer is not None:
+            optimizer.warm()
         log(f"{label}  bucket {ctx_len}: mask {t1 - t0:.1f}s, forward {t2 - t1:.1f}s, "
-            f"backward {time.perf_counter() - t2:.1f}s")
+            f"backward {t3 - t2:.1f}s" + (f", optimizer {time.perf_counter() - t3:.1f}s" if optimizer else ""))
 
     lock = Path(cache_dir) / "compile.lock" if serialized else None  # FSDP: the forward needs every rank
     return warm_up(probe, list(buckets), lock, log=log, label=label)

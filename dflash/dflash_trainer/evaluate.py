@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .anchors import build_blocks, sample_anchors
 from .loading import DTYPES, console, new_drafter
 from .model import DFlashDrafter
-from .objective import block_attention, drafter_loss, sdpa_attention
+from .objective import drafter_loss, prepare_micro_batch, sdpa_attention
 from .target import FrozenTarget
 
 
@@ -123,11 +122,10 @@ def teacher_forced_accuracy(cfg, drafter, target, eval_stream, batches: int = 4)
     for i in range(min(batches, eval_stream.per_epoch)):
         batch = eval_stream.batch(i).to(device)
         feats = target.features(batch.input_ids, batch.attention_mask).to(drafter.fc.weight.dtype)
-        anchors, keep = sample_anchors(batch.loss_mask, cfg.train.num_anchors, g)
-        blocks = build_blocks(batch.input_ids, batch.loss_mask, anchors, keep, block, drafter.mask_token_id)
         # The dense reference: no compiled variant is needed for this no-grad pass.
-        attn = block_attention("sdpa", blocks, feats.shape[1], block, drafter.config)
-        sums = drafter_loss(drafter, target.embed_weight, target.head_weight, feats, blocks, attn)
+        mb = prepare_micro_batch(batch.input_ids, batch.loss_mask, cfg.train.num_anchors, drafter.config,
+                                 drafter.mask_token_id, None, "sdpa", g)
+        sums = drafter_loss(drafter, target.embed_weight, target.head_weight, feats, mb.blocks, mb.attention)
         correct += sums.slot_correct
         count += sums.slot_count
     return (correct[1:] / count[1:].clamp(min=1)).tolist()

@@ -71,16 +71,19 @@ def dflash_block_mask(anchors: torch.Tensor, keep: torch.Tensor, block_size: int
     full_tile = all_pairs.view(b, q_tiles, tile, kv_tiles).all(2)
     partial_tile = any_tile & ~full_tile
 
-    def as_blocks(tiles):  # [b, QT, KT] bool -> counts [b,1,QT], indices [b,1,QT,KT] (present first)
+    def as_blocks(tiles):  # [b, rows, cols] bool -> counts [b,1,rows], indices [b,1,rows,cols] (present first)
         counts = tiles.sum(-1, dtype=torch.int32)
         order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
         return counts.unsqueeze(1), order.unsqueeze(1)
 
-    kv_num, kv_idx = as_blocks(partial_tile)
-    full_num, full_idx = as_blocks(full_tile)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile,
+    mask = BlockMask.from_kv_blocks(*as_blocks(partial_tile), *as_blocks(full_tile), BLOCK_SIZE=tile,
                                     mask_mod=dflash_mask_mod(anchors, keep, block_size, ctx_len),
-                                    seq_lengths=(q_len, kv_len))
+                                    seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+    # The backward's Q-direction tables are the transposed tile tables: set them, rather than have
+    # from_kv_blocks derive them from the KV tables in ~40 more small kernels per micro-batch.
+    (mask.q_num_blocks, mask.q_indices), (mask.full_q_num_blocks, mask.full_q_indices) = (
+        as_blocks(partial_tile.transpose(1, 2)), as_blocks(full_tile.transpose(1, 2)))
+    return mask
 
 
 def dense_mask(anchors: torch.Tensor, keep: torch.Tensor, block_size: int, ctx_len: int) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""One drafter micro-batch: blocks -> drafter -> chunked weighted CE (un-normalised sums).
+"""One drafter micro-batch: anchors -> blocks + attention (prepare_micro_batch) -> drafter -> chunked
+weighted CE (drafter_loss, un-normalised sums). The train loop, the compile step's probe and the
+benchmark all go through these two functions, so warm-up compiles exactly what the step runs.
 
 Attention backends:
 - "flex": the compiled flex_attention with the DFlash BlockMask (block-sparse, fused). The only
@@ -10,12 +12,15 @@ Attention backends:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from .anchors import Blocks
+from .anchors import Blocks, build_blocks, sample_anchors
+from .flops import visible_pairs
 from .loss import LossSums, chunked_block_loss
-from .mask import dense_mask
+from .mask import dense_mask, dflash_block_mask
 from .model import AttentionFn, DFlashDrafter
 
 
@@ -53,15 +58,38 @@ def flex_attention_fn(block_mask, num_kv_groups: int, repeat_kv: bool = True) ->
     return attend
 
 
-def block_attention(backend: str, blocks: Blocks, ctx_len: int, block_size: int, config, mask_builder=None):
+def block_attention(backend: str, blocks: Blocks, ctx_len: int, block_size: int, config):
     if backend == "sdpa":
         return sdpa_attention(dense_mask(blocks.anchors, blocks.keep, block_size, ctx_len))
     if backend == "flex":
-        if mask_builder is None:
-            raise ValueError("the flex backend needs the mask builder from the compile step")
         groups = config.num_attention_heads // config.num_key_value_heads
-        return flex_attention_fn(mask_builder(blocks.anchors, blocks.keep, ctx_len), groups)
+        return flex_attention_fn(dflash_block_mask(blocks.anchors, blocks.keep, block_size, ctx_len), groups)
     raise ValueError(f"unknown attention backend {backend!r}: use 'flex' (GPU) or 'sdpa' (CPU, small shapes)")
+
+
+@dataclass
+class MicroBatch:
+    """A micro-batch's drafter inputs: its blocks, the attention over them, and the visible query-key
+    pairs (a device tensor, for the FLOP count without a host sync)."""
+
+    blocks: Blocks
+    attention: AttentionFn
+    visible_pairs: torch.Tensor
+
+
+def prepare_micro_batch(input_ids, loss_mask, num_anchors: int, config, mask_token_id: int, gamma: float | None,
+                        backend: str, generator: torch.Generator | None = None) -> MicroBatch:
+    """Random anchors -> blocks -> attention for one micro-batch ([b, S] token ids and loss mask).
+
+    Eager tensor ops, no host sync. (Compiling them cut the GPU's idle time at the start of a step
+    in a profiled run but took 96 s to compile cold on an H200 and did not shorten the unprofiled
+    step, so they stay eager.)
+    """
+    block, ctx_len = config.block_size, input_ids.shape[1]
+    anchors, keep = sample_anchors(loss_mask, num_anchors, generator)
+    blocks = build_blocks(input_ids, loss_mask, anchors, keep, block, mask_token_id, gamma)
+    attention = block_attention(backend, blocks, ctx_len, block, config)
+    return MicroBatch(blocks, attention, visible_pairs(anchors, keep, block))
 
 
 def drafter_loss(

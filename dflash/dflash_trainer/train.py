@@ -27,13 +27,12 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import parallel
-from .anchors import build_blocks, sample_anchors
-from .compile_step import check_dense_fits, make_mask_builder, warm_drafter
+from .compile_step import check_dense_fits, warm_drafter
 from .config import ConfigError, RunConfig, load_config
 from .data import DataError
 from .evaluate import evaluate, evaluate_saved
 from .features import FeatureShards
-from .flops import drafter_step_flops, peak_flops, visible_pairs
+from .flops import drafter_step_flops, peak_flops
 from .loading import (
     DTYPES,
     attention_backend,
@@ -46,7 +45,7 @@ from .loading import (
     resume_step,
 )
 from .metrics import Metrics
-from .objective import block_attention, drafter_loss
+from .objective import drafter_loss, prepare_micro_batch
 from .optim import MasterWeightAdamW, warmup_cosine
 from .parallel import synchronize as _sync
 from .sharding import shard_drafter
@@ -147,7 +146,6 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
         log(f"resumed from {latest} at step {start_step}")
 
     backend = attention_backend(c, device)
-    mask_builder = make_mask_builder(dc.block_size)
     before = None
     if ctx.colocated and start_step == 0:
         before = evaluate(c, drafter, target, tokenizer, eval_stream, prompts, "before training")
@@ -157,9 +155,9 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
         cache = Path(c.train.compile_cache_dir or out / "compile-cache")
         t0 = time.perf_counter()
         warmup_report = warm_drafter(drafter, embed, head, c.data.context_buckets, c.train.micro_batch,
-                                     c.train.num_anchors, c.drafter.gamma, c.train.loss_chunk_rows, mask_builder,
+                                     c.train.num_anchors, c.drafter.gamma, c.train.loss_chunk_rows,
                                      cache, console.print, label=ctx.label, compiled_layers=compiled_layers,
-                                     serialized=shard.serial_warmup)
+                                     serialized=shard.serial_warmup, optimizer=opt)
         warmup_s = time.perf_counter() - t0
     else:
         check_dense_fits(c, drafter, device)
@@ -197,22 +195,20 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | N
             for micro in range(A):
                 fb = next(source)
                 step_wait += fb.wait_s
-                anchors, keep = sample_anchors(fb.loss_mask, c.train.num_anchors, anchor_generator(c, device, fb.index))
-                blocks = build_blocks(fb.input_ids, fb.loss_mask, anchors, keep, dc.block_size,
-                                      drafter.mask_token_id, c.drafter.gamma)
-                attn = block_attention(backend, blocks, fb.features.shape[1], dc.block_size, dc, mask_builder)
+                mb = prepare_micro_batch(fb.input_ids, fb.loss_mask, c.train.num_anchors, dc, drafter.mask_token_id,
+                                         c.drafter.gamma, backend, anchor_generator(c, device, fb.index))
                 with shard.gradient_sync(micro == A - 1):  # one gradient reduction per step
-                    sums = drafter_loss(drafter, embed, head, fb.features, blocks, attn, c.train.loss_chunk_rows, model,
-                                        compiled_layers=compiled_layers)
+                    sums = drafter_loss(drafter, embed, head, fb.features, mb.blocks, mb.attention,
+                                        c.train.loss_chunk_rows, model, compiled_layers=compiled_layers)
                     sums.weighted_ce.backward()
                 ce_sum += sums.weighted_ce.detach()
-                weight_sum += blocks.total_weight
+                weight_sum += mb.blocks.total_weight
                 correct += sums.slot_correct
                 count += sums.slot_count
                 step_tokens += fb.tokens
                 # A device tensor: a float() here would wait for the GPU in the middle of the step.
                 step_flops += drafter_step_flops(dc, fb.features.shape[0], fb.features.shape[1], c.train.num_anchors,
-                                                 visible_pairs(anchors, keep, dc.block_size), dc.vocab_size)
+                                                 mb.visible_pairs, dc.vocab_size)
             # The loss is normalised by the total weight of the whole step: every micro-batch, every rank.
             # DDP averages gradients over the D ranks, hence D / total.
             totals = parallel.all_reduce_sum(ctx, torch.stack([ce_sum, weight_sum, torch.tensor(
@@ -306,24 +302,30 @@ def run(cfg: RunConfig, resume: bool = False) -> dict | None:
     p = cfg.parallel
     ctx = parallel.init(p.target_ranks, p.drafter_ranks, offline=bool(cfg.data.features_dir),
                         isolate_gpus=p.isolate_gpus)
-    try:
-        cfg = resolve_target(cfg, ctx)
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        if ctx.rank == 0:
-            (Path(cfg.output_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        if ctx.is_target:
-            return run_target(cfg, ctx, resume)
-        summary = run_drafter(cfg, ctx, resume)
-        if summary is not None and "stopped_at" in summary:
-            if not ctx.colocated:  # the target ranks stop on the same signal; nobody waits for them
-                os._exit(0)
-            return summary
-        if ctx.colocated or (summary is not None and ctx.roles.offline):
-            print_summary(summary)
-        ctx.barrier()
+    # After a failure, no graceful teardown: destroy_process_group can wait forever on a peer still
+    # blocked in a send to this rank (NCCL), and the traceback would only print after it. The error
+    # propagates at once; torchrun sees the failed rank and stops the others (torchtitan does the same).
+    summary = _run_rank(cfg, ctx, resume)
+    parallel.shutdown(ctx)
+    return summary
+
+
+def _run_rank(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | None:
+    cfg = resolve_target(cfg, ctx)
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    if ctx.rank == 0:
+        (Path(cfg.output_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    if ctx.is_target:
+        return run_target(cfg, ctx, resume)
+    summary = run_drafter(cfg, ctx, resume)
+    if summary is not None and "stopped_at" in summary:
+        if not ctx.colocated:  # the target ranks stop on the same signal; nobody waits for them
+            os._exit(0)
         return summary
-    finally:
-        parallel.shutdown(ctx)
+    if ctx.colocated or (summary is not None and ctx.roles.offline):
+        print_summary(summary)
+    ctx.barrier()
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
