@@ -138,7 +138,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     report = None
     if attention == "flex":
-        report = warm_drafter(drafter, embed, head, [S], b, N, None, args.chunk_rows, Path(args.cache_dir), log=print, compiled_layers=compiled_layers, optimizer=opt)
+        report = warm_drafter(drafter, embed, head, [S], b, N, None, args.chunk_rows, Path(args.cache_dir),
+                              log=print, compiled_layers=compiled_layers, optimizer=opt)
     compile_s = time.perf_counter() - t0
 
     feat_dim = len(drafter.target_layer_ids) * dcfg.hidden_size

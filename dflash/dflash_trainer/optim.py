@@ -71,11 +71,14 @@ class MasterWeightAdamW:
         self.one_pass = eligible and (self.fused if one_pass is None else one_pass)
         self._lr = torch.zeros((), device=self.master[0].device) if self.one_pass else None
         self._kernel = ONE_PASS_UPDATE if self.fused else adamw_one_pass_  # CPUs: the same update, eagerly
+        self._warmed = False
 
     def warm(self) -> None:
-        """Compile the one-pass update now, on scratch tensors (the serialized compile step calls it)."""
-        if not self.one_pass:
+        """Compile the one-pass update now, on scratch tensors (the serialized compile step calls it;
+        once is enough, since one graph serves every tensor)."""
+        if not self.one_pass or self._warmed:
             return
+        self._warmed = True
         device, low = self.master[0].device, self.params[0].dtype
         # As large as the largest parameter: Inductor times its candidate kernel configs on this first
         # call, and on a few thousand elements the choice is noise (the update took 7.3 ms in one H200
