@@ -268,7 +268,8 @@ def _profiler(device):
 _KERNEL_KINDS = [
     ("flex attention", ("flex", "triton_tem_fused_flex")),
     ("GEMM", ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas", "mm_", "triton_tem_fused_mm", "triton_tem_fused_addmm")),
-    ("optimizer", ("adam", "foreach", "multi_tensor", "clip")),
+    # "lerp": the one-pass AdamW update (optim.ONE_PASS_UPDATE), an Inductor kernel named after its ops
+    ("optimizer", ("adam", "foreach", "multi_tensor", "clip", "lerp")),
     ("fused elementwise (Inductor)", ("triton_poi", "triton_red", "triton_per")),
     ("elementwise (eager)", ("elementwise", "vectorized", "reduce_kernel", "copy", "index", "scatter", "gather")),
 ]
