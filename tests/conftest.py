@@ -57,7 +57,7 @@ def tiny_target(tmp_path_factory):
     import json
 
     import torch
-    from dflash_trainer.tiny import TARGET_SHAPE, build_tokenizer, read_corpus
+    from dflash_trainer.embedded import TARGET_SHAPE, build_tokenizer, read_corpus
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     root = tmp_path_factory.mktemp("tiny-target")

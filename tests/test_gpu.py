@@ -12,9 +12,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_flex_equals_dense_reference_forward_and_backward_on_gpu():
     from dflash_trainer.anchors import build_blocks, sample_anchors
+    from dflash_trainer.compile_guard import leave_run_phase
     from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
     from dflash_trainer.objective import COMPILED_LAYER, block_attention
-    from dflash_trainer.warmup import leave_run_phase
     from transformers import Qwen3Config
 
     torch.manual_seed(0)
@@ -47,8 +47,8 @@ def test_flex_equals_dense_reference_forward_and_backward_on_gpu():
 
 
 def test_compiled_loss_kernel_equals_the_reference_on_gpu():
+    from dflash_trainer.compile_guard import leave_run_phase
     from dflash_trainer.loss import chunked_block_loss
-    from dflash_trainer.warmup import leave_run_phase
 
     leave_run_phase()
     g = torch.Generator(device="cuda").manual_seed(0)

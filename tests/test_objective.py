@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from dflash_trainer.anchors import build_blocks, default_gamma, sample_anchors
 from dflash_trainer.loss import chunked_block_loss
-from dflash_trainer.mask import dense_mask, dflash_block_mask, reference_block_mask
+from dflash_trainer.mask import dense_mask, dflash_block_mask
 from torch.nn.attention.flex_attention import BlockMask
+
+from tests.helpers.attention import reference_block_mask
 
 
 def brute_force_mask(anchors, keep, block, ctx_len):

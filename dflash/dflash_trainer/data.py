@@ -11,7 +11,7 @@ through unchanged.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -187,7 +187,3 @@ class MicroBatches:
         order = self._epoch_order(epoch)
         rows = [self.dataset[j] for j in order[k * self.batch_size : (k + 1) * self.batch_size]]
         return collate(rows, self.buckets, self.pad_id, index)
-
-    def iterate(self, indices: Iterator[int]) -> Iterator[Batch]:
-        for i in indices:
-            yield self.batch(i)

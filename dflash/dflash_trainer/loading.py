@@ -22,7 +22,7 @@ def resolve_target(cfg: RunConfig, ctx: parallel.Context) -> RunConfig:
     """The embedded default builds its own target and data under the run directory (rank 0 builds)."""
     if cfg.target.path != "embedded":
         return cfg
-    from .tiny import build_embedded
+    from .embedded import build_embedded
 
     where = Path(cfg.output_dir) / "embedded"
     if ctx.rank == 0:
@@ -51,18 +51,28 @@ def mask_token_id(cfg: RunConfig, tokenizer) -> int:
                       "target embedding (Qwen3: 151669)")
 
 
-def new_drafter(cfg: RunConfig, target_config, tokenizer) -> DFlashDrafter:
-    """The initial drafter: the same weights on every rank and in every run with the same seed."""
+def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
+    """The drafter's config (a Qwen3Config in the published format) without building the drafter:
+    target ranks need only its target_layer_ids."""
     d = cfg.drafter
     if d.init_from:
-        return DFlashDrafter.from_pretrained(d.init_from)
-    dconf = drafter_config(target_config, DrafterShape(
+        from transformers import Qwen3Config
+
+        return Qwen3Config.from_pretrained(d.init_from)
+    return drafter_config(target_config, DrafterShape(
         num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_token_id(cfg, tokenizer),
         target_layer_ids=tuple(d.target_layer_ids) if d.target_layer_ids else None,
         intermediate_size=d.intermediate_size,
     ))
+
+
+def new_drafter(cfg: RunConfig, target_config, tokenizer) -> DFlashDrafter:
+    """The initial drafter: the same weights on every rank and in every run with the same seed."""
+    if cfg.drafter.init_from:
+        return DFlashDrafter.from_pretrained(cfg.drafter.init_from)
+    config = drafter_config_for(cfg, target_config, tokenizer)
     torch.manual_seed(cfg.train.seed)
-    return DFlashDrafter(dconf)  # built on the CPU: identical across devices
+    return DFlashDrafter(config)  # built on the CPU: identical across devices
 
 
 def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:

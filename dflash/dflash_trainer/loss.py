@@ -9,7 +9,7 @@ incoming scalar. Against activation checkpointing this saves recomputing the hea
 a third of the head's GEMM work, the largest GEMM of the step.
 
 The elementwise part (log-softmax, CE, softmax - one-hot, argmax) runs as one compiled kernel on
-GPUs (`CE_AND_GRAD`, compiled in the serialized warm-up like flex_attention) and eagerly on CPUs.
+GPUs (`CE_AND_GRAD`, compiled in the serialized compile step like flex_attention) and eagerly on CPUs.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def ce_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
 
 
 # One compiled object per process: dynamic=False (the chunk shapes are fixed by micro_batch, num_anchors
-# and chunk_rows), compiled in the warm-up, so a new shape after it is a RecompileError, not a slow path.
+# and chunk_rows), compiled in the compile step, so a new shape after it is a RecompileError, not a slow path.
 CE_AND_GRAD = torch.compile(ce_and_grad, dynamic=False, fullgraph=True)
 
 
@@ -52,7 +52,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad):
-        # No-grad passes (evaluation) run eagerly: they come after warm-up, where a new variant is an error.
+        # No-grad passes (evaluation) run eagerly: they come after the compile step, where a new variant is an error.
         kernel = CE_AND_GRAD if hidden.is_cuda and with_grad else ce_and_grad
         total = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.zeros(block_size, device=hidden.device)

@@ -15,8 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .compile_guard import isolate_local_gpu
 from .transport import Roles, TransportGroups, setup_transport
-from .warmup import isolate_local_gpu
 
 
 @dataclass

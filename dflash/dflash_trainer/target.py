@@ -38,13 +38,6 @@ class FrozenTarget:
             raise ValueError(f"target layer ids {layer_ids} outside the target's {len(self.layers)} layers")
         self.layer_ids = list(layer_ids)
 
-    @classmethod
-    def from_pretrained(cls, path: str, layer_ids: list[int], dtype=torch.bfloat16, device="cpu"):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        return cls(model, layer_ids)
-
     @property
     def config(self):
         return self.model.config

@@ -6,8 +6,9 @@
     torchrun --nproc-per-node 2 -m dflash_trainer.train --config run.toml --set data.features_dir=feats/ \\
         --target-gpus 0 --drafter-gpus 2                                   # ... train many epochs on it
 
-The drafter loop reads top to bottom: features (from the local target, a target rank, or disk) ->
-random anchors -> blocks -> drafter loss -> step; the compile step runs before step 1.
+A drafter rank reads top to bottom: setup (drafter, sharding, optimizer, feature source, the one
+drafter step of step.py) -> resume -> the compile step -> the loop (step, log, checkpoint, stop) ->
+finish (the published drafter, tau, the summary).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,12 +28,13 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import parallel
-from .compile_step import check_dense_fits, warm_drafter
+from .compile_guard import CompileReport
+from .compile_step import check_dense_fits, compile_drafter_step
 from .config import ConfigError, RunConfig, load_config
-from .data import DataError
+from .data import DataError, MicroBatches
 from .evaluate import evaluate, evaluate_saved
 from .features import FeatureShards
-from .flops import drafter_step_flops, peak_flops
+from .flops import peak_flops
 from .loading import (
     DTYPES,
     attention_backend,
@@ -45,250 +47,277 @@ from .loading import (
     resume_step,
 )
 from .metrics import Metrics
-from .objective import drafter_loss, prepare_micro_batch
+from .model import DFlashDrafter
 from .optim import MasterWeightAdamW, warmup_cosine
-from .parallel import synchronize as _sync
-from .sharding import shard_drafter
-from .sources import disk_source, local_source, remote_source
+from .sharding import Replicated, Sharded, shard_drafter
+from .sources import FeatureBatch, disk_source, local_source, remote_source
+from .step import DrafterStep, StepResult
+from .stop import StopRequest
 from .summary import print_summary, write_summary
-from .target import load_embed_and_head
+from .target import FrozenTarget, load_embed_and_head
 from .target_rank import dump_features, run_target
 
 PROCESS_START = time.perf_counter()  # for time-to-first-step (imports included)
 
 
-# ---- the drafter loop ----------------------------------------------------------------------------
+# ---- a drafter rank: setup, resume, compile, loop, finish -----------------------------------------
 
-class StopRequest:
-    """SIGTERM / SIGINT: finish the step in progress, write a checkpoint, exit cleanly.
+@dataclass
+class DrafterRun:
+    """What a drafter rank holds for the whole run."""
 
-    `make train-stop` and `systemctl stop` send SIGTERM (to torchrun, which forwards it to every
-    worker). Drafter ranks agree on the step to stop at (one tiny all-reduce per step), the lead
-    writes the checkpoint, and `--resume` continues from exactly there.
-    """
+    cfg: RunConfig
+    ctx: parallel.Context
+    drafter: DFlashDrafter
+    shard: Replicated | Sharded  # how the drafter ranks hold it (DDP or FSDP)
+    optimizer: MasterWeightAdamW
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    step: DrafterStep
+    source: Iterator[FeatureBatch]
+    wait_kind: str  # where features come from: "target" (this process), "transfer" or "disk"
+    start_step: int
+    latest: Path | None  # the checkpoint to resume from
+    target: FrozenTarget | None = None  # colocated runs only: the target, and what evaluation needs
+    tokenizer: object = None
+    eval_stream: MicroBatches | None = None
+    prompts: list[list[int]] = field(default_factory=list)
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.output_dir)
 
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict = {}
+    @property
+    def lead(self) -> bool:
+        return self.ctx.leads_drafters
 
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _on_signal(self, signum, _frame) -> None:
-        if self.requested:  # a second signal: stop now, without the checkpoint
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
-        self.requested = True
-        console.print(f"{signal.Signals(signum).name}: stopping after this step's checkpoint "
-                      "(send it again to stop at once)")
-
-    def agreed(self, ctx: parallel.Context, device) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        return bool(parallel.all_reduce_sum(ctx, flag).item() > 0)
+    def log(self, *args, **kwargs) -> None:
+        if self.lead:
+            console.print(*args, **kwargs)
 
 
-def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | None:
-    c, out, device = cfg, Path(cfg.output_dir), ctx.device
-    lead = ctx.leads_drafters
-    log = console.print if lead else (lambda *a, **k: None)
-    tokenizer = load_tokenizer(c)
+@dataclass
+class History:
+    """What the loop measured, for the summary."""
+
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    flops: float = 0.0
+    train_s: float = 0.0
+    wait_s: float = 0.0
+    drafter_s: float = 0.0
+    first_step_at: float | None = None
+    stopped_at: int | None = None
+
+    def record(self, step: int, result: StepResult, seconds: float) -> float:
+        loss = result.loss
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}; lower train.lr or check the data")
+        self.losses.append(loss)
+        self.tokens += int(result.tokens)
+        self.flops += float(result.flops)
+        self.train_s += seconds
+        self.wait_s += result.wait_s
+        self.drafter_s += seconds - result.wait_s
+        self.first_step_at = self.first_step_at or time.perf_counter()
+        return loss
+
+
+def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> DrafterRun:
+    """Drafter, sharding, optimizer, schedule, the feature source and the one drafter step."""
     from transformers import AutoConfig
 
-    drafter = new_drafter(c, AutoConfig.from_pretrained(c.target.path), tokenizer)
-    dtype = DTYPES[c.train.dtype]
-    dc, A, D = drafter.config, c.train.grad_accum, ctx.num_drafters
-    shard = shard_drafter(c.parallel.drafter_sharding, drafter, device, dtype,
-                          ctx.groups.drafters if ctx.groups is not None else None, D)
-    num_batches = c.train.steps * A * D
-    start_step, latest = resume_step(c, resume)
-    if resume and latest is None:
-        log(f"--resume: no checkpoint under {out / 'checkpoints'}; starting from step 0")
-    start = start_step * A * D
-    my_batches = range(ctx.drafter_index + start, num_batches, D)  # micro-batch i goes to drafter i % D
+    device, train = ctx.device, cfg.train
+    tokenizer = load_tokenizer(cfg)
+    drafter = new_drafter(cfg, AutoConfig.from_pretrained(cfg.target.path), tokenizer)
+    num_drafters = ctx.num_drafters
+    shard = shard_drafter(cfg.parallel.drafter_sharding, drafter, device, DTYPES[train.dtype],
+                          ctx.groups.drafters if ctx.groups is not None else None, num_drafters)
+    start_step, latest = resume_step(cfg, resume)
+    first_batch = start_step * train.grad_accum * num_drafters
+    # Micro-batch i goes to drafter rank i % D.
+    my_batches = range(ctx.drafter_index + first_batch, train.steps * train.grad_accum * num_drafters, num_drafters)
 
-    target = stream = eval_stream = prompts = None
+    target = stream = eval_stream = None
+    prompts: list[list[int]] = []
     if ctx.colocated:
-        target = load_target(c, drafter.target_layer_ids, device)
+        target = load_target(cfg, drafter.target_layer_ids, device)
         embed, head = target.embed_weight, target.head_weight
-        stream, eval_stream, prompts = load_data(c, tokenizer)
-        source = local_source(stream, target, my_batches, dtype, device)
-        wait_kind, samples = "target", len(stream.dataset)
+        stream, eval_stream, prompts = load_data(cfg, tokenizer)
+        source, wait_kind, samples = local_source(stream, target, my_batches, DTYPES[train.dtype], device), \
+            "target", len(stream.dataset)
     else:
-        embed, head = load_embed_and_head(c.target.path, device, DTYPES[c.target.dtype])
+        embed, head = load_embed_and_head(cfg.target.path, device, DTYPES[cfg.target.dtype])
         if ctx.roles.offline:
-            shards = FeatureShards(c.data.features_dir, drafter.target_layer_ids)
-            source, wait_kind, samples = disk_source(shards, my_batches, dtype, device), "disk", shards.count
+            shards = FeatureShards(cfg.data.features_dir, drafter.target_layer_ids)
+            source, wait_kind, samples = disk_source(shards, my_batches, DTYPES[train.dtype], device), "disk", \
+                shards.count
         else:
             from .transport import FeatureReceiver
 
-            receiver = FeatureReceiver(ctx.roles, ctx.rank, ctx.groups, device, c.parallel.prefetch, start=start)
-            source, wait_kind, samples = remote_source(receiver, dtype), "transfer", None
-    log(f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, block {dc.block_size}, target layers "
-        f"{drafter.target_layer_ids}, {drafter.num_params() / 1e6:.2f}M params; "
-        + (f"{samples} training samples; " if samples else "")
-        + f"{D} drafter rank(s) ({shard.name}); attention {attention_backend(c, device)} on {device}")
+            receiver = FeatureReceiver(ctx.roles, ctx.rank, ctx.groups, device, cfg.parallel.prefetch,
+                                       start=first_batch)
+            source, wait_kind, samples = remote_source(receiver, DTYPES[train.dtype]), "transfer", None
 
-    model = shard.module  # what runs the forward: the drafter, its DDP wrapper, or the FSDP-sharded drafter
-    opt = MasterWeightAdamW(drafter.parameters(), lr=c.train.lr, weight_decay=c.train.weight_decay,
-                            max_grad_norm=c.train.max_grad_norm)
-    sched = warmup_cosine(opt.opt, c.train.steps, int(c.train.warmup_ratio * c.train.steps), c.train.min_lr_ratio)
-    if latest is not None:
-        state = ckpt.load_train_state(latest)
-        shard.load(latest, state["optimizer"], opt)
-        sched.load_state_dict(state["scheduler"])
-        ckpt.set_rng_state(state["rng"])
-        log(f"resumed from {latest} at step {start_step}")
+    optimizer = MasterWeightAdamW(drafter.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+                                  max_grad_norm=train.max_grad_norm)
+    scheduler = warmup_cosine(optimizer.opt, train.steps, int(train.warmup_ratio * train.steps), train.min_lr_ratio)
+    backend = attention_backend(cfg, device)
+    step = DrafterStep(drafter, embed, head, optimizer, num_anchors=train.num_anchors, gamma=cfg.drafter.gamma,
+                       chunk_rows=train.loss_chunk_rows, backend=backend,
+                       compiled_layers=backend == "flex" and train.compile_layers and shard.compiled_layers,
+                       vocab_size=drafter.config.vocab_size, model=shard.module,
+                       gradient_sync=shard.gradient_sync, scheduler=scheduler)
+    run = DrafterRun(cfg, ctx, drafter, shard, optimizer, scheduler, step, source, wait_kind, start_step, latest,
+                     target, tokenizer, eval_stream, prompts)
+    config = drafter.config
+    run.log(f"drafter: {config.num_hidden_layers} layers, hidden {config.hidden_size}, block {config.block_size}, "
+            f"target layers {drafter.target_layer_ids}, {drafter.num_params() / 1e6:.2f}M params; "
+            + (f"{samples} training samples; " if samples else "")
+            + f"{num_drafters} drafter rank(s) ({shard.name}); attention {backend} on {device}")
+    if resume and latest is None:
+        run.log(f"--resume: no checkpoint under {run.out / 'checkpoints'}; starting from step 0")
+    return run
 
-    backend = attention_backend(c, device)
-    before = None
-    if ctx.colocated and start_step == 0:
-        before = evaluate(c, drafter, target, tokenizer, eval_stream, prompts, "before training")
-    warmup_report = None
-    compiled_layers = backend == "flex" and c.train.compile_layers and shard.compiled_layers
-    if backend == "flex":
-        cache = Path(c.train.compile_cache_dir or out / "compile-cache")
-        t0 = time.perf_counter()
-        warmup_report = warm_drafter(drafter, embed, head, c.data.context_buckets, c.train.micro_batch,
-                                     c.train.num_anchors, c.drafter.gamma, c.train.loss_chunk_rows,
-                                     cache, console.print, label=ctx.label, compiled_layers=compiled_layers,
-                                     serialized=shard.serial_warmup, optimizer=opt)
-        warmup_s = time.perf_counter() - t0
-    else:
-        check_dense_fits(c, drafter, device)
-        warmup_s = 0.0
 
-    metrics = Metrics(out / "tb", c.to_dict(), c.train.wandb_project, out.name, log) if lead else None
+def restore(run: DrafterRun) -> None:
+    """Weights, optimizer, schedule and RNG from the checkpoint (the data position is start_step)."""
+    state = ckpt.load_train_state(run.latest)
+    run.shard.load(run.latest, state["optimizer"], run.optimizer)
+    run.scheduler.load_state_dict(state["scheduler"])
+    ckpt.set_rng_state(state["rng"])
+    run.log(f"resumed from {run.latest} at step {run.start_step}")
+
+
+def compile_or_check(run: DrafterRun) -> tuple[CompileReport | None, float]:
+    """flex: the serialized compile step; sdpa (CPU): refuse shapes whose dense scores cannot fit."""
+    if run.step.backend != "flex":
+        check_dense_fits(run.cfg, run.drafter, run.ctx.device)
+        return None, 0.0
+    cache = Path(run.cfg.train.compile_cache_dir or run.out / "compile-cache")
+    t0 = time.perf_counter()
+    report = compile_drafter_step(run.step, run.cfg.data.context_buckets, run.cfg.train.micro_batch, cache,
+                                  console.print, label=run.ctx.label, serialized=run.shard.serial_compile)
+    return report, time.perf_counter() - t0
+
+
+def save_checkpoint(run: DrafterRun, done: int) -> Path | None:
+    """Every drafter rank calls it (FSDP gathers the state from all of them); the lead writes."""
+    weights, optimizer_state = run.shard.full_state(run.optimizer, run.lead)
+    if not run.lead:
+        return None
+    train = run.cfg.train
+    state = {"optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(), "rng": ckpt.rng_state(),
+             "step": done, "data_position": done * train.grad_accum * run.ctx.num_drafters,
+             "config": run.cfg.to_dict()}
+    return ckpt.save_checkpoint(run.out / "checkpoints", done, lambda d: run.drafter.save_pretrained(d, weights),
+                                state, max(1, train.keep_last))
+
+
+def log_step(run: DrafterRun, bar, metrics: Metrics, step: int, result: StepResult, loss: float,
+             seconds: float, peak: float | None) -> None:
+    """The progress bar's figures and the TensorBoard / W&B scalars (the lead drafter rank only)."""
+    slot_acc = result.slot_accuracy()  # slot k: the token k after the anchor
+    acc = sum(slot_acc[1:]) / max(1, len(slot_acc) - 1)
+    tokens_per_s = int(result.tokens) / seconds
+    mfu = float(result.flops) / seconds / peak if peak else None
+    bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}", tok_s=f"{tokens_per_s:,.0f}",
+                    **({"mfu": f"{mfu:.1%}"} if mfu else {}))
+    scalars = {"loss": loss, "acc": acc, "grad_norm": float(result.grad_norm), "lr": run.scheduler.get_last_lr()[0],
+               "tokens_per_s": tokens_per_s, f"{run.wait_kind}_s": result.wait_s, "step_s": seconds}
+    if mfu:
+        scalars["mfu"] = mfu
+    metrics.scalars({**{f"train/{k}": v for k, v in scalars.items()},
+                     **{f"slot_acc/{k:02d}": slot_acc[k] for k in range(1, len(slot_acc))}}, step)
+
+
+def train_loop(run: DrafterRun, metrics: Metrics | None) -> History:
+    """Steps start_step+1 .. train.steps; checkpoints every train.checkpoint_every steps; a graceful stop
+    (SIGTERM / SIGINT) writes a checkpoint at the step it ends on."""
+    cfg, ctx, device = run.cfg, run.ctx, run.ctx.device
+    train = cfg.train
     peak = peak_flops(device)
-    losses: list[float] = []
-    tokens_total, flops_total, train_time, t_wait, t_drafter = 0, 0.0, 0.0, 0.0, 0.0
-    first_step_at = None
-    bar = tqdm(range(start_step, c.train.steps), initial=start_step, total=c.train.steps, desc="train",
-               dynamic_ncols=True, disable=None if lead else True)
-    def save_checkpoint(done: int) -> Path | None:
-        """Every drafter rank calls it (FSDP gathers the state from all of them); the lead writes."""
-        weights, opt_state = shard.full_state(opt, lead)
-        if not lead:
-            return None
-        state = {"optimizer": opt_state, "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
-                 "step": done, "data_position": done * A * D, "config": c.to_dict()}
-        return ckpt.save_checkpoint(out / "checkpoints", done, lambda d: drafter.save_pretrained(d, weights), state,
-                                    max(1, c.train.keep_last))
-
-    stop = StopRequest()
-    stop.install()  # restored right after the loop
-    stopped_at = None
-    drafter.train()
-    try:
+    history = History()
+    bar = tqdm(range(run.start_step, train.steps), initial=run.start_step, total=train.steps, desc="train",
+               dynamic_ncols=True, disable=None if run.lead else True)
+    run.drafter.train()
+    with StopRequest() as stop:
         for step in bar:
             t0 = time.perf_counter()
-            ce_sum = torch.zeros((), device=device)
-            weight_sum = torch.zeros((), device=device)
-            correct = torch.zeros(dc.block_size, device=device)
-            count = torch.zeros(dc.block_size, device=device)
-            step_tokens, step_flops, step_wait = 0, 0.0, 0.0
-            for micro in range(A):
-                fb = next(source)
-                step_wait += fb.wait_s
-                mb = prepare_micro_batch(fb.input_ids, fb.loss_mask, c.train.num_anchors, dc, drafter.mask_token_id,
-                                         c.drafter.gamma, backend, anchor_generator(c, device, fb.index))
-                with shard.gradient_sync(micro == A - 1):  # one gradient reduction per step
-                    sums = drafter_loss(drafter, embed, head, fb.features, mb.blocks, mb.attention,
-                                        c.train.loss_chunk_rows, model, compiled_layers=compiled_layers)
-                    sums.weighted_ce.backward()
-                ce_sum += sums.weighted_ce.detach()
-                weight_sum += mb.blocks.total_weight
-                correct += sums.slot_correct
-                count += sums.slot_count
-                step_tokens += fb.tokens
-                # A device tensor: a float() here would wait for the GPU in the middle of the step.
-                step_flops += drafter_step_flops(dc, fb.features.shape[0], fb.features.shape[1], c.train.num_anchors,
-                                                 mb.visible_pairs, dc.vocab_size)
-            # The loss is normalised by the total weight of the whole step: every micro-batch, every rank.
-            # DDP averages gradients over the D ranks, hence D / total.
-            totals = parallel.all_reduce_sum(ctx, torch.stack([ce_sum, weight_sum, torch.tensor(
-                float(step_tokens), device=device)]))
-            total = totals[1].clamp(min=1e-6)
-            grad_norm = opt.step(D / total)
-            sched.step()
-            opt.zero_grad()
-            _sync(device)
-            dt = time.perf_counter() - t0
-            step_flops = float(step_flops)
-            first_step_at = first_step_at or time.perf_counter()
-            loss = float(totals[0] / total)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step + 1}; lower train.lr or check the data")
-            losses.append(loss)
-            tokens_total += int(totals[2])
-            flops_total += step_flops
-            train_time += dt
-            t_wait += step_wait
-            t_drafter += dt - step_wait
-            if lead and ((step + 1) % c.train.log_every == 0 or step + 1 == c.train.steps):
-                acc = (correct[1:] / count[1:].clamp(min=1)).mean().item()
-                mfu = step_flops / dt / peak if peak else None
-                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}", tok_s=f"{int(totals[2]) / dt:,.0f}",
-                                **({"mfu": f"{mfu:.1%}"} if mfu else {}))
-                scalars = {"loss": loss, "acc": acc, "grad_norm": float(grad_norm), "lr": sched.get_last_lr()[0],
-                           "tokens_per_s": int(totals[2]) / dt, f"{wait_kind}_s": step_wait, "step_s": dt}
-                if mfu:
-                    scalars["mfu"] = mfu
-                slot_acc = (correct / count.clamp(min=1)).tolist()
-                metrics.scalars({**{f"train/{k}": v for k, v in scalars.items()},  # slot k: the token k after the anchor
-                                 **{f"slot_acc/{k:02d}": slot_acc[k] for k in range(1, dc.block_size)}}, step + 1)
-            every = c.train.checkpoint_every  # 0: no checkpoints (benchmarks); the final drafter is still saved
-            if every and ((step + 1) % every == 0 or step + 1 == c.train.steps):
-                save_checkpoint(step + 1)
-            if step + 1 < c.train.steps and stop.agreed(ctx, device):
-                stopped_at = step + 1
-                path = save_checkpoint(step + 1)
-                if lead:
-                    console.print(f"stopped at step {step + 1}: checkpoint {path}; continue with --resume")
+            result = run.step.run(run.source, train.grad_accum, lambda index: anchor_generator(cfg, device, index),
+                                  lambda totals: parallel.all_reduce_sum(ctx, totals), ctx.num_drafters)
+            parallel.synchronize(device)
+            seconds = time.perf_counter() - t0
+            loss = history.record(step + 1, result, seconds)
+            if run.lead and ((step + 1) % train.log_every == 0 or step + 1 == train.steps):
+                log_step(run, bar, metrics, step + 1, result, loss, seconds, peak)
+            every = train.checkpoint_every  # 0: no checkpoints (benchmarks); the final drafter is still saved
+            if every and ((step + 1) % every == 0 or step + 1 == train.steps):
+                save_checkpoint(run, step + 1)
+            if step + 1 < train.steps and stop.agreed(ctx, device):
+                history.stopped_at = step + 1
+                path = save_checkpoint(run, step + 1)
+                run.log(f"stopped at step {step + 1}: checkpoint {path}; continue with --resume")
                 break
-    finally:
-        stop.restore()
     bar.close()
-    if stopped_at is not None:
-        if metrics:
-            metrics.close()
-        return {"stopped_at": stopped_at}
-    weights, _ = shard.full_state(None, lead)
-    if not lead:
-        return None
+    return history
 
-    final_dir = drafter.save_pretrained(out / "drafter", weights)
+
+def finish(run: DrafterRun, history: History, before: dict | None, report: CompileReport | None,
+           compile_s: float, metrics: Metrics | None) -> dict | None:
+    """The published drafter directory, tau before and after (colocated), summary.json (the lead)."""
+    weights, _ = run.shard.full_state(None, run.lead)  # collective under FSDP
+    if not run.lead:
+        return None
+    cfg, device, out = run.cfg, run.ctx.device, run.out
+    peak = peak_flops(device)
+    final_dir = run.drafter.save_pretrained(out / "drafter", weights)
     summary = {
-        "steps": c.train.steps,
-        "first_loss": losses[0] if losses else None,
-        "final_loss": losses[-1] if losses else None,
-        "tokens_per_s": tokens_total / train_time if train_time else None,
-        "mfu": flops_total / train_time / peak if peak and train_time else None,
-        "time_split_s": {wait_kind: t_wait, "drafter": t_drafter},
-        "compile_s": warmup_s,
-        "time_to_first_step_s": (first_step_at - PROCESS_START) if first_step_at else None,
-        "compile_cache_hits": warmup_report.cache_hits if warmup_report else None,
+        "steps": cfg.train.steps,
+        "first_loss": history.losses[0] if history.losses else None,
+        "final_loss": history.losses[-1] if history.losses else None,
+        "tokens_per_s": history.tokens / history.train_s if history.train_s else None,
+        "mfu": history.flops / history.train_s / peak if peak and history.train_s else None,
+        "time_split_s": {run.wait_kind: history.wait_s, "drafter": history.drafter_s},
+        "compile_s": compile_s,
+        "time_to_first_step_s": (history.first_step_at - PROCESS_START) if history.first_step_at else None,
+        "compile_cache_hits": report.cache_hits if report else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "drafter_ranks": D,
+        "drafter_ranks": run.ctx.num_drafters,
         "drafter_dir": str(final_dir),
         "checkpoints": str(out / "checkpoints"),
-        "losses": losses,
+        "losses": history.losses,
     }
-    if ctx.colocated:
+    if run.ctx.colocated:
         if before is None:  # resumed: rebuild the initial drafter for the comparison
-            before, after = evaluate_saved(c, target, tokenizer, eval_stream, prompts, final_dir, device)
+            before, after = evaluate_saved(cfg, run.target, run.tokenizer, run.eval_stream, run.prompts, final_dir,
+                                           device)
         else:
-            after = evaluate(c, drafter, target, tokenizer, eval_stream, prompts, "after training")
+            after = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
+                             "after training")
         summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"])
     write_summary(out, summary)
     metrics.summary(summary)
     metrics.close()
     return summary
+
+
+def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | None:
+    run = setup_drafter(cfg, ctx, resume)
+    if run.latest is not None:
+        restore(run)
+    before = None
+    if ctx.colocated and run.start_step == 0:
+        before = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
+                          "before training")
+    report, compile_s = compile_or_check(run)
+    metrics = Metrics(run.out / "tb", cfg.to_dict(), cfg.train.wandb_project, run.out.name, run.log) \
+        if run.lead else None
+    history = train_loop(run, metrics)
+    if history.stopped_at is not None:
+        if metrics:
+            metrics.close()
+        return {"stopped_at": history.stopped_at}
+    return finish(run, history, before, report, compile_s, metrics)
 
 
 def anchor_generator(cfg: RunConfig, device, index: int) -> torch.Generator:
