@@ -1,6 +1,6 @@
 """Model FLOPs of a drafter step, and MFU against the GPU's dense bf16 peak.
 
-Convention (shared/notes/performance.md): useful model FLOPs (2 per multiply-add; attention
+Convention (README, "Performance"): useful model FLOPs (2 per multiply-add; attention
 counted over the visible query-key pairs only, not the padded tiles), forward + backward, divided
 by the datasheet dense bf16 peak (989 TFLOP/s for H100/H200), the convention SpecForge's 43.5% uses.
 Backward: 2x forward for trained layers and attention; the frozen LM head and the fc input need
