@@ -96,3 +96,43 @@ def test_embedded_default_trains_with_compiled_flex(tmp_path):
     assert summary["final_loss"] < summary["first_loss"]
     assert summary["tau_after"] > summary["tau_before"]
     print(json.dumps({k: v for k, v in summary.items() if k != "losses"}))
+
+
+def test_update_overlapped_with_the_next_forward_gives_the_same_weights():
+    """The one-pass update on its own stream, the forward waiting per layer (update_groups), against the
+    update on the main stream: the same kernels on the same inputs, so the same weights bit for bit."""
+    from dflash_trainer.compile_guard import leave_run_phase
+    from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
+    from dflash_trainer.optim import MasterWeightAdamW
+    from dflash_trainer.sources import FeatureBatch, Wait
+    from dflash_trainer.step import DrafterStep, forward_order
+    from transformers import Qwen3Config
+
+    target = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    config = drafter_config(target, DrafterShape(num_layers=3, block_size=8, mask_token_id=1))
+    gen = torch.Generator().manual_seed(0)
+    embed, head = (torch.randn(512, 256, generator=gen).cuda().bfloat16() * 0.05 for _ in range(2))
+    batches = [FeatureBatch(torch.randn(1, 256, 256 * len(config.dflash_config["target_layer_ids"]),
+                                        generator=gen).cuda().bfloat16(),
+                            torch.randint(512, (1, 256), generator=gen).cuda(),
+                            torch.ones(1, 256, dtype=torch.uint8).cuda(), 256, i, Wait(within_step=False))
+               for i in range(4)]
+    weights = {}
+    for overlap in (False, True):
+        leave_run_phase()
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(config).cuda().bfloat16()
+        opt = MasterWeightAdamW(drafter.parameters(), lr=1e-3, update_groups=forward_order(drafter) if overlap
+                                else None)
+        assert opt.overlaps == overlap
+        step = DrafterStep(drafter, embed, head, opt, num_anchors=16, gamma=None, chunk_rows=64, backend="flex",
+                           compiled_layers=False, vocab_size=512)
+        source = iter(batches)
+        losses = [step.run(source, 2, lambda i: torch.Generator(device="cuda").manual_seed(i)).read().loss
+                  for _ in range(2)]
+        opt.settle()
+        weights[overlap] = ([p.detach().cpu() for p in drafter.parameters()], losses)
+    for a, b in zip(weights[False][0], weights[True][0]):
+        assert torch.equal(a, b)
+    assert weights[False][1] == weights[True][1]

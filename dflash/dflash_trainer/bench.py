@@ -27,8 +27,8 @@ from .flops import peak_flops
 from .mask import dflash_block_mask
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .optim import MasterWeightAdamW
-from .sources import FeatureBatch
-from .step import DrafterStep, phase
+from .sources import FeatureBatch, Wait
+from .step import DrafterStep, StepClock, forward_order, phase
 
 PRESETS = {
     # Qwen3-8B and its published drafter (z-lab/Qwen3-8B-DFlash-b16).
@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--anchors", type=int, default=512, help="blocks per sequence (N)")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--no-overlap-update", action="store_true",
+                   help="run the optimizer update on the main stream after the backward (A/B against the default)")
     p.add_argument("--no-compile-layers", action="store_true",
                    help="eager layers around the compiled flex_attention (A/B against the default)")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the timed steps")
@@ -132,7 +134,8 @@ def main(argv=None) -> int:
         head = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
     with torch.device(device):
         drafter = DFlashDrafter(dcfg).to(dtype)
-    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4)
+    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4,
+                            update_groups=None if args.no_overlap_update else forward_order(drafter))
     b, S, N, B, A = args.micro_batch, args.seq, args.anchors, dcfg.block_size, args.grad_accum
     attention = "flex" if device.type == "cuda" else "sdpa"
     compiled_layers = attention == "flex" and not args.no_compile_layers
@@ -150,40 +153,37 @@ def main(argv=None) -> int:
     lm = torch.ones(b, S, dtype=torch.uint8, device=device)
 
     def feature_batches():
-        """Features from the target (timed apart: queued drafter work is waited for first) or random."""
+        """Features from the target (its GPU time measured between two events) or random."""
         while True:
             if target is not None:
-                _sync(device)
-                t_start = time.perf_counter()
+                wait = Wait.interval(device)
                 with phase("target"):
                     feats = frozen.features(ids)
-                _sync(device)
-                yield FeatureBatch(feats, ids, lm, b * S, 0, time.perf_counter() - t_start)
+                yield FeatureBatch(feats, ids, lm, b * S, 0, wait.stop())
             else:
-                yield FeatureBatch(torch.randn(b, S, feat_dim, device=device, dtype=dtype), ids, lm, b * S, 0, 0.0)
+                yield FeatureBatch(torch.randn(b, S, feat_dim, device=device, dtype=dtype), ids, lm, b * S, 0,
+                                   Wait(within_step=False))
 
     batches = feature_batches()
-    times, target_times = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    flops = 0.0
     profiler = _profiler(device) if args.profile else None
+    launched = []
     for it in range(args.untimed_steps + args.steps):
-        if profiler is not None and it == args.untimed_steps:
-            profiler.start()
-        _sync(device)
-        t_step = time.perf_counter()
+        if it == args.untimed_steps:
+            if profiler is not None:
+                profiler.start()
+            clock = StepClock(device)  # as the train loop: no host sync between steps
         done = step.run(batches, A)  # A micro-batches (features, blocks, forward, backward), then AdamW
-        with phase("sync"):
-            _sync(device)
-        t_drafter = time.perf_counter() - t_step - done.wait_s
-        flops = float(done.flops)
         if it >= args.untimed_steps:
-            times.append(t_drafter)
-            target_times.append(done.wait_s)
+            launched.append((done, clock.lap()))
+    figures = [(done.read(), StepClock.seconds(lap)) for done, lap in launched]
     if profiler is not None:
         profiler.stop()
         _print_profile(profiler, args.steps)
+    flops = figures[-1][0].flops
+    times = [seconds - f.step_wait_s for f, seconds in figures]  # the drafter's share of each step
+    target_times = [f.step_wait_s for f, _ in figures]
     step_s = statistics.mean(times)
     peak = peak_flops(device)
     result = {

@@ -137,12 +137,11 @@ class Batch:
     index: int  # global micro-batch index (data position)
 
     def to(self, device) -> Batch:
-        return Batch(
-            self.input_ids.to(device, non_blocking=True),
-            self.loss_mask.to(device, non_blocking=True),
-            self.attention_mask.to(device, non_blocking=True),
-            self.index,
-        )
+        # From pinned memory the copies are asynchronous; from pageable memory they would first wait for
+        # every kernel queued on the GPU, and the train loop runs a step ahead of it.
+        pin = torch.device(device).type == "cuda"
+        tensors = [t.pin_memory() if pin else t for t in (self.input_ids, self.loss_mask, self.attention_mask)]
+        return Batch(*(t.to(device, non_blocking=True) for t in tensors), self.index)
 
 
 def collate(rows: list[dict], buckets: Sequence[int], pad_id: int, index: int) -> Batch:

@@ -10,11 +10,13 @@ all run it, so the compile step compiles exactly the step that trains.
 
 Like torchtitan's forward_backward_step / train_step: the loop around it (train.py) owns logging,
 checkpoints and stopping; parallelism (how gradients are synchronised) comes in from sharding.py.
-No host sync inside a step: everything returned stays on the device until the caller reads it.
+No host sync inside a step: the loop runs a step ahead of the GPU and reads each step's figures
+(StepResult.read, StepClock) one step late, so the GPU never idles while the host waits for it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -23,9 +25,9 @@ import torch
 from torch.profiler import record_function
 
 from .flops import drafter_step_flops
-from .objective import drafter_loss, prepare_micro_batch
+from .objective import COMPILED_LAYER, call_layer, drafter_loss, prepare_micro_batch
 from .optim import MasterWeightAdamW
-from .sources import FeatureBatch
+from .sources import FeatureBatch, Wait
 
 
 @dataclass
@@ -40,26 +42,83 @@ class MicroBatchSums:
 
 
 @dataclass
+class StepFigures:
+    """One step's figures, on the host."""
+
+    loss: float  # the step's normalised loss
+    tokens: int  # context tokens, summed over the drafter ranks
+    stop_votes: float  # drafter ranks that were asked to stop when this step started
+    flops: float  # this rank's model FLOPs
+    grad_norm: float
+    slot_accuracy: list[float]  # slot k: the token k after the anchor (this rank's)
+    wait_s: float  # producing or waiting for the features
+    step_wait_s: float  # the part of wait_s inside the step's own wall time (sources.Wait.within_step)
+
+
 class StepResult:
-    """One optimizer step. ce_sum, weight_sum and tokens are summed over the drafter ranks; slot
-    counts and FLOPs are this rank's. Device tensors, except the host-side wait and token counts."""
+    """A launched step. Its figures are copied to pinned host memory behind the step's work, so read()
+    waits for this step only, not for the next one the loop has queued since (a .item() on the
+    current stream would wait for everything queued before it)."""
 
-    ce_sum: torch.Tensor
-    weight_sum: torch.Tensor
-    tokens: torch.Tensor
-    slot_correct: torch.Tensor
-    slot_count: torch.Tensor
-    flops: torch.Tensor
-    grad_norm: torch.Tensor
-    wait_s: float  # time spent producing or waiting for this step's features
+    def __init__(self, values: list[torch.Tensor], slot_correct: torch.Tensor, slot_count: torch.Tensor,
+                 waits: list[Wait]):
+        packed = torch.cat([torch.stack([v.to(torch.float64) for v in values]), slot_correct.double(),
+                            slot_count.double()])
+        self._waits, self._ready = waits, None
+        if packed.is_cuda:
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = packed
 
-    @property
-    def loss(self) -> float:
-        """The step's normalised loss (a host sync)."""
-        return float(self.ce_sum / self.weight_sum.clamp(min=1e-6))
+    def read(self) -> StepFigures:
+        if self._ready is not None:
+            self._ready.synchronize()
+        ce_sum, weight_sum, tokens, votes, flops, grad_norm, *slots = self._host.tolist()
+        block = len(slots) // 2
+        correct, count = slots[:block], slots[block:]
+        waits = [(w.seconds(), w.within_step) for w in self._waits]
+        return StepFigures(ce_sum / max(weight_sum, 1e-6), int(tokens), votes, flops, grad_norm,
+                           [c / max(n, 1.0) for c, n in zip(correct, count)], sum(t for t, _ in waits),
+                           sum(t for t, within in waits if within))
 
-    def slot_accuracy(self) -> list[float]:
-        return (self.slot_correct / self.slot_count.clamp(min=1)).tolist()
+
+class StepClock:
+    """Wall time per step without a host sync: an event after each step's work, read a step later.
+    On a CPU the work runs synchronously, so the host clock is the step's time."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._last = self._mark()
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def lap(self) -> tuple:
+        end = self._mark()
+        lap, self._last = (self._last, end), end
+        return lap
+
+    @staticmethod
+    def seconds(lap: tuple) -> float:
+        start, end = lap
+        if isinstance(start, float):
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def forward_order(drafter) -> list[list[torch.Tensor]]:
+    """The drafter's parameters in the order its forward needs them: fc and the norms, then each layer
+    (MasterWeightAdamW's update_groups: the next forward waits for each group's update, not for all)."""
+    first = [*drafter.fc.parameters(), *drafter.hidden_norm.parameters(), *drafter.norm.parameters()]
+    return [first] + [list(layer.parameters()) for layer in drafter.layers]
 
 
 def phase(name: str):
@@ -83,6 +142,21 @@ class DrafterStep:
         self.model = model or drafter  # what runs the forward: the drafter, or its DDP/FSDP wrapper
         # gradient_sync(enabled) -> context: skip the gradient reduction on all but a step's last micro-batch
         self.gradient_sync = gradient_sync or (lambda enabled: nullcontext())
+        self._layer_fn = self._make_layer_fn()
+
+    def _make_layer_fn(self):
+        """How the forward calls each layer: compiled or not, and when the optimizer's update of the
+        previous step runs on its own stream, after waiting for that layer's parameters only."""
+        call = COMPILED_LAYER if self.compiled_layers else None
+        if not self.optimizer.overlaps:
+            return call
+        call = call or call_layer
+
+        def after_update(layer, x, context, cos, sin, attention):
+            self.optimizer.wait_for(layer)
+            return call(layer, x, context, cos, sin, attention)
+
+        return after_update
 
     def forward_backward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, features: torch.Tensor,
                          generator: torch.Generator | None = None, sync_gradients: bool = True,
@@ -95,9 +169,11 @@ class DrafterStep:
                                      self.gamma, self.backend, generator)
         with nullcontext() if bare else self.gradient_sync(sync_gradients):
             with phase("forward"):
-                sums = drafter_loss(self.drafter, self.embed_weight, self.head_weight, features, mb.blocks,
-                                    mb.attention, self.chunk_rows, self.drafter if bare else self.model,
-                                    compiled_layers=self.compiled_layers)
+                drafter = self.drafter
+                self.optimizer.wait_for(drafter.fc, drafter.hidden_norm, drafter.norm)
+                sums = drafter_loss(drafter, self.embed_weight, self.head_weight, features, mb.blocks,
+                                    mb.attention, self.chunk_rows, drafter if bare else self.model,
+                                    layer_fn=self._layer_fn)
             with phase("backward"):
                 sums.weighted_ce.backward()
         batch, ctx_len = features.shape[:2]
@@ -117,22 +193,24 @@ class DrafterStep:
 
     def run(self, batches: Iterator[FeatureBatch], grad_accum: int,
             generator_for: Callable[[int], torch.Generator] | None = None,
-            all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, num_ranks: int = 1) -> StepResult:
-        """One optimizer step over grad_accum micro-batches from `batches`.
+            all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, num_ranks: int = 1,
+            stop_vote: bool = False) -> StepResult:
+        """One optimizer step over grad_accum micro-batches from `batches`; nothing waits for the GPU.
 
         generator_for(micro-batch index) seeds its anchors (a resumed run draws the same ones);
         all_reduce sums over the drafter ranks. DDP averages gradients over the num_ranks ranks, so
-        the grad scale is num_ranks / (the total weight of the step on every rank).
+        the grad scale is num_ranks / (the total weight of the step on every rank). stop_vote rides
+        along in the same all-reduce: every rank reads the same count of ranks asked to stop.
         """
         device = self.embed_weight.device
         block = self.drafter.block_size
-        ce_sum, weight_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+        ce_sum, weight_sum, tokens = (torch.zeros((), device=device) for _ in range(3))
         correct, count = torch.zeros(block, device=device), torch.zeros(block, device=device)
         flops = torch.zeros((), device=device, dtype=torch.float64)
-        tokens, wait_s = 0, 0.0
+        waits = []
         for micro in range(grad_accum):
             batch = next(batches)
-            wait_s += batch.wait_s
+            waits.append(batch.wait)
             sums = self.forward_backward(batch.input_ids, batch.loss_mask, batch.features,
                                          generator_for(batch.index) if generator_for else None,
                                          sync_gradients=micro == grad_accum - 1)
@@ -142,6 +220,8 @@ class DrafterStep:
             count += sums.slot_count
             flops += sums.flops
             tokens += batch.tokens
-        totals = all_reduce(torch.stack([ce_sum, weight_sum, torch.tensor(float(tokens), device=device)]))
+        # torch.full, not torch.tensor: a copy from the host would wait for the GPU.
+        votes = torch.full((), float(stop_vote), device=device)
+        totals = all_reduce(torch.stack([ce_sum, weight_sum, tokens, votes]))
         grad_norm = self.optimizer_step(num_ranks / totals[1].clamp(min=1e-6))
-        return StepResult(totals[0], totals[1], totals[2], correct, count, flops, grad_norm, wait_s)
+        return StepResult([*totals, flops, grad_norm.to(device)], correct, count, waits)

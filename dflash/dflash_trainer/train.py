@@ -51,7 +51,7 @@ from .model import DFlashDrafter
 from .optim import MasterWeightAdamW, warmup_cosine
 from .sharding import Replicated, Sharded, shard_drafter
 from .sources import FeatureBatch, disk_source, local_source, remote_source
-from .step import DrafterStep, StepResult
+from .step import DrafterStep, StepClock, StepFigures, forward_order
 from .stop import StopRequest
 from .summary import print_summary, write_summary
 from .target import FrozenTarget, load_embed_and_head
@@ -108,18 +108,16 @@ class History:
     first_step_at: float | None = None
     stopped_at: int | None = None
 
-    def record(self, step: int, result: StepResult, seconds: float) -> float:
-        loss = result.loss
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}; lower train.lr or check the data")
-        self.losses.append(loss)
-        self.tokens += int(result.tokens)
-        self.flops += float(result.flops)
+    def record(self, step: int, figures: StepFigures, seconds: float) -> None:
+        if not math.isfinite(figures.loss):
+            raise FloatingPointError(f"loss is {figures.loss} at step {step}; lower train.lr or check the data")
+        self.losses.append(figures.loss)
+        self.tokens += figures.tokens
+        self.flops += figures.flops
         self.train_s += seconds
-        self.wait_s += result.wait_s
-        self.drafter_s += seconds - result.wait_s
+        self.wait_s += figures.wait_s
+        self.drafter_s += seconds - figures.step_wait_s
         self.first_step_at = self.first_step_at or time.perf_counter()
-        return loss
 
 
 def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> DrafterRun:
@@ -159,7 +157,7 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> Drafte
             source, wait_kind, samples = remote_source(receiver, DTYPES[train.dtype]), "transfer", None
 
     optimizer = MasterWeightAdamW(drafter.parameters(), lr=train.lr, weight_decay=train.weight_decay,
-                                  max_grad_norm=train.max_grad_norm)
+                                  max_grad_norm=train.max_grad_norm, update_groups=forward_order(drafter))
     scheduler = warmup_cosine(optimizer.opt, train.steps, int(train.warmup_ratio * train.steps), train.min_lr_ratio)
     backend = attention_backend(cfg, device)
     step = DrafterStep(drafter, embed, head, optimizer, num_anchors=train.num_anchors, gamma=cfg.drafter.gamma,
@@ -202,6 +200,7 @@ def compile_or_check(run: DrafterRun) -> tuple[CompileReport | None, float]:
 
 def save_checkpoint(run: DrafterRun, done: int) -> Path | None:
     """Every drafter rank calls it (FSDP gathers the state from all of them); the lead writes."""
+    run.optimizer.settle()  # the last update may still run on its own stream
     weights, optimizer_state = run.shard.full_state(run.optimizer, run.lead)
     if not run.lead:
         return None
@@ -213,17 +212,18 @@ def save_checkpoint(run: DrafterRun, done: int) -> Path | None:
                                 state, max(1, train.keep_last))
 
 
-def log_step(run: DrafterRun, bar, metrics: Metrics, step: int, result: StepResult, loss: float,
-             seconds: float, peak: float | None) -> None:
+def log_step(run: DrafterRun, bar, metrics: Metrics, step: int, figures: StepFigures, seconds: float,
+             peak: float | None) -> None:
     """The progress bar's figures and the TensorBoard / W&B scalars (the lead drafter rank only)."""
-    slot_acc = result.slot_accuracy()  # slot k: the token k after the anchor
+    slot_acc = figures.slot_accuracy  # slot k: the token k after the anchor
     acc = sum(slot_acc[1:]) / max(1, len(slot_acc) - 1)
-    tokens_per_s = int(result.tokens) / seconds
-    mfu = float(result.flops) / seconds / peak if peak else None
-    bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}", tok_s=f"{tokens_per_s:,.0f}",
+    tokens_per_s = figures.tokens / seconds
+    mfu = figures.flops / seconds / peak if peak else None
+    bar.set_postfix(loss=f"{figures.loss:.3f}", acc=f"{acc:.2f}", tok_s=f"{tokens_per_s:,.0f}",
                     **({"mfu": f"{mfu:.1%}"} if mfu else {}))
-    scalars = {"loss": loss, "acc": acc, "grad_norm": float(result.grad_norm), "lr": run.scheduler.get_last_lr()[0],
-               "tokens_per_s": tokens_per_s, f"{run.wait_kind}_s": result.wait_s, "step_s": seconds}
+    scalars = {"loss": figures.loss, "acc": acc, "grad_norm": figures.grad_norm,
+               "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s,
+               f"{run.wait_kind}_s": figures.wait_s, "step_s": seconds}
     if mfu:
         scalars["mfu"] = mfu
     metrics.scalars({**{f"train/{k}": v for k, v in scalars.items()},
@@ -232,32 +232,54 @@ def log_step(run: DrafterRun, bar, metrics: Metrics, step: int, result: StepResu
 
 def train_loop(run: DrafterRun, metrics: Metrics | None) -> History:
     """Steps start_step+1 .. train.steps; checkpoints every train.checkpoint_every steps; a graceful stop
-    (SIGTERM / SIGINT) writes a checkpoint at the step it ends on."""
+    (SIGTERM / SIGINT) writes a checkpoint at the step it ends on.
+
+    The host runs a step ahead of the GPU: step k is launched before step k-1's figures are read (they
+    were copied to the host behind step k-1's work), so the GPU never idles while the host waits.
+    Before a checkpoint the pending figures are read first (a diverged loss is never saved).
+    """
     cfg, ctx, device = run.cfg, run.ctx, run.ctx.device
     train = cfg.train
     peak = peak_flops(device)
     history = History()
+    clock = StepClock(device)
     bar = tqdm(range(run.start_step, train.steps), initial=run.start_step, total=train.steps, desc="train",
                dynamic_ncols=True, disable=None if run.lead else True)
+
+    def read(done: int, result, lap) -> float:
+        figures, seconds = result.read(), clock.seconds(lap)
+        history.record(done, figures, seconds)
+        if run.lead and (done % train.log_every == 0 or done == train.steps):
+            log_step(run, bar, metrics, done, figures, seconds, peak)
+        return figures.stop_votes
+
     run.drafter.train()
+    pending, votes = None, 0.0
     with StopRequest() as stop:
         for step in bar:
-            t0 = time.perf_counter()
+            done = step + 1
             result = run.step.run(run.source, train.grad_accum, lambda index: anchor_generator(cfg, device, index),
-                                  lambda totals: parallel.all_reduce_sum(ctx, totals), ctx.num_drafters)
-            parallel.synchronize(device)
-            seconds = time.perf_counter() - t0
-            loss = history.record(step + 1, result, seconds)
-            if run.lead and ((step + 1) % train.log_every == 0 or step + 1 == train.steps):
-                log_step(run, bar, metrics, step + 1, result, loss, seconds, peak)
+                                  lambda totals: parallel.all_reduce_sum(ctx, totals), ctx.num_drafters,
+                                  stop_vote=stop.requested)
+            lap = clock.lap()
+            if pending is not None:
+                votes = read(*pending)
+            pending = (done, result, lap)
+            # One drafter rank stops on its own signal; several stop on the votes all of them read.
+            stop_now = done < train.steps and (stop.requested if ctx.num_drafters == 1 else votes > 0)
             every = train.checkpoint_every  # 0: no checkpoints (benchmarks); the final drafter is still saved
-            if every and ((step + 1) % every == 0 or step + 1 == train.steps):
-                save_checkpoint(run, step + 1)
-            if step + 1 < train.steps and stop.agreed(ctx, device):
-                history.stopped_at = step + 1
-                path = save_checkpoint(run, step + 1)
-                run.log(f"stopped at step {step + 1}: checkpoint {path}; continue with --resume")
+            due = bool(every) and (done % every == 0 or done == train.steps)
+            if due or stop_now or done == train.steps:
+                read(*pending)
+                pending = None
+            if due or stop_now:
+                path = save_checkpoint(run, done)
+            if stop_now:
+                history.stopped_at = done
+                run.log(f"stopped at step {done}: checkpoint {path}; continue with --resume")
                 break
+        if pending is not None:
+            read(*pending)
     bar.close()
     return history
 
@@ -265,6 +287,7 @@ def train_loop(run: DrafterRun, metrics: Metrics | None) -> History:
 def finish(run: DrafterRun, history: History, before: dict | None, report: CompileReport | None,
            compile_s: float, metrics: Metrics | None) -> dict | None:
     """The published drafter directory, tau before and after (colocated), summary.json (the lead)."""
+    run.optimizer.settle()
     weights, _ = run.shard.full_state(None, run.lead)  # collective under FSDP
     if not run.lead:
         return None
