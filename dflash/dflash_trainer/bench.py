@@ -145,7 +145,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     report = None
     if attention == "flex":
-        report = compile_drafter_step(step, [S], b, Path(args.cache_dir), log=print)
+        report = compile_drafter_step(step, [S], b, Path(args.cache_dir), log=print,
+                                      target=frozen if target is not None else None)
     compile_s = time.perf_counter() - t0
 
     feat_dim = len(drafter.target_layer_ids) * dcfg.hidden_size

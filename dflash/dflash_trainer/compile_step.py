@@ -32,7 +32,7 @@ def check_dense_fits(cfg: RunConfig, drafter: DFlashDrafter, device: torch.devic
 
 
 def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir: Path, log, label: str = "",
-                         serialized: bool = True):
+                         serialized: bool = True, target=None):
     """The serialized compile step: compile the drafter step for every context bucket (forward +
     backward, and the optimizer's update kernel) before step 1.
 
@@ -41,7 +41,8 @@ def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir
     The probe is the step's own forward_backward on random inputs of the bucket's shape, run on the
     bare drafter (bare=True: no DDP all-reduce inside the lock). The optimizer's one-pass update is
     compiled on scratch tensors, so the probe changes no weight and no optimizer state.
-    serialized=False: no lock, for FSDP, whose forward needs every rank.
+    serialized=False: no lock, for FSDP, whose forward needs every rank. target: the colocated target,
+    whose compiled feature forward is compiled for the same buckets (target.FrozenTarget).
     """
     from .attention import install_dense_guards
     from .compile_guard import compile_cache_env, compile_variants
@@ -57,6 +58,8 @@ def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir
         drafter.train()  # the step's mode: compiled graphs are guarded on it
         t0 = time.perf_counter()
         ids = torch.randint(config.vocab_size, (micro_batch, ctx_len), device=device)
+        if target is not None:
+            target.features(ids)
         loss_mask = torch.ones(micro_batch, ctx_len, dtype=torch.uint8, device=device)
         features = torch.randn(micro_batch, ctx_len, feat_dim, device=device, dtype=drafter.fc.weight.dtype)
         step.forward_backward(ids, loss_mask, features, bare=True)
@@ -67,3 +70,21 @@ def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir
 
     lock = Path(cache_dir) / "compile.lock" if serialized else None
     return compile_variants(probe, list(buckets), lock, log=log, label=label)
+
+
+def compile_target_step(target, buckets, micro_batch: int, cache_dir: Path, log, label: str = ""):
+    """A target rank's compile step: its compiled feature forward for every context bucket, through the
+    same lock and cache as the drafter ranks' (no-op where the target runs eagerly: not on a GPU, or a
+    backbone without the tapped forward)."""
+    from .compile_guard import compile_cache_env, compile_variants
+
+    if not target.compile_layers:
+        return None
+    compile_cache_env(cache_dir)
+    device = target.embed_weight.device
+    vocab = target.embed_weight.shape[0]
+
+    def probe(ctx_len: int) -> None:
+        target.features(torch.randint(vocab, (micro_batch, ctx_len), device=device))
+
+    return compile_variants(probe, list(buckets), Path(cache_dir) / "compile.lock", log=log, label=label)

@@ -84,7 +84,9 @@ def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:
     if not sys.stderr.isatty():  # a log file or journald: no carriage-return progress bars
         hf_logging.disable_progress_bar()
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype]).to(device)
+    # SDPA: its flash / cuDNN kernels for the features (target.py), and what evaluation has always used.
+    model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype],
+                                                 attn_implementation="sdpa").to(device)
     return FrozenTarget(model, layer_ids)
 
 

@@ -12,6 +12,8 @@ import torch
 from tqdm import tqdm
 
 from . import parallel
+from .compile_guard import leave_run_phase
+from .compile_step import compile_target_step
 from .config import RunConfig
 from .evaluate import evaluate_saved
 from .features import write_meta, write_shard
@@ -24,6 +26,8 @@ from .loading import (
     resolve_target,
     resume_step,
 )
+from .parallel import SplitWindow
+from .sources import Wait
 from .summary import print_summary, write_summary
 
 
@@ -42,37 +46,47 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | No
         "target_layer_ids"]
     target = load_target(cfg, layer_ids, device)
     stream, eval_stream, prompts = load_data(cfg, tokenizer)
+    compile_target_step(target, cfg.data.context_buckets, cfg.train.micro_batch,
+                        Path(cfg.train.compile_cache_dir or Path(cfg.output_dir) / "compile-cache"), console.print,
+                        label=ctx.label)
     batches_per_step = cfg.train.grad_accum * ctx.num_drafters
     num_batches = cfg.train.steps * batches_per_step
     start_step, _ = resume_step(cfg, resume)
     first_batch = start_step * batches_per_step
     sender = FeatureSender(ctx.roles, ctx.rank, ctx.groups, cfg.parallel.prefetch, start=first_batch)
-    busy = send_wait = 0.0
-    tokens = 0
+    intervals: list[Wait] = []  # the target's GPU time per micro-batch, read without a sync per batch
+    send_wait, tokens = 0.0, 0
     t_start = time.perf_counter()
+    window = SplitWindow(cfg.parallel.prefetch)
     for i in ctx.roles.batches_for_target(ctx.roles.target_index(ctx.rank), num_batches, first_batch):
-        t0 = time.perf_counter()
-        batch = stream.batch(i).to(device)
+        batch = stream.batch(i)
+        tokens += int(batch.attention_mask.sum())  # on the host: no device sync
+        batch = batch.to(device)
+        busy = Wait.interval(device)
         feats = target.features(batch.input_ids, batch.attention_mask)
-        tokens += int(batch.attention_mask.sum())
+        intervals.append(busy.stop())
         t1 = time.perf_counter()
         sender.send({"features": feats, "input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
                      "attention_mask": batch.attention_mask})
-        busy += t1 - t0
         send_wait += time.perf_counter() - t1
+        if ctx.roles.target_index(ctx.rank) == 0 and window.due(len(intervals)):
+            parallel.synchronize(device)
+            console.print(ctx.label + window.advice(intervals, ctx.roles.num_targets, ctx.roles.num_drafters))
     sender.close(num_batches)
     wall = time.perf_counter() - t_start
-    console.print(f"{ctx.label}target done: {tokens / max(wall, 1e-9):,.0f} tok/s; target compute {busy:.1f}s, "
+    busy_s = sum(w.seconds() for w in intervals)
+    console.print(f"{ctx.label}target done: {tokens / max(wall, 1e-9):,.0f} tok/s; target compute {busy_s:.1f}s, "
                   f"waiting on drafters {send_wait:.1f}s of {wall:.1f}s"
                   + (" (drafters bound the run)" if send_wait > 0.2 * wall else " (target supply bounds the run)"))
     ctx.barrier()  # the lead drafter has written the final drafter and the summary
     if ctx.rank != 0:
         return None
     out = Path(cfg.output_dir)
+    leave_run_phase()  # evaluation shapes differ from the training batches'
     before, after = evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, out / "drafter", device)
     summary = json.loads((out / "summary.json").read_text())
     summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"],
-                   target_ranks=ctx.roles.num_targets, target_busy_s=busy, target_wait_s=send_wait)
+                   target_ranks=ctx.roles.num_targets, target_busy_s=busy_s, target_wait_s=send_wait)
     write_summary(out, summary)
     print_summary(summary)
     return summary

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import parallel
-from .compile_guard import CompileReport
+from .compile_guard import CompileReport, leave_run_phase
 from .compile_step import check_dense_fits, compile_drafter_step
 from .config import ConfigError, RunConfig, load_config
 from .data import DataError, MicroBatches
@@ -49,6 +49,7 @@ from .loading import (
 from .metrics import Metrics
 from .model import DFlashDrafter
 from .optim import MasterWeightAdamW, warmup_cosine
+from .parallel import drafter_side_advice
 from .sharding import Replicated, Sharded, shard_drafter
 from .sources import FeatureBatch, disk_source, local_source, remote_source
 from .step import DrafterStep, StepClock, StepFigures, forward_order
@@ -194,7 +195,8 @@ def compile_or_check(run: DrafterRun) -> tuple[CompileReport | None, float]:
     cache = Path(run.cfg.train.compile_cache_dir or run.out / "compile-cache")
     t0 = time.perf_counter()
     report = compile_drafter_step(run.step, run.cfg.data.context_buckets, run.cfg.train.micro_batch, cache,
-                                  console.print, label=run.ctx.label, serialized=run.shard.serial_compile)
+                                  console.print, label=run.ctx.label, serialized=run.shard.serial_compile,
+                                  target=run.target)
     return report, time.perf_counter() - t0
 
 
@@ -246,11 +248,21 @@ def train_loop(run: DrafterRun, metrics: Metrics | None) -> History:
     bar = tqdm(range(run.start_step, train.steps), initial=run.start_step, total=train.steps, desc="train",
                dynamic_ncols=True, disable=None if run.lead else True)
 
+    # The T:D split is judged over steps 3-12 of this run (past start-up), when target ranks feed it.
+    advise = run.wait_kind == "transfer" and run.lead
+    window = range(run.start_step + 3, min(run.start_step + 12, train.steps) + 1)
+    seen: list[tuple[float, float]] = []
+
     def read(done: int, result, lap) -> float:
         figures, seconds = result.read(), clock.seconds(lap)
         history.record(done, figures, seconds)
         if run.lead and (done % train.log_every == 0 or done == train.steps):
             log_step(run, bar, metrics, done, figures, seconds, peak)
+        if advise and done in window:
+            seen.append((seconds, figures.step_wait_s))
+            if done == window[-1]:
+                run.log(ctx.label + drafter_side_advice([t for t, _ in seen], [w for _, w in seen], train.grad_accum,
+                                                        ctx.roles.num_targets, ctx.num_drafters))
         return figures.stop_votes
 
     run.drafter.train()
@@ -311,6 +323,7 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
         "losses": history.losses,
     }
     if run.ctx.colocated:
+        leave_run_phase()  # evaluation shapes (batch sizes) differ from the training step's
         if before is None:  # resumed: rebuild the initial drafter for the comparison
             before, after = evaluate_saved(cfg, run.target, run.tokenizer, run.eval_stream, run.prompts, final_dir,
                                            device)

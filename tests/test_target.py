@@ -1,0 +1,33 @@
+"""The frozen target's features: the tapped forward (layer by layer, causal mask only) equals the model's
+own forward with an attention mask, on right-padded batches, and equals HF's hidden_states[l + 1]."""
+
+import torch
+from dflash_trainer.target import FrozenTarget, tapped_forward_supported
+from transformers import AutoModelForCausalLM
+
+
+def test_tapped_forward_matches_the_hooked_forward_and_hf_hidden_states(tiny_target):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target["target"], attn_implementation="sdpa")
+    ids = [1, 4, 3]  # not sorted: features follow the given order, the forward stops after layer 4
+    target = FrozenTarget(model, ids)
+    assert target.tapped and not target.compile_layers  # CPU: the layers run eagerly
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(model.config.vocab_size, (2, 40), generator=gen)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, 25:] = 0  # the second row is right-padded, as data.collate pads
+    tapped = target.features(input_ids, mask)
+    hooked = target._hooked_features(input_ids, mask)
+    torch.testing.assert_close(tapped[0], hooked[0])
+    torch.testing.assert_close(tapped[1, :25], hooked[1, :25])  # real tokens; padding is never read
+    with torch.no_grad():
+        hidden = model(input_ids[:1], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(tapped[:1], torch.cat([hidden[i + 1] for i in ids], dim=-1))
+
+
+def test_eager_attention_or_sliding_windows_take_the_hooked_forward(tiny_target):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target["target"], attn_implementation="eager")
+    assert not tapped_forward_supported(model, model.model)  # no mask would mean no causal mask at all
+    assert not FrozenTarget(model, [1]).tapped
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_target["target"], attn_implementation="sdpa")
+    sdpa.config.layer_types = ["sliding_attention"] + sdpa.config.layer_types[1:]
+    assert not tapped_forward_supported(sdpa, sdpa.model)
