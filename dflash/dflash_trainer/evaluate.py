@@ -143,7 +143,7 @@ def evaluate(cfg, drafter, target, tokenizer, eval_stream, prompts, label: str) 
 def evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, drafter_dir: Path, device) -> tuple[dict, dict]:
     """tau of the initial drafter (same seed, rebuilt) and of the trained one saved in drafter_dir."""
     dtype = DTYPES[cfg.train.dtype]
-    initial = new_drafter(cfg, target.config, tokenizer).to(device=device, dtype=dtype)
+    initial = new_drafter(cfg, target.config, tokenizer, device=device).to(dtype=dtype)  # as the run built it
     before = evaluate(cfg, initial, target, tokenizer, eval_stream, prompts, "before training")
     trained = DFlashDrafter.from_pretrained(drafter_dir).to(device=device, dtype=dtype)
     after = evaluate(cfg, trained, target, tokenizer, eval_stream, prompts, "after training")

@@ -66,13 +66,16 @@ def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
     ))
 
 
-def new_drafter(cfg: RunConfig, target_config, tokenizer) -> DFlashDrafter:
-    """The initial drafter: the same weights on every rank and in every run with the same seed."""
+def new_drafter(cfg: RunConfig, target_config, tokenizer, device="cpu", initialise: bool = True) -> DFlashDrafter:
+    """The initial drafter, built on `device`: the same weights on every rank (DDP also broadcasts rank
+    0's) and in every run with the same seed on the same kind of device. initialise=False: allocated
+    only, for a run that loads a checkpoint next."""
     if cfg.drafter.init_from:
-        return DFlashDrafter.from_pretrained(cfg.drafter.init_from)
+        return DFlashDrafter.from_pretrained(cfg.drafter.init_from).to(device)
     config = drafter_config_for(cfg, target_config, tokenizer)
-    torch.manual_seed(cfg.train.seed)
-    return DFlashDrafter(config)  # built on the CPU: identical across devices
+    if not initialise:
+        return DFlashDrafter.empty(config, device)
+    return DFlashDrafter.initialised(config, device, cfg.train.seed)
 
 
 def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:

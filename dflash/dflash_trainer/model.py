@@ -206,12 +206,33 @@ class DFlashDrafter(nn.Module):
         raw = json.loads(config_path.read_text())
         if ARCHITECTURE not in raw.get("architectures", []):
             raise ValueError(f"{config_path}: architectures {raw.get('architectures')} lacks {ARCHITECTURE}")
-        model = cls(Qwen3Config.from_pretrained(directory))
+        config = Qwen3Config.from_pretrained(directory)
+        with torch.device("meta"):
+            model = cls(config)
         state = load_file(directory / "model.safetensors")
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"{directory}: checkpoint keys do not match (missing {missing}, unexpected {unexpected})")
-        return model.to(dtype) if dtype is not None else model
+        model.rotary_emb = Qwen3RotaryEmbedding(config)
+        return model.to(dtype if dtype is not None else torch.get_default_dtype())
+
+    @classmethod
+    def initialised(cls, config: Qwen3Config, device, seed: int) -> DFlashDrafter:
+        """A new drafter built straight on `device` (no CPU copy of 1 B parameters to fill and move):
+        the same seed gives the same weights on the same kind of device."""
+        model = cls.empty(config, device)
+        torch.manual_seed(seed)
+        model.reset_parameters()
+        return model
+
+    @classmethod
+    def empty(cls, config: Qwen3Config, device) -> DFlashDrafter:
+        """Allocated on `device`, weights uninitialised (they are about to be loaded)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device=device)
+        model.rotary_emb = Qwen3RotaryEmbedding(config).to(device)  # its buffers are computed, not loaded
+        return model
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

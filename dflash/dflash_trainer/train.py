@@ -54,12 +54,9 @@ from .sharding import Replicated, Sharded, shard_drafter
 from .sources import FeatureBatch, disk_source, local_source, remote_source
 from .step import DrafterStep, StepClock, StepFigures, forward_order
 from .stop import StopRequest
-from .summary import print_summary, write_summary
+from .summary import Startup, print_summary, write_summary
 from .target import FrozenTarget, load_embed_and_head
 from .target_rank import dump_features, run_target
-
-PROCESS_START = time.perf_counter()  # for time-to-first-step (imports included)
-
 
 # ---- a drafter rank: setup, resume, compile, loop, finish -----------------------------------------
 
@@ -106,7 +103,6 @@ class History:
     train_s: float = 0.0
     wait_s: float = 0.0
     drafter_s: float = 0.0
-    first_step_at: float | None = None
     stopped_at: int | None = None
 
     def record(self, step: int, figures: StepFigures, seconds: float) -> None:
@@ -118,20 +114,23 @@ class History:
         self.train_s += seconds
         self.wait_s += figures.wait_s
         self.drafter_s += seconds - figures.step_wait_s
-        self.first_step_at = self.first_step_at or time.perf_counter()
 
 
-def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> DrafterRun:
+def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool, startup: Startup) -> DrafterRun:
     """Drafter, sharding, optimizer, schedule, the feature source and the one drafter step."""
     from transformers import AutoConfig
 
     device, train = ctx.device, cfg.train
-    tokenizer = load_tokenizer(cfg)
-    drafter = new_drafter(cfg, AutoConfig.from_pretrained(cfg.target.path), tokenizer)
+    # Drafter ranks fed by target ranks or disk need the tokenizer only to look up a mask token.
+    needs_tokenizer = ctx.colocated or (cfg.drafter.mask_token_id is None and not cfg.drafter.init_from)
+    tokenizer = load_tokenizer(cfg) if needs_tokenizer else None
+    start_step, latest = resume_step(cfg, resume)
+    drafter = new_drafter(cfg, AutoConfig.from_pretrained(cfg.target.path), tokenizer, device=device,
+                          initialise=latest is None)  # a resumed run loads its weights next
+    startup.mark("drafter")
     num_drafters = ctx.num_drafters
     shard = shard_drafter(cfg.parallel.drafter_sharding, drafter, device, DTYPES[train.dtype],
                           ctx.groups.drafters if ctx.groups is not None else None, num_drafters)
-    start_step, latest = resume_step(cfg, resume)
     first_batch = start_step * train.grad_accum * num_drafters
     # Micro-batch i goes to drafter rank i % D.
     my_batches = range(ctx.drafter_index + first_batch, train.steps * train.grad_accum * num_drafters, num_drafters)
@@ -140,12 +139,15 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> Drafte
     prompts: list[list[int]] = []
     if ctx.colocated:
         target = load_target(cfg, drafter.target_layer_ids, device)
+        startup.mark("target")
         embed, head = target.embed_weight, target.head_weight
         stream, eval_stream, prompts = load_data(cfg, tokenizer)
+        startup.mark("data")
         source, wait_kind, samples = local_source(stream, target, my_batches, DTYPES[train.dtype], device), \
             "target", len(stream.dataset)
     else:
         embed, head = load_embed_and_head(cfg.target.path, device, DTYPES[cfg.target.dtype])
+        startup.mark("embedding + head")
         if ctx.roles.offline:
             shards = FeatureShards(cfg.data.features_dir, drafter.target_layer_ids)
             source, wait_kind, samples = disk_source(shards, my_batches, DTYPES[train.dtype], device), "disk", \
@@ -160,6 +162,7 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> Drafte
     optimizer = MasterWeightAdamW(drafter.parameters(), lr=train.lr, weight_decay=train.weight_decay,
                                   max_grad_norm=train.max_grad_norm, update_groups=forward_order(drafter))
     scheduler = warmup_cosine(optimizer.opt, train.steps, int(train.warmup_ratio * train.steps), train.min_lr_ratio)
+    startup.mark("optimizer")
     backend = attention_backend(cfg, device)
     step = DrafterStep(drafter, embed, head, optimizer, num_anchors=train.num_anchors, gamma=cfg.drafter.gamma,
                        chunk_rows=train.loss_chunk_rows, backend=backend,
@@ -232,7 +235,7 @@ def log_step(run: DrafterRun, bar, metrics: Metrics, step: int, figures: StepFig
                      **{f"slot_acc/{k:02d}": slot_acc[k] for k in range(1, len(slot_acc))}}, step)
 
 
-def train_loop(run: DrafterRun, metrics: Metrics | None) -> History:
+def train_loop(run: DrafterRun, metrics: Metrics | None, startup: Startup) -> History:
     """Steps start_step+1 .. train.steps; checkpoints every train.checkpoint_every steps; a graceful stop
     (SIGTERM / SIGINT) writes a checkpoint at the step it ends on.
 
@@ -256,6 +259,9 @@ def train_loop(run: DrafterRun, metrics: Metrics | None) -> History:
     def read(done: int, result, lap) -> float:
         figures, seconds = result.read(), clock.seconds(lap)
         history.record(done, figures, seconds)
+        if done == run.start_step + 1:
+            startup.mark("step 1")
+            run.log(ctx.label + startup.line())
         if run.lead and (done % train.log_every == 0 or done == train.steps):
             log_step(run, bar, metrics, done, figures, seconds, peak)
         if advise and done in window:
@@ -297,7 +303,7 @@ def train_loop(run: DrafterRun, metrics: Metrics | None) -> History:
 
 
 def finish(run: DrafterRun, history: History, before: dict | None, report: CompileReport | None,
-           compile_s: float, metrics: Metrics | None) -> dict | None:
+           compile_s: float, metrics: Metrics | None, startup: Startup) -> dict | None:
     """The published drafter directory, tau before and after (colocated), summary.json (the lead)."""
     run.optimizer.settle()
     weights, _ = run.shard.full_state(None, run.lead)  # collective under FSDP
@@ -314,7 +320,8 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
         "mfu": history.flops / history.train_s / peak if peak and history.train_s else None,
         "time_split_s": {run.wait_kind: history.wait_s, "drafter": history.drafter_s},
         "compile_s": compile_s,
-        "time_to_first_step_s": (history.first_step_at - PROCESS_START) if history.first_step_at else None,
+        "time_to_first_step_s": startup.total() if history.losses else None,
+        "startup_s": startup.phases(),
         "compile_cache_hits": report.cache_hits if report else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "drafter_ranks": run.ctx.num_drafters,
@@ -337,23 +344,27 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
     return summary
 
 
-def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | None:
-    run = setup_drafter(cfg, ctx, resume)
+def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool, startup: Startup | None = None) -> dict | None:
+    startup = startup or Startup()
+    run = setup_drafter(cfg, ctx, resume, startup)
     if run.latest is not None:
         restore(run)
+        startup.mark("restore")
     before = None
     if ctx.colocated and run.start_step == 0:
         before = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
                           "before training")
+        startup.mark("evaluation before training")
     report, compile_s = compile_or_check(run)
+    startup.mark("compile step")
     metrics = Metrics(run.out / "tb", cfg.to_dict(), cfg.train.wandb_project, run.out.name, run.log) \
         if run.lead else None
-    history = train_loop(run, metrics)
+    history = train_loop(run, metrics, startup)
     if history.stopped_at is not None:
         if metrics:
             metrics.close()
         return {"stopped_at": history.stopped_at}
-    return finish(run, history, before, report, compile_s, metrics)
+    return finish(run, history, before, report, compile_s, metrics, startup)
 
 
 def anchor_generator(cfg: RunConfig, device, index: int) -> torch.Generator:
@@ -376,13 +387,15 @@ def run(cfg: RunConfig, resume: bool = False) -> dict | None:
 
 
 def _run_rank(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | None:
+    startup = Startup()
+    startup.mark("start-up and imports")
     cfg = resolve_target(cfg, ctx)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:
         (Path(cfg.output_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     if ctx.is_target:
         return run_target(cfg, ctx, resume)
-    summary = run_drafter(cfg, ctx, resume)
+    summary = run_drafter(cfg, ctx, resume, startup)
     if summary is not None and "stopped_at" in summary:
         if not ctx.colocated:  # the target ranks stop on the same signal; nobody waits for them
             os._exit(0)
