@@ -31,3 +31,27 @@ def test_eager_attention_or_sliding_windows_take_the_hooked_forward(tiny_target)
     sdpa = AutoModelForCausalLM.from_pretrained(tiny_target["target"], attn_implementation="sdpa")
     sdpa.config.layer_types = ["sliding_attention"] + sdpa.config.layer_types[1:]
     assert not tapped_forward_supported(sdpa, sdpa.model)
+
+
+def test_compiled_layers_trace_after_transformers_installed_its_capture_hooks(tiny_target):
+    """transformers hooks every submodule at the first forward that captures outputs (evaluation asks
+    for hidden_states); those hooks cannot be traced, so the tapped forward suspends them."""
+    import torch._dynamo
+    from dflash_trainer.target import call_target_layer, hooks_suspended
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target["target"], attn_implementation="sdpa")
+    ids = torch.randint(model.config.vocab_size, (1, 16))
+    with torch.no_grad():
+        model(ids, output_hidden_states=True)  # installs the capture hooks
+    layer = model.model.layers[0]
+    assert any(m._forward_hooks for m in layer.modules())
+    hidden = model.model.embed_tokens(ids)
+    position_ids = torch.arange(16).unsqueeze(0)
+    rope = model.model.rotary_emb(hidden, position_ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(call_target_layer, backend="eager", fullgraph=True)
+    with torch.no_grad(), hooks_suspended(layer):
+        out = compiled(layer, hidden, rope, position_ids)
+    assert any(m._forward_hooks for m in layer.modules())  # restored
+    with torch.no_grad():
+        torch.testing.assert_close(out, call_target_layer(layer, hidden, rope, position_ids))

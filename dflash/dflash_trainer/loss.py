@@ -83,17 +83,23 @@ def chunked_block_loss(
     hidden: torch.Tensor,  # [b, N*B, H] drafter output (normalised)
     head_weight: torch.Tensor,  # [V, H] frozen target LM head
     labels: torch.Tensor,  # [b, N*B]
-    weights: torch.Tensor,  # [b, N*B]
+    weights: torch.Tensor,  # [b, N*B]; slot 0 of each block must be 0 (it is ignored)
     block_size: int,
     chunk_rows: int = 2048,
 ) -> LossSums:
     if head_weight.requires_grad:
         raise ValueError("the LM head is the target's and must be frozen (requires_grad=False): DFlash does "
                          "not train it, and the loss computes gradients for the drafter's hidden states only")
-    h = hidden.reshape(-1, hidden.shape[-1])
-    slots = torch.arange(h.shape[0], device=h.device) % block_size
+    # Slot 0 of every block is the anchor itself: it never carries loss (anchors.build_blocks), so its
+    # rows skip the head's two GEMMs and the CE kernel (1/B of the largest GEMMs of the step).
+    b, rows = hidden.shape[:2]
+
+    def scored(t: torch.Tensor) -> torch.Tensor:  # [b, N*B, ...] -> [b*N*(B-1), ...], slot 0 dropped
+        return t.reshape(b, rows // block_size, block_size, *t.shape[2:])[:, :, 1:].reshape(-1, *t.shape[2:])
+
+    h = scored(hidden)
+    slots = torch.arange(1, block_size, device=h.device).repeat(h.shape[0] // (block_size - 1))
     with_grad = torch.is_grad_enabled() and h.requires_grad
     total, correct, count = _HeadCrossEntropy.apply(
-        h, head_weight, labels.reshape(-1), weights.reshape(-1).to(torch.float32), slots, block_size, chunk_rows,
-        with_grad)
+        h, head_weight, scored(labels), scored(weights).to(torch.float32), slots, block_size, chunk_rows, with_grad)
     return LossSums(total, correct, count)

@@ -16,6 +16,9 @@ Two ways to run it, same features:
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from contextlib import contextmanager, nullcontext
+
 import torch
 from torch import nn
 
@@ -27,6 +30,22 @@ class _StopForward(Exception):
 def call_target_layer(layer, hidden, position_embeddings, position_ids):
     out = layer(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=position_ids)
     return out[0] if isinstance(out, tuple) else out
+
+
+@contextmanager
+def hooks_suspended(module: nn.Module):
+    """Run `module` without its forward hooks. transformers installs output-capturing hooks on a model's
+    submodules at its first forward; outside a capturing forward they do nothing, but they read a
+    ContextVar, which torch.compile cannot trace. Suspended on every compiled call alike, so the
+    compiled graph's guards always see the same (empty) hooks."""
+    saved = [(m, m._forward_hooks) for m in module.modules() if m._forward_hooks]
+    for m, _ in saved:
+        m._forward_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        for m, hooks in saved:
+            m._forward_hooks = hooks
 
 
 # One compiled object per process, like the drafter's (objective.COMPILED_LAYER): the decoder layers
@@ -99,7 +118,8 @@ class FrozenTarget:
         call = COMPILED_TARGET_LAYER if self.compile_layers else call_target_layer
         captured = {}
         for i in range(last + 1):
-            hidden = call(self.layers[i], hidden, position_embeddings, position_ids)
+            with hooks_suspended(self.layers[i]) if self.compile_layers else nullcontext():
+                hidden = call(self.layers[i], hidden, position_embeddings, position_ids)
             if i in self.layer_ids:
                 captured[i] = hidden
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
