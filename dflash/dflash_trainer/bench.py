@@ -28,7 +28,7 @@ from .mask import dflash_block_mask
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .optim import MasterWeightAdamW
 from .sources import FeatureBatch, Wait
-from .step import DrafterStep, StepClock, forward_order, phase
+from .step import DrafterStep, StepClock, phase
 
 PRESETS = {
     # Qwen3-8B and its published drafter (z-lab/Qwen3-8B-DFlash-b16).
@@ -89,8 +89,6 @@ def main(argv=None) -> int:
     p.add_argument("--anchors", type=int, default=512, help="blocks per sequence (N)")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--no-overlap-update", action="store_true",
-                   help="run the optimizer update on the main stream after the backward (A/B against the default)")
     p.add_argument("--no-compile-layers", action="store_true",
                    help="eager layers around the compiled flex_attention (A/B against the default)")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the timed steps")
@@ -134,8 +132,7 @@ def main(argv=None) -> int:
         head = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
     with torch.device(device):
         drafter = DFlashDrafter(dcfg).to(dtype)
-    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4,
-                            update_groups=None if args.no_overlap_update else forward_order(drafter))
+    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4)
     b, S, N, B, A = args.micro_batch, args.seq, args.anchors, dcfg.block_size, args.grad_accum
     attention = "flex" if device.type == "cuda" else "sdpa"
     compiled_layers = attention == "flex" and not args.no_compile_layers

@@ -102,17 +102,15 @@ def drafter_loss(
     chunk_rows: int = 2048,
     model=None,
     compiled_layers: bool = False,
-    layer_fn=None,
 ) -> LossSums:
     """`model` is what runs the forward (the DDP wrapper on drafter ranks); `drafter` by default.
 
-    compiled_layers: run each layer through COMPILED_LAYER (GPU training with the flex backend);
-    layer_fn: (layer, x, context, cos, sin, attention) -> x, instead (the step's own, see step.py).
+    compiled_layers: run each layer through COMPILED_LAYER (GPU training with the flex backend).
     """
     b, ctx_len = features.shape[:2]
     block_embeds = F.embedding(blocks.token_ids, embed_weight)
     ctx_pos = torch.arange(ctx_len, device=features.device).expand(b, ctx_len)
     position_ids = torch.cat([ctx_pos, blocks.position_ids], dim=1)
-    layer_fn = layer_fn or (COMPILED_LAYER if compiled_layers else None)
+    layer_fn = COMPILED_LAYER if compiled_layers else None
     hidden = (model or drafter)(features, block_embeds, position_ids, attention, layer_fn)
     return chunked_block_loss(hidden, head_weight, blocks.labels, blocks.weights, drafter.block_size, chunk_rows)

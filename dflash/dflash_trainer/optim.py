@@ -14,7 +14,6 @@ torch's fused AdamW and a copy back (which also needs 4 bytes per parameter of b
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -52,12 +51,7 @@ class MasterWeightAdamW:
         eps: float = 1e-8,
         max_grad_norm: float = 1.0,
         one_pass: bool | None = None,
-        update_groups: list[list[torch.Tensor]] | None = None,
     ):
-        """update_groups: the parameters in the order the next forward needs them, one group per layer.
-        With them (one-pass mode on a GPU) the update runs on a stream of its own, group by group, and
-        the next forward waits for each group (`wait_for`) rather than for the whole update: the
-        memory-bound update then overlaps the compute-bound GEMMs of the next step."""
         self.params = [p for p in params if p.requires_grad]
         self.master = [
             p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True) for p in self.params
@@ -78,42 +72,6 @@ class MasterWeightAdamW:
         self._lr = torch.zeros((), device=self.master[0].device) if self.one_pass else None
         self._kernel = ONE_PASS_UPDATE if self.fused else adamw_one_pass_  # CPUs: the same update, eagerly
         self._compiled = False
-        self._groups = [list(range(len(self.params)))]
-        self._group_of: dict[int, int] = {}
-        self._module_groups: dict[int, list[int]] = {}
-        self._stream = self._events = None
-        if update_groups and self.one_pass and self.fused:
-            index = {id(p): i for i, p in enumerate(self.params)}
-            groups = [[index[id(p)] for p in group if id(p) in index] for group in update_groups]
-            rest = sorted(set(range(len(self.params))) - {i for g in groups for i in g})
-            self._groups = [g for g in groups if g] + ([rest] if rest else [])
-            self._group_of = {id(self.params[i]): g for g, members in enumerate(self._groups) for i in members}
-            self._stream = torch.cuda.Stream(device=self.master[0].device)
-
-    @property
-    def overlaps(self) -> bool:
-        """True when updates run on their own stream (the forward must call wait_for)."""
-        return self._stream is not None
-
-    def wait_for(self, *modules) -> None:
-        """Make the current stream wait until these modules' parameters hold this step's update."""
-        if self._events is None:
-            return
-        stream = torch.cuda.current_stream(self.master[0].device)
-        for module in modules:
-            groups = self._module_groups.get(id(module))
-            if groups is None:
-                groups = sorted({self._group_of[id(p)] for p in module.parameters() if id(p) in self._group_of})
-                self._module_groups[id(module)] = groups
-            for g in groups:
-                stream.wait_event(self._events[g])
-
-    def settle(self) -> None:
-        """Make the current stream wait for the whole last update (before reading weights or state)."""
-        if self._events is not None:
-            stream = torch.cuda.current_stream(self.master[0].device)
-            for event in self._events:
-                stream.wait_event(event)
 
     def precompile(self) -> None:
         """Compile the one-pass update now, on scratch tensors (the serialized compile step calls it;
@@ -159,9 +117,11 @@ class MasterWeightAdamW:
         # torch.nn.utils.clip_grad_norm_'s rule, folded with the scale: one multiplier per step.
         coef = grad_scale * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         if self.one_pass:
-            self.settle()  # the previous update read _lr on its own stream
             self._lr.fill_(self.opt.param_groups[0]["lr"])
-            self._update_groups(coef)
+            states = [self._state(m) for _, m in live]
+            torch._foreach_add_([s["step"] for s in states], 1.0)
+            for (p, m), s in zip(live, states):
+                self._update(p, p.grad, m, s["exp_avg"], s["exp_avg_sq"], s["step"], self._lr, coef)
             return norm
         cast = [(p, m) for p, m in live if m is not p]
         for p, m in cast:
@@ -183,32 +143,6 @@ class MasterWeightAdamW:
         if cast:
             torch._foreach_copy_([p for p, _ in cast], [m for _, m in cast])
         return norm
-
-    def _update_groups(self, coef: torch.Tensor) -> None:
-        """One-pass updates of every parameter that has a gradient, group by group: on the update stream
-        (an event after each group) when overlapping, else on the current stream."""
-        stream = self._stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.master[0].device))  # the gradients and coef
-            coef.record_stream(stream)  # freed by the caller: not reused before the update has read it
-        events = []
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for members in self._groups:
-                live = [i for i in members if self.params[i].grad is not None]
-                states = [self._state(self.master[i]) for i in live]
-                if states:
-                    torch._foreach_add_([s["step"] for s in states], 1.0)
-                for i, state in zip(live, states):
-                    param = self.params[i]
-                    self._update(param, param.grad, self.master[i], state["exp_avg"], state["exp_avg_sq"],
-                                 state["step"], self._lr, coef)
-                    if stream is not None:
-                        param.grad.record_stream(stream)  # zero_grad drops it on the other stream
-                if stream is not None:
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                    events.append(event)
-        self._events = events or None
 
     def _state(self, master: torch.Tensor) -> dict:
         """torch.optim.AdamW's per-tensor state, created as its fused path does (checkpoints load either way)."""
@@ -233,11 +167,9 @@ class MasterWeightAdamW:
             p.grad = None
 
     def state_dict(self) -> dict:
-        self.settle()
         return {"adamw": self.opt.state_dict(), "master": [m.detach().cpu() for m in self.master]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.settle()
         with torch.no_grad():
             for m, saved in zip(self.master, state["master"]):
                 m.copy_(saved)

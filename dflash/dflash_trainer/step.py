@@ -25,7 +25,7 @@ import torch
 from torch.profiler import record_function
 
 from .flops import drafter_step_flops
-from .objective import COMPILED_LAYER, call_layer, drafter_loss, prepare_micro_batch
+from .objective import drafter_loss, prepare_micro_batch
 from .optim import MasterWeightAdamW
 from .sources import FeatureBatch, Wait
 
@@ -114,13 +114,6 @@ class StepClock:
         return start.elapsed_time(end) / 1e3
 
 
-def forward_order(drafter) -> list[list[torch.Tensor]]:
-    """The drafter's parameters in the order its forward needs them: fc and the norms, then each layer
-    (MasterWeightAdamW's update_groups: the next forward waits for each group's update, not for all)."""
-    first = [*drafter.fc.parameters(), *drafter.hidden_norm.parameters(), *drafter.norm.parameters()]
-    return [first] + [list(layer.parameters()) for layer in drafter.layers]
-
-
 def phase(name: str):
     """A named range in a profiler trace (next to free when no profiler runs): `make bench --profile`
     charges idle GPU time to these phases."""
@@ -142,21 +135,6 @@ class DrafterStep:
         self.model = model or drafter  # what runs the forward: the drafter, or its DDP/FSDP wrapper
         # gradient_sync(enabled) -> context: skip the gradient reduction on all but a step's last micro-batch
         self.gradient_sync = gradient_sync or (lambda enabled: nullcontext())
-        self._layer_fn = self._make_layer_fn()
-
-    def _make_layer_fn(self):
-        """How the forward calls each layer: compiled or not, and when the optimizer's update of the
-        previous step runs on its own stream, after waiting for that layer's parameters only."""
-        call = COMPILED_LAYER if self.compiled_layers else None
-        if not self.optimizer.overlaps:
-            return call
-        call = call or call_layer
-
-        def after_update(layer, x, context, cos, sin, attention):
-            self.optimizer.wait_for(layer)
-            return call(layer, x, context, cos, sin, attention)
-
-        return after_update
 
     def forward_backward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, features: torch.Tensor,
                          generator: torch.Generator | None = None, sync_gradients: bool = True,
@@ -169,11 +147,9 @@ class DrafterStep:
                                      self.gamma, self.backend, generator)
         with nullcontext() if bare else self.gradient_sync(sync_gradients):
             with phase("forward"):
-                drafter = self.drafter
-                self.optimizer.wait_for(drafter.fc, drafter.hidden_norm, drafter.norm)
-                sums = drafter_loss(drafter, self.embed_weight, self.head_weight, features, mb.blocks,
-                                    mb.attention, self.chunk_rows, drafter if bare else self.model,
-                                    layer_fn=self._layer_fn)
+                sums = drafter_loss(self.drafter, self.embed_weight, self.head_weight, features, mb.blocks,
+                                    mb.attention, self.chunk_rows, self.drafter if bare else self.model,
+                                    compiled_layers=self.compiled_layers)
             with phase("backward"):
                 sums.weighted_ce.backward()
         batch, ctx_len = features.shape[:2]

@@ -52,7 +52,7 @@ from .optim import MasterWeightAdamW, warmup_cosine
 from .parallel import drafter_side_advice
 from .sharding import Replicated, Sharded, shard_drafter
 from .sources import FeatureBatch, disk_source, local_source, remote_source
-from .step import DrafterStep, StepClock, StepFigures, forward_order
+from .step import DrafterStep, StepClock, StepFigures
 from .stop import StopRequest
 from .summary import Startup, print_summary, write_summary
 from .target import FrozenTarget, load_embed_and_head
@@ -160,7 +160,7 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool, startup: 
             source, wait_kind, samples = remote_source(receiver, DTYPES[train.dtype]), "transfer", None
 
     optimizer = MasterWeightAdamW(drafter.parameters(), lr=train.lr, weight_decay=train.weight_decay,
-                                  max_grad_norm=train.max_grad_norm, update_groups=forward_order(drafter))
+                                  max_grad_norm=train.max_grad_norm)
     scheduler = warmup_cosine(optimizer.opt, train.steps, int(train.warmup_ratio * train.steps), train.min_lr_ratio)
     startup.mark("optimizer")
     backend = attention_backend(cfg, device)
@@ -205,7 +205,6 @@ def compile_or_check(run: DrafterRun) -> tuple[CompileReport | None, float]:
 
 def save_checkpoint(run: DrafterRun, done: int) -> Path | None:
     """Every drafter rank calls it (FSDP gathers the state from all of them); the lead writes."""
-    run.optimizer.settle()  # the last update may still run on its own stream
     weights, optimizer_state = run.shard.full_state(run.optimizer, run.lead)
     if not run.lead:
         return None
@@ -305,7 +304,6 @@ def train_loop(run: DrafterRun, metrics: Metrics | None, startup: Startup) -> Hi
 def finish(run: DrafterRun, history: History, before: dict | None, report: CompileReport | None,
            compile_s: float, metrics: Metrics | None, startup: Startup) -> dict | None:
     """The published drafter directory, tau before and after (colocated), summary.json (the lead)."""
-    run.optimizer.settle()
     weights, _ = run.shard.full_state(None, run.lead)  # collective under FSDP
     if not run.lead:
         return None
