@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     p.add_argument("--untimed-steps", type=int, default=2, help="steps run after the compile step, before timing")
     p.add_argument("--chunk-rows", type=int, default=2048)
     p.add_argument("--with-target", action="store_true", help="features from a random-weight target")
+    p.add_argument("--target-sdpa", choices=["default", "cudnn", "flash"], default="default",
+                   help="SDPA kernels the target's forward prefers (--with-target)")
     p.add_argument("--cache-dir", default="runs/bench/compile-cache")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--make-assets", metavar="DIR", help="write a random target + data for end-to-end runs")
@@ -123,9 +125,13 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     target = build_target(tcfg, device, dtype) if args.with_target else None
     if target is not None:
+        from torch.nn.attention import SDPBackend
+
         from .target import FrozenTarget
 
-        frozen = FrozenTarget(target, dcfg.dflash_config["target_layer_ids"])
+        backends = {"default": None, "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
+                    "flash": [SDPBackend.FLASH_ATTENTION]}[args.target_sdpa]
+        frozen = FrozenTarget(target, dcfg.dflash_config["target_layer_ids"], sdpa_backends=backends)
         embed, head = frozen.embed_weight, frozen.head_weight
     else:
         embed = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02

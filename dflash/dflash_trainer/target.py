@@ -21,6 +21,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 
 class _StopForward(Exception):
@@ -75,8 +76,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 class FrozenTarget:
-    def __init__(self, model: nn.Module, layer_ids: list[int], compile_layers: bool | None = None):
-        """compile_layers: run the tapped forward's layers compiled (default: on CUDA, where supported)."""
+    def __init__(self, model: nn.Module, layer_ids: list[int], compile_layers: bool | None = None,
+                 sdpa_backends: list | None = None):
+        """compile_layers: run the tapped forward's layers compiled (default: on CUDA, where supported).
+        sdpa_backends: SDPA kernels to prefer, in order, for the tapped forward (torch.nn.attention
+        SDPBackend; None: torch's own choice)."""
         self.model = model.eval().requires_grad_(False)
         self.layers = decoder_layers(model)
         # Run the backbone (no LM head); get_decoder() is the HF accessor for it.
@@ -87,6 +91,7 @@ class FrozenTarget:
         self.tapped = tapped_forward_supported(model, self.backbone)
         on_cuda = next(model.parameters()).is_cuda
         self.compile_layers = self.tapped and (on_cuda if compile_layers is None else compile_layers)
+        self.sdpa_backends = sdpa_backends
 
     @property
     def config(self):
@@ -117,11 +122,12 @@ class FrozenTarget:
         position_embeddings = backbone.rotary_emb(hidden, position_ids)
         call = COMPILED_TARGET_LAYER if self.compile_layers else call_target_layer
         captured = {}
-        for i in range(last + 1):
-            with hooks_suspended(self.layers[i]) if self.compile_layers else nullcontext():
-                hidden = call(self.layers[i], hidden, position_embeddings, position_ids)
-            if i in self.layer_ids:
-                captured[i] = hidden
+        with sdpa_kernel(self.sdpa_backends, set_priority=True) if self.sdpa_backends else nullcontext():
+            for i in range(last + 1):
+                with hooks_suspended(self.layers[i]) if self.compile_layers else nullcontext():
+                    hidden = call(self.layers[i], hidden, position_embeddings, position_ids)
+                if i in self.layer_ids:
+                    captured[i] = hidden
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
 
     def _hooked_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
