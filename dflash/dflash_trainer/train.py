@@ -387,7 +387,10 @@ def run(cfg: RunConfig, resume: bool = False) -> dict | None:
 def _run_rank(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | None:
     startup = Startup()
     startup.mark("start-up and imports")
+    embedded = cfg.target.path == "embedded"
     cfg = resolve_target(cfg, ctx)
+    if embedded:
+        startup.mark("embedded default's assets")
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:
         (Path(cfg.output_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
