@@ -6,6 +6,14 @@ from pathlib import Path
 
 import pytest
 
+# ansible.module_utils.basic (the provisioning tests import it) replaces sys.intern with an object, after
+# which a first `import torch._dynamo` fails ("substitute_in_graph expects a function"). Import dynamo
+# first, as every trainer process does, so the order pytest runs the files in does not matter.
+try:
+    import torch._dynamo  # noqa: F401
+except ImportError:  # a control-only environment without torch
+    pass
+
 
 # --- Proxmox VE test host (tests/pve_testhost, issue 5) -----------------------------------------
 @pytest.fixture(scope="session")
