@@ -106,7 +106,7 @@ def build(lock_dir: Path, wheelhouse_dir: Path, trainer_wheel: Path, out: Path, 
     requires = pylock.requires_python(pylock_path)
     if requires and not SpecifierSet(requires).contains(cfg["python"], prereleases=True):
         raise BuildError(f"{pylock_path} needs Python {requires}, but the image's Debian base has Python {cfg['python']} "
-                         f"({rootfs.CONFIG.name}): lock for the base's Python (image/env/pyproject.toml) or change the base")
+                         "(image/rootfs.toml): lock for the base's Python (image/env/pyproject.toml) or change the base")
     # Checked before any build work: the wheels the image needs, each against its sha256.
     wheels = []
     for _pkg, w in wheelhouse.plan(pylock_path, cfg["python"], glibc=tuple(int(x) for x in cfg["glibc"].split("."))):

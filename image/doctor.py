@@ -151,8 +151,9 @@ def diagnose(lock_path: Path, venv: Path, manifest_path: Path | None = None, has
         findings.append(Finding("manifest", None, f"{manifest_path} is the manifest of a build from another lock "
                                 f"than {lock_path}", REBUILD))
     findings += check_packages(locked, installed, site)
-    file_findings, checked = integrity.check(venv, installed, {canonicalize_name(p.name) for p in locked}, sites,
-                                             built, hashes)
+    local = {canonicalize_name(p.name) for p in locked if p.directory}
+    file_findings, checked = integrity.check(venv, installed, {canonicalize_name(p.name) for p in locked}, local,
+                                             sites, built, hashes)
     findings += file_findings
     driver_findings, driver_info = check_driver(system_root, _torch_cuda(site))
     findings += driver_findings

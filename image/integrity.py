@@ -76,9 +76,11 @@ def _fingerprint(path: Path, hashes: bool) -> tuple[str | None, int] | None:
         return None
 
 
-def check(venv: Path, installed: dict[str, md.Distribution], locked: set[str], sites: list[Path],
+def check(venv: Path, installed: dict[str, md.Distribution], locked: set[str], local: set[str], sites: list[Path],
           built: dict | None, hashes: bool) -> tuple[list[Finding], dict]:
-    """Findings, and what was checked ({"files": n, "pyc_compiled": n})."""
+    """Findings, and what was checked ({"files": n, "pyc_compiled": n}). `locked`: the lock's package names;
+    `local`: those it installs from a local wheel (the trainer, which make deploy may replace): their files
+    are checked against their RECORD, not against the build manifest."""
     findings: list[Finding] = []
     owner: dict[Path, str] = {}  # file -> the distribution whose RECORD lists it
     owner_key: dict[Path, str] = {}
@@ -91,7 +93,10 @@ def check(venv: Path, installed: dict[str, md.Distribution], locked: set[str], s
             owner[path], owner_key[path] = name, key
             if entry.hash is not None:
                 record[path] = (str(entry), entry.hash.value, entry.size)
-    in_manifest = {venv / rel: entry for rel, entry in (built or {}).get("files", {}).items()}
+    replaced = {venv / rel for rel in (built or {}).get("replaceable", ())} | {
+        path for path, key in owner_key.items() if key in local}
+    in_manifest = {venv / rel: entry for rel, entry in (built or {}).get("files", {}).items()
+                   if venv / rel not in replaced}
     todo = sorted(set(record) | {p for p in in_manifest if not _is_pyc(p)})
     with ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 2) * 2)) as pool:
         prints = dict(zip(todo, pool.map(lambda p: _fingerprint(p, hashes), todo), strict=True))
@@ -138,7 +143,7 @@ def check(venv: Path, installed: dict[str, md.Distribution], locked: set[str], s
                     pycs.append(path)
                     continue
                 if path in owner:
-                    if built and path not in in_manifest and owner_key[path] in locked:
+                    if built and path not in in_manifest and owner_key[path] in locked and path not in replaced:
                         added[owner[path]] = added.get(owner[path], 0) + 1
                     continue  # a package the lock does not name is reported as extra
                 if path in in_manifest:
@@ -160,7 +165,7 @@ def check(venv: Path, installed: dict[str, md.Distribution], locked: set[str], s
             for f in [*files, *(d for d in dirs if (Path(root) / d).is_symlink())]:
                 path = Path(root) / f
                 rel = path.relative_to(venv).as_posix()
-                if path not in in_manifest and rel not in built["links"] and path not in owner:
+                if path not in in_manifest and rel not in built["links"] and path not in owner and path not in replaced:
                     top = rel.split("/")[0]
                     added[top] = added.get(top, 0) + 1
     for top, n in sorted(orphans.items()):

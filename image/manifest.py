@@ -4,11 +4,14 @@ A wheel's RECORD sits inside the venv, so whatever rewrites a file can rewrite i
 installer does, a careful hand can). The manifest is written by the rebuild (image build, `make rebuild`,
 the training_venv role) right after the hash-checked offline install from the lock, and kept outside
 the venv, beside it: /opt/venv -> /opt/venv.manifest.json. The doctor compares the venv with it.
+One exception: packages installed from a local wheel (the trainer, whose wheel `make deploy` may
+install again, a newer one) are listed as replaceable, and the doctor checks those against their RECORD.
 Standard library only: the rebuild runs under a bare system Python.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -45,10 +48,23 @@ def snapshot(venv: Path) -> tuple[dict[str, tuple[str, int]], dict[str, str]]:
         return dict(zip(files, digests, strict=True)), links
 
 
+def replaceable(venv: Path) -> list[str]:
+    """Files (relative to venv) of the packages installed from a local wheel: those with a direct_url.json,
+    which an installer writes for a file it was given, never for one from an index or a --find-links folder."""
+    out = set()
+    for direct_url in venv.glob("lib/python*/site-packages/*.dist-info/direct_url.json"):
+        site = direct_url.parent.parent
+        with open(direct_url.parent / "RECORD", newline="") as f:
+            for row in csv.reader(f):
+                if row:
+                    out.add(Path(os.path.relpath(os.path.normpath(site / row[0]), venv)).as_posix())
+    return sorted(out)
+
+
 def write(venv: Path, lock_sha256: str) -> Path:
     """Record the venv as it is now (call it right after a clean build); returns the manifest's path."""
     files, links = snapshot(venv)
-    body = {"format": FORMAT, "lock_sha256": lock_sha256,
+    body = {"format": FORMAT, "lock_sha256": lock_sha256, "replaceable": replaceable(venv),
             "files": {rel: list(entry) for rel, entry in sorted(files.items())}, "links": dict(sorted(links.items()))}
     dest = path_for(venv)
     part = dest.with_name(dest.name + ".part")
@@ -58,7 +74,8 @@ def write(venv: Path, lock_sha256: str) -> Path:
 
 
 def load(path: Path) -> dict:
-    """The manifest at `path`: {"lock_sha256", "files": {rel: (sha256, size)}, "links": {rel: target}}."""
+    """The manifest at `path`: {"lock_sha256", "files": {rel: (sha256, size)}, "links": {rel: target},
+    "replaceable": {rel}}."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError as exc:
@@ -68,4 +85,5 @@ def load(path: Path) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("files"), dict):
         raise ManifestError(f"{path} is not a build manifest of format {FORMAT}")
     return {"lock_sha256": data.get("lock_sha256"), "links": data.get("links") or {},
+            "replaceable": set(data.get("replaceable") or ()),
             "files": {rel: (entry[0], int(entry[1])) for rel, entry in data["files"].items()}}

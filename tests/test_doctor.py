@@ -359,3 +359,15 @@ def test_pyc_rules_match_what_python_loads(tmp_path):
         assert (ran == "source") is (doctor.integrity.pyc_mismatch(pyc) is None)
         pyc.unlink()
         pkg.write_text("value = 'source'\n")
+
+
+def test_the_trainer_wheel_installed_again_as_make_deploy_does_is_no_drift(venv, standins):
+    uv_pip(venv, "install", "--no-deps", "--reinstall", "--link-mode", "copy", standins.trainer_wheel)
+    rc, report = run_doctor(venv)
+    assert rc == 0, report["findings"]
+    # its files are still checked against their RECORD
+    target = site(venv) / "dflash_trainer" / "__init__.py"
+    target.write_text(target.read_text() + "# patched\n")
+    rc, report = run_doctor(venv)
+    assert findings(report, "modified") == [("dflash_trainer/__init__.py: content changed since install "
+                                            "(RECORD of dflash-trainer)")]
