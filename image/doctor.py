@@ -36,6 +36,7 @@ from dflash_image.finding import REBUILD, Finding
 
 try:
     from packaging.utils import canonicalize_name
+    from packaging.version import InvalidVersion, Version
 except ImportError:  # main() says so: the venv lacks a dependency of the trainer
     canonicalize_name = None
 
@@ -65,6 +66,19 @@ def _torch_cuda(site: Path) -> str | None:
     return m.group(1) if m else None
 
 
+def _version(v: str):
+    try:
+        return Version(v)
+    except InvalidVersion:
+        return v
+
+
+def _public(v: str) -> str:
+    """The release without its local part: 2.11.0+cu128 -> 2.11.0."""
+    parsed = _version(v)
+    return parsed.public if isinstance(parsed, Version) else v.split("+")[0]
+
+
 def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v))
 
@@ -78,9 +92,9 @@ def check_packages(locked, installed: dict[str, md.Distribution], site: Path) ->
             findings.append(Finding("missing", pkg.name, f"{pkg.name} {pkg.version or ''} is locked but not installed".replace("  ", " "), REBUILD))
             continue
         have = dist.version
-        if pkg.version and have.lower() != pkg.version.lower():
-            base_have, base_want = have.split("+")[0], pkg.version.split("+")[0]
-            kind = "build" if base_have == base_want else "version"
+        if pkg.version and _version(have) != _version(pkg.version):
+            # the same release with another local version (+cu130 for +cu128) is another build of it
+            kind = "build" if _public(have) == _public(pkg.version) else "version"
             what = "build" if kind == "build" else "version"
             findings.append(Finding(kind, pkg.name, f"{pkg.name} {have} installed, the lock pins {pkg.version} (wrong {what})", REBUILD))
         if key == "torch":
