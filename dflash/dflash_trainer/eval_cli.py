@@ -189,7 +189,8 @@ def plan(args) -> Plan:
     max_new = args.max_new_tokens if args.max_new_tokens is not None else defaults.get("max_new_tokens", 256)
     if max_new < 1:
         raise EvalError(f"--max-new-tokens {max_new}: give at least 1 (tau needs generated tokens)")
-    limit = args.limit if args.limit is not None else (defaults.get("limit") if not args.prompts else None)
+    own_prompts = bool(args.prompts or args.name)
+    limit = args.limit if args.limit is not None else (None if own_prompts else defaults.get("limit"))
     if limit is not None and limit < 1:
         raise EvalError(f"--limit {limit}: give at least 1, or leave it out for every prompt")
     if args.temperature != 0:
@@ -223,8 +224,9 @@ def plan(args) -> Plan:
     if max_new >= context:
         raise EvalError(f"--max-new-tokens {max_new} leaves no room for a prompt in the target's context of "
                         f"{context} tokens: lower it")
-    sources = name_sources(args.prompts, args.name + ([] if args.prompts or args.name else defaults.get("names", [])))
-    sets = [load_prompt_set(name, source, tokenizer, target, limit, context - max_new) for name, source in sources]
+    sources = name_sources(args.prompts, args.name if own_prompts else defaults.get("names", []))
+    sets = [load_prompt_set(name, source, tokenizer, target, limit, context - max_new, tc.vocab_size)
+            for name, source in sources]
     tolerance = args.tie_tolerance if args.tie_tolerance is not None else TIE_TOLERANCE[target_dtype]
     return Plan(drafter_dir, target, out, device, target_dtype, drafter_dtype, max_new, limit, tolerance, raw,
                 tokenizer, sets)
@@ -243,17 +245,20 @@ def load_models(p: Plan):
     except (ValueError, RuntimeError, OSError) as exc:  # key or shape mismatch, unreadable safetensors
         raise EvalError(f"--drafter {p.drafter_dir}: cannot load its weights ({exc})") from exc
     drafter = drafter.to(device=p.device, dtype=p.drafter_dtype).eval()
-    model = AutoModelForCausalLM.from_pretrained(p.target_path, dtype=p.target_dtype).to(p.device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p.target_path, dtype=p.target_dtype).to(p.device)
+    except (OSError, ValueError) as exc:  # no weights beside the config, a model class transformers lacks
+        raise EvalError(f"--target {p.target_path}: cannot load the model ({exc})") from exc
     return drafter, FrozenTarget(model, drafter.target_layer_ids)
 
 
 # ---- decoding ------------------------------------------------------------------------------------
 
-def _timed(fn, device: torch.device):
+def _timed(device: torch.device, fn, *args):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    result = fn()
+    result = fn(*args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return result, time.perf_counter() - t0
@@ -287,9 +292,10 @@ def evaluate_set(p: Plan, drafter, target: FrozenTarget, prompts: PromptSet, sto
 
     result = SetResult(prompts.name, prompts.source, len(prompts.prompts), prompts.skipped,
                        AcceptanceStats(drafter.block_size))
-    for rid, prompt in tqdm(list(zip(prompts.ids, prompts.prompts, strict=True)), desc=prompts.name, leave=False):
-        spec, spec_s = _timed(lambda: speculative_generate(drafter, target, prompt, p.max_new_tokens, stop), p.device)
-        ref, ref_s = _timed(lambda: greedy_generate(target, prompt, p.max_new_tokens, stop), p.device)
+    for rid, prompt in tqdm(list(zip(prompts.ids, prompts.prompts, strict=True)), desc=prompts.name, leave=False,
+                        disable=None):
+        spec, spec_s = _timed(p.device, speculative_generate, drafter, target, prompt, p.max_new_tokens, stop)
+        ref, ref_s = _timed(p.device, greedy_generate, target, prompt, p.max_new_tokens, stop)
         try:
             tie = compare(target, len(prompt), spec.tokens, ref, p.tie_tolerance)
         except OutputMismatch as exc:

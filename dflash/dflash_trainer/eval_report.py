@@ -104,7 +104,7 @@ def table(report: dict) -> Table:
         t.add_column(col, justify="left" if col == "prompt set" else "right")
     rows = list(report["sets"].items()) + ([("all", report["overall"])] if len(report["sets"]) > 1 else [])
     for name, r in rows:
-        rate = lambda v: "n/a" if v is None else f"{v:,.1f}"  # noqa: E731
+        rate = lambda v: "n/a" if v is None else f"{v:,.1f}"
         ties = f" (+{len(r['near_tie_divergences'])} near ties)" if r["near_tie_divergences"] else ""
         if name == "all":
             t.add_section()
@@ -143,7 +143,7 @@ def plot(report: dict, path: Path) -> None:
     for ax in (left, right):
         ax.legend(fontsize="small")
     speed = report["overall"]["speedup"]
-    short = lambda p: "/".join(Path(p).parts[-2:])  # noqa: E731 - run/drafter, not just "drafter"
+    short = lambda p: "/".join(Path(p).parts[-2:])
     fig.suptitle(f"{short(report['drafter'])} on {short(report['target'])}: "
                  f"tau {report['overall']['tau']:.2f}"
                  + (f", {speed:.2f}x vs target-only on {report['device']}" if speed else ""))

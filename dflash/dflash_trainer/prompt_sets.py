@@ -101,7 +101,7 @@ def row_prompt(row: dict, tokenizer, target: str) -> tuple[list[int] | None, str
 
 
 def load_prompt_set(name: str, source: str, tokenizer, target: str, limit: int | None,
-                    max_prompt_tokens: int) -> PromptSet:
+                    max_prompt_tokens: int, vocab_size: int) -> PromptSet:
     """The first `limit` usable prompts of the source that leave room for the answer in the target's context."""
     rows = load_source(source)
     found = PromptSet(name, source)
@@ -114,13 +114,16 @@ def load_prompt_set(name: str, source: str, tokenizer, target: str, limit: int |
             skipped[why] += 1
         elif len(prompt) > max_prompt_tokens:
             skipped["too long for the target's context"] += 1
+        elif not all(0 <= t < vocab_size for t in prompt):  # token ids rendered for another tokenizer
+            skipped["token ids outside the target's vocabulary"] += 1
         else:
             found.ids.append(row_id(row, index))
             found.prompts.append(prompt)
     found.skipped = dict(skipped)
     if not found.prompts:
         detail = ", ".join(f"{n} {why}" for why, n in skipped.items()) or "it has no rows"
-        fix = ("lower --max-new-tokens or give shorter prompts" if set(skipped) == {"too long for the target's context"}
+        fix = (f"lower --max-new-tokens or give shorter prompts (the target's context leaves {max_prompt_tokens} "
+               "tokens for a prompt)" if set(skipped) == {"too long for the target's context"}
                else "rows need `messages` / `conversations` with a user turn, a `prompt` or `question` field, "
                     "or `prompt_ids`")
         raise DataError(f"prompt set {name!r} ({source}) holds no usable prompt ({detail}): {fix}")
