@@ -98,10 +98,12 @@ def write_requests(path: Path, rows: list[dict]) -> None:
 
 def table(report: dict) -> Table:
     t = Table(title=f"DFlash drafter evaluation ({report['device']}, {report['dtype']}, block {report['block_size']}, "
-                    f"greedy, up to {report['max_new_tokens']} new tokens)")
-    for col in ("prompt set", "prompts", "tau", "tau (mean of\nrequest means)", "verify steps", "tokens",
-                "speculative\ntok/s", "target-only\ntok/s", "speedup", "equal to\ntarget-only"):
-        t.add_column(col, justify="left" if col == "prompt set" else "right")
+                    f"greedy, up to {report['max_new_tokens']} new tokens)",
+              caption="tau: mean over verify steps; tau/req: mean of per-request means (z-lab's benchmark); "
+                      "equal: outputs equal to target-only greedy decoding")
+    for col in ("set", "prompts", "tau", "tau/req", "steps", "tokens", "spec tok/s", "target tok/s", "speedup",
+                "equal"):
+        t.add_column(col, justify="left" if col == "set" else "right")
     rows = list(report["sets"].items()) + ([("all", report["overall"])] if len(report["sets"]) > 1 else [])
     for name, r in rows:
         rate = lambda v: "n/a" if v is None else f"{v:,.1f}"
