@@ -276,3 +276,25 @@ def test_prompt_sets_are_named_by_file_or_by_name(drafter_dir, tiny_target, tmp_
     assert report["sets"]["math"]["prompts"] == 2 and report["overall"]["prompts"] == 4
     ids = [json.loads(line)["id"] for line in (out / "requests.jsonl").read_text().splitlines()]
     assert ids[2:] == ["q0", "q1"]
+
+
+def test_a_divergence_is_an_error_unless_the_targets_two_tokens_tie_within_rounding(models, tiny_target):
+    from dflash_trainer.eval_cli import OutputMismatch, compare
+
+    tokenizer, model = models
+    target = FrozenTarget(model, [0])
+    prompt = eval_prompts(tiny_target, tokenizer)[0]
+    ref = greedy_generate(target, prompt, 6)
+    with torch.no_grad():
+        logits = model(torch.tensor([ref[:-1]])).logits[0, -1]
+    runner_up = int(logits.topk(2).indices[1])
+    gap = float(logits[ref[-1]] - logits[runner_up])
+    spec = ref[:-1] + [runner_up]
+    assert compare(target, len(prompt), ref, list(ref), 1e-4) is None
+    with pytest.raises(OutputMismatch, match=f"generated token 5: speculative decoding gave {runner_up}"):
+        compare(target, len(prompt), spec, ref, 1e-4)  # a real disagreement: the target prefers its token
+    scale = float(logits.abs().max())
+    tie = compare(target, len(prompt), spec, ref, 2 * gap / scale)  # a tolerance above the gap: a near tie
+    assert tie["position"] == 5 and tie["logit_gap"] == pytest.approx(gap, rel=1e-4)
+    with pytest.raises(OutputMismatch, match="stopped after 5 tokens, target-only decoding after 6"):
+        compare(target, len(prompt), ref[:-1], ref, 1.0)
