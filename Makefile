@@ -15,7 +15,7 @@ RUN_DIR    ?= runs/default
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast lint train bench clean
+.PHONY: help venv test test-fast lint train eval bench clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -44,6 +44,15 @@ ifeq ($(filter command line environment,$(origin INVENTORY)),)
 	$(PY) -m dflash_trainer.train --config embedded --output-dir $(RUN_DIR)
 else
 	$(MAKE) --no-print-directory train-container
+endif
+
+eval: venv ## evaluate a drafter: tau per prompt set, speedup, eval.png (EVAL_ARGS="--drafter DIR --target PATH --prompts FILE... --out DIR"; default: the run in RUN_DIR)
+ifeq ($(filter command line environment,$(origin INVENTORY)),)
+	$(PY) -m dflash_trainer.eval_cli $(or $(strip $(EVAL_ARGS)),--run $(RUN_DIR))
+else
+	@echo "make eval INVENTORY=... (evaluating in the training container) is not available yet. Copy the drafter" \
+		"directory to this machine and run: make eval EVAL_ARGS=\"--drafter DIR --target PATH --prompts FILE --out DIR\"" >&2
+	@exit 2
 endif
 
 bench: venv ## drafter-step benchmark (GPU); prints step time, tokens/s, MFU, peak memory

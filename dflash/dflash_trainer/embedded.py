@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from .data import normalise_messages
+from .held_out import distinct_prompts
 from .regenerate import regenerate
 
 CORPUS = Path(__file__).parent / "assets" / "tiny_chat.jsonl"
@@ -84,7 +85,9 @@ def build_embedded(out_dir: Path, pretrain_steps: int = 150, seed: int = 0, max_
     _pretrain(model, tokenizer, conversations, pretrain_steps, seed)
     model.save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
-    rows = regenerate(model, tokenizer, conversations, max_new_tokens=max_new_tokens, stop_token="<|im_end|>")
+    # One row per distinct prompt (the corpus repeats some): the eval rows are then held out for real.
+    distinct = distinct_prompts(conversations)
+    rows = regenerate(model, tokenizer, distinct, max_new_tokens=max_new_tokens, stop_token="<|im_end|>")
     data_dir.mkdir(parents=True, exist_ok=True)
     held_out = len(rows) // 10
     for name, part in (("eval", rows[:held_out]), ("train", rows[held_out:])):

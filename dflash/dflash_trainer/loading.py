@@ -11,6 +11,7 @@ from . import checkpoint as ckpt
 from . import parallel
 from .config import ConfigError, RunConfig
 from .data import MicroBatches, load_rows, tokenize_dataset
+from .held_out import overlapping, split_by_prompt
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .target import FrozenTarget
 
@@ -98,9 +99,13 @@ def load_data(cfg: RunConfig, tokenizer) -> tuple[MicroBatches, MicroBatches | N
     train_ds = tokenize_dataset(load_rows(cfg.data.train), tokenizer, cfg.data.max_length, cfg.data.num_proc)
     if cfg.data.eval:
         eval_ds = tokenize_dataset(load_rows(cfg.data.eval), tokenizer, cfg.data.max_length, cfg.data.num_proc)
-    else:  # hold out a few samples from the training data
-        split = train_ds.train_test_split(test_size=min(len(train_ds) // 10 or 1, 64), seed=cfg.train.seed)
-        train_ds, eval_ds = split["train"], split["test"]
+        if shared := overlapping(train_ds, eval_ds):
+            console.print(f"[yellow]warning:[/] {shared} of {len(eval_ds)} data.eval rows have a prompt that data.train "
+                          "also has: tau on them is not held out. Remove them from one of the two")
+    else:  # hold out a few distinct prompts from the training data
+        train_ds, eval_ds, distinct, dropped = split_by_prompt(train_ds, cfg.train.seed)
+        console.print(f"held out {len(eval_ds)} of {distinct} distinct training prompts for evaluation"
+                      + (f" (and {dropped} repeated rows of them)" if dropped else ""))
     stream = MicroBatches(train_ds, cfg.train.micro_batch, cfg.data.context_buckets, pad, cfg.train.seed)
     eval_stream = MicroBatches(eval_ds, min(cfg.train.micro_batch, len(eval_ds)), cfg.data.context_buckets, pad,
                                cfg.train.seed)

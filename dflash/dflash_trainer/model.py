@@ -171,15 +171,20 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, Qwen3RMSNorm):
                 nn.init.ones_(module.weight)
 
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[b, S, K*H] target features -> [b, S, H] context: per token, so decoding fuses each token once."""
+        return self.hidden_norm(self.fc(features))
+
     def forward(
         self,
-        features: torch.Tensor,  # [b, S, K*H] target features of the context
+        features: torch.Tensor | None,  # [b, S, K*H] target features of the context
         block_embeds: torch.Tensor,  # [b, Q, H] target embedding of the block tokens
         position_ids: torch.Tensor,  # [b, S + Q] context positions, then block positions
         attention: AttentionFn,
         layer_fn: Callable | None = None,  # (layer, x, context, cos, sin, attention) -> x, e.g. compiled
+        context: torch.Tensor | None = None,  # fuse(features), when the caller keeps it (decoding)
     ) -> torch.Tensor:
-        context = self.hidden_norm(self.fc(features))
+        context = self.fuse(features) if context is None else context
         cos, sin = self.rotary_emb(block_embeds, position_ids)
         x = block_embeds
         for layer in self.layers:

@@ -32,7 +32,7 @@ from .compile_guard import CompileReport, leave_run_phase
 from .compile_step import check_dense_fits, compile_drafter_step
 from .config import ConfigError, RunConfig, load_config
 from .data import DataError, MicroBatches
-from .evaluate import evaluate, evaluate_saved
+from .evaluate import evaluate, evaluate_saved, record_eval_prompts
 from .features import FeatureShards
 from .flops import peak_flops
 from .loading import (
@@ -335,7 +335,8 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
         else:
             after = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
                              "after training")
-        summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"])
+        summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"],
+                       eval_prompts=str(record_eval_prompts(out, run.prompts)))  # what `dflash-eval --run` reads
     write_summary(out, summary)
     metrics.summary(summary)
     metrics.close()
