@@ -75,7 +75,7 @@ def build_embedded(out_dir: Path, pretrain_steps: int = 150, seed: int = 0, max_
     target_dir, data_dir = out_dir / "target", out_dir / "data"
     done = out_dir / "assets.json"
     if done.is_file():
-        return json.loads(done.read_text())
+        return _resolved(json.loads(done.read_text()), out_dir)
     conversations = read_corpus()
     torch.manual_seed(seed)
     tokenizer = build_tokenizer([m["content"] for c in conversations for m in c])
@@ -93,11 +93,18 @@ def build_embedded(out_dir: Path, pretrain_steps: int = 150, seed: int = 0, max_
     for name, part in (("eval", rows[:held_out]), ("train", rows[held_out:])):
         with open(data_dir / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in part)
-    assets = {
-        "target": str(target_dir),
-        "train": str(data_dir / "train.jsonl"),
-        "eval": str(data_dir / "eval.jsonl"),
+    assets = {  # relative to out_dir: the run can be resumed from any directory, or moved
+        "target": "target",
+        "train": "data/train.jsonl",
+        "eval": "data/eval.jsonl",
         "mask_token_id": tokenizer.mask_token_id,
     }
     done.write_text(json.dumps(assets, indent=2))
-    return assets
+    return _resolved(assets, out_dir)
+
+
+def _resolved(assets: dict, out_dir: Path) -> dict:
+    """Paths under out_dir. Older assets.json files held them relative to the directory the run was
+    started from; the layout is fixed, so they resolve the same way."""
+    layout = {"target": "target", "train": "data/train.jsonl", "eval": "data/eval.jsonl"}
+    return {**assets, **{key: str(out_dir / rel) for key, rel in layout.items()}}

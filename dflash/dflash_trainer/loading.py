@@ -10,7 +10,7 @@ from rich.console import Console
 from . import checkpoint as ckpt
 from . import parallel
 from .config import ConfigError, RunConfig
-from .data import MicroBatches, load_rows, tokenize_dataset
+from .data import MicroBatches, check_sources, load_rows, tokenize_dataset
 from .held_out import overlapping, split_by_prompt
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .target import FrozenTarget
@@ -20,7 +20,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def resolve_target(cfg: RunConfig, ctx: parallel.Context) -> RunConfig:
-    """The embedded default builds its own target and data under the run directory (rank 0 builds)."""
+    """The embedded default builds its own target and data under the run directory (rank 0 builds).
+    Data the config names is used as given: only empty data.train / data.eval get the embedded data."""
     if cfg.target.path != "embedded":
         return cfg
     from .embedded import build_embedded
@@ -32,15 +33,65 @@ def resolve_target(cfg: RunConfig, ctx: parallel.Context) -> RunConfig:
     ctx.barrier()
     assets = build_embedded(where)  # cached: reads assets.json
     cfg.target.path = assets["target"]
-    if not cfg.data.features_dir:
-        cfg.data.train, cfg.data.eval = [assets["train"]], [assets["eval"]]
+    if not cfg.data.features_dir and not cfg.data.train:
+        cfg.data.train = [assets["train"]]
+        cfg.data.eval = cfg.data.eval or [assets["eval"]]
     return cfg
+
+
+def check_target(path: str) -> None:
+    """target.path names a model directory, or a hub id while the hub is reachable (checked in seconds)."""
+    from . import hub
+
+    if path == "embedded":
+        return
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"target.path {path}: the directory has no config.json; give a Hugging Face model "
+                              "directory (config.json, tokenizer files, weights)")
+        return
+    if local.exists():
+        raise ConfigError(f"target.path {path} is a file; give the target model's directory")
+    if hub.looks_like_hub_id(path) and hub.cached_model(path):
+        return
+    if reason := hub.unavailable_reason(path):
+        raise ConfigError(f"target.path {path!r}: {reason}; give the target model's directory")
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Before anything loads: the target, the drafter to start from and the data files are there."""
+    check_target(cfg.target.path)
+    init = cfg.drafter.init_from
+    if init and not (Path(init) / "config.json").is_file():
+        raise ConfigError(f"drafter.init_from {init}: not a drafter directory (no config.json in "
+                          f"{Path(init).absolute()})")
+    features = cfg.data.features_dir
+    if features and not (Path(features) / "meta.json").is_file():
+        raise ConfigError(f"data.features_dir {features}: no meta.json in {Path(features).absolute()}; dump "
+                          f"features first with --dump-features {features}")
+    if not features:
+        check_sources(cfg.data.train)
+        check_sources(cfg.data.eval)
+
+
+def target_config(cfg: RunConfig):
+    """The target's config.json (no weights): enough for the drafter's shape."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.target.path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"target.path {cfg.target.path}: cannot read the model config ({exc})") from exc
 
 
 def load_tokenizer(cfg: RunConfig):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(cfg.target.path)
+    try:
+        return AutoTokenizer.from_pretrained(cfg.target.path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"target.path {cfg.target.path}: cannot load its tokenizer ({exc})") from exc
 
 
 def mask_token_id(cfg: RunConfig, tokenizer) -> int:
@@ -60,11 +111,14 @@ def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
         from transformers import Qwen3Config
 
         return Qwen3Config.from_pretrained(d.init_from)
-    return drafter_config(target_config, DrafterShape(
-        num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_token_id(cfg, tokenizer),
-        target_layer_ids=tuple(d.target_layer_ids) if d.target_layer_ids else None,
-        intermediate_size=d.intermediate_size,
-    ))
+    try:
+        return drafter_config(target_config, DrafterShape(
+            num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_token_id(cfg, tokenizer),
+            target_layer_ids=tuple(d.target_layer_ids) if d.target_layer_ids else None,
+            intermediate_size=d.intermediate_size,
+        ))
+    except ValueError as exc:  # layer ids or mask token outside the target
+        raise ConfigError(f"drafter: {exc}") from exc
 
 
 def new_drafter(cfg: RunConfig, target_config, tokenizer, device="cpu", initialise: bool = True) -> DFlashDrafter:
@@ -125,9 +179,8 @@ def attention_backend(cfg: RunConfig, device: torch.device) -> str:
 
 
 def resume_step(cfg: RunConfig, resume: bool) -> tuple[int, Path | None]:
+    """The step to start from and the checkpoint holding it (its directory name says the step)."""
     latest = ckpt.latest_checkpoint(Path(cfg.output_dir) / "checkpoints") if resume else None
     if latest is None:
         return 0, None
-    return int(ckpt.load_train_state(latest)["step"]), latest
-
-
+    return ckpt.step_of(latest), latest

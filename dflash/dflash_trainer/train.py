@@ -14,20 +14,21 @@ finish (the published drafter, tau, the summary).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 from tqdm import tqdm
 
 from . import checkpoint as ckpt
-from . import parallel
+from . import parallel, run_dir, storage
 from .compile_guard import CompileReport, leave_run_phase
 from .compile_step import check_dense_fits, compile_drafter_step
 from .config import ConfigError, RunConfig, load_config
@@ -38,13 +39,16 @@ from .flops import peak_flops
 from .loading import (
     DTYPES,
     attention_backend,
+    check_inputs,
     console,
+    drafter_config_for,
     load_data,
     load_target,
     load_tokenizer,
     new_drafter,
     resolve_target,
     resume_step,
+    target_config,
 )
 from .metrics import Metrics
 from .model import DFlashDrafter
@@ -118,14 +122,12 @@ class History:
 
 def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool, startup: Startup) -> DrafterRun:
     """Drafter, sharding, optimizer, schedule, the feature source and the one drafter step."""
-    from transformers import AutoConfig
-
     device, train = ctx.device, cfg.train
     # Drafter ranks fed by target ranks or disk need the tokenizer only to look up a mask token.
     needs_tokenizer = ctx.colocated or (cfg.drafter.mask_token_id is None and not cfg.drafter.init_from)
     tokenizer = load_tokenizer(cfg) if needs_tokenizer else None
     start_step, latest = resume_step(cfg, resume)
-    drafter = new_drafter(cfg, AutoConfig.from_pretrained(cfg.target.path), tokenizer, device=device,
+    drafter = new_drafter(cfg, target_config(cfg), tokenizer, device=device,
                           initialise=latest is None)  # a resumed run loads its weights next
     startup.mark("drafter")
     num_drafters = ctx.num_drafters
@@ -176,15 +178,18 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool, startup: 
             f"target layers {drafter.target_layer_ids}, {drafter.num_params() / 1e6:.2f}M params; "
             + (f"{samples} training samples; " if samples else "")
             + f"{num_drafters} drafter rank(s) ({shard.name}); attention {backend} on {device}")
-    if resume and latest is None:
-        run.log(f"--resume: no checkpoint under {run.out / 'checkpoints'}; starting from step 0")
     return run
 
 
 def restore(run: DrafterRun) -> None:
     """Weights, optimizer, schedule and RNG from the checkpoint (the data position is start_step)."""
-    state = ckpt.load_train_state(run.latest)
-    run.shard.load(run.latest, state["optimizer"], run.optimizer)
+    try:
+        state = ckpt.load_train_state(run.latest)
+        run.shard.load(run.latest, state["optimizer"], run.optimizer)
+    except Exception as exc:
+        if (error := ckpt.damaged(run.latest, exc)) is None:
+            raise
+        raise error from exc
     run.scheduler.load_state_dict(state["scheduler"])
     ckpt.set_rng_state(state["rng"])
     run.log(f"resumed from {run.latest} at step {run.start_step}")
@@ -208,12 +213,16 @@ def save_checkpoint(run: DrafterRun, done: int) -> Path | None:
     weights, optimizer_state = run.shard.full_state(run.optimizer, run.lead)
     if not run.lead:
         return None
-    train = run.cfg.train
+    train, root = run.cfg.train, run.out / "checkpoints"
     state = {"optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(), "rng": ckpt.rng_state(),
              "step": done, "data_position": done * train.grad_accum * run.ctx.num_drafters,
              "config": run.cfg.to_dict()}
-    return ckpt.save_checkpoint(run.out / "checkpoints", done, lambda d: run.drafter.save_pretrained(d, weights),
-                                state, max(1, train.keep_last))
+    previous = ckpt.latest_checkpoint(root)
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    with storage.explained(f"saving checkpoint step {done} in {root}", root,
+                           f"Nothing was half-written ({kept}): free space, then --resume continues from it."):
+        return ckpt.save_checkpoint(root, done, lambda d: run.drafter.save_pretrained(d, weights), state,
+                                    max(1, train.keep_last))
 
 
 def log_step(run: DrafterRun, bar, metrics: Metrics, step: int, figures: StepFigures, seconds: float,
@@ -309,7 +318,9 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
         return None
     cfg, device, out = run.cfg, run.ctx.device, run.out
     peak = peak_flops(device)
-    final_dir = run.drafter.save_pretrained(out / "drafter", weights)
+    with storage.explained(f"publishing the drafter to {out / 'drafter'}", out,
+                           "The checkpoints are intact: free space, then --resume publishes it."):
+        final_dir = storage.publish_dir(out / "drafter", lambda d: run.drafter.save_pretrained(d, weights))
     summary = {
         "steps": cfg.train.steps,
         "first_loss": history.losses[0] if history.losses else None,
@@ -335,20 +346,25 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
         else:
             after = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
                              "after training")
-        summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"],
-                       eval_prompts=str(record_eval_prompts(out, run.prompts)))  # what `dflash-eval --run` reads
-    write_summary(out, summary)
+        summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"])
+    with storage.explained(f"writing {out / 'summary.json'}", out, "The drafter is published; free space."):
+        if run.ctx.colocated:  # what `dflash-eval --run` reads
+            summary["eval_prompts"] = str(record_eval_prompts(out, run.prompts))
+        write_summary(out, summary)
     metrics.summary(summary)
     metrics.close()
     return summary
 
 
-def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool, startup: Startup | None = None) -> dict | None:
+def run_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart,
+                startup: Startup | None = None) -> dict | None:
     startup = startup or Startup()
-    run = setup_drafter(cfg, ctx, resume, startup)
+    run = setup_drafter(cfg, ctx, start.resume, startup)
     if run.latest is not None:
         restore(run)
         startup.mark("restore")
+    if run.lead:  # everything loaded: only now does the run take the directory over
+        run_dir.commit(start, cfg)
     before = None
     if ctx.colocated and run.start_step == 0:
         before = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
@@ -373,31 +389,47 @@ def anchor_generator(cfg: RunConfig, device, index: int) -> torch.Generator:
 
 # ---- entry points --------------------------------------------------------------------------------
 
-def run(cfg: RunConfig, resume: bool = False) -> dict | None:
+def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict | None:
+    cfg.output_dir = str(Path(cfg.output_dir).absolute())
+    check_inputs(cfg)  # before anything loads or starts
+    start = run_dir.prepare(cfg, resume, overwrite)
     p = cfg.parallel
-    ctx = parallel.init(p.target_ranks, p.drafter_ranks, offline=bool(cfg.data.features_dir),
-                        isolate_gpus=p.isolate_gpus)
+    try:
+        ctx = parallel.init(p.target_ranks, p.drafter_ranks, offline=bool(cfg.data.features_dir),
+                            isolate_gpus=p.isolate_gpus)
+    except ValueError as exc:  # the role split does not fit the world
+        raise ConfigError(str(exc)) from exc
     # After a failure, no graceful teardown: destroy_process_group can wait forever on a peer still
     # blocked in a send to this rank (NCCL), and the traceback would only print after it. The error
     # propagates at once; torchrun sees the failed rank and stops the others (torchtitan does the same).
-    summary = _run_rank(cfg, ctx, resume)
+    summary = _run_rank(cfg, ctx, start)
     parallel.shutdown(ctx)
     return summary
 
 
-def _run_rank(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | None:
+def _accept(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart) -> None:
+    """Every rank checks a resumed drafter against its checkpoint; rank 0 then cleans the checkpoints."""
+    if start.resume_from is not None:
+        needs_tokenizer = cfg.drafter.mask_token_id is None and not cfg.drafter.init_from  # for the mask token
+        tokenizer = load_tokenizer(cfg) if needs_tokenizer else None
+        run_dir.check_model(start, cfg, drafter_config_for(cfg, target_config(cfg), tokenizer))
+    if ctx.rank == 0:
+        for note in start.notes + run_dir.clean(start):
+            console.print(escape(note), soft_wrap=True)
+    ctx.barrier()  # the others read the checkpoints once they are clean
+
+
+def _run_rank(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart) -> dict | None:
     startup = Startup()
     startup.mark("start-up and imports")
     embedded = cfg.target.path == "embedded"
     cfg = resolve_target(cfg, ctx)
     if embedded:
         startup.mark("embedded default's assets")
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    if ctx.rank == 0:
-        (Path(cfg.output_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    _accept(cfg, ctx, start)
     if ctx.is_target:
-        return run_target(cfg, ctx, resume)
-    summary = run_drafter(cfg, ctx, resume, startup)
+        return run_target(cfg, ctx, start.resume)
+    summary = run_drafter(cfg, ctx, start, startup)
     if summary is not None and "stopped_at" in summary:
         if not ctx.colocated:  # the target ranks stop on the same signal; nobody waits for them
             os._exit(0)
@@ -408,16 +440,33 @@ def _run_rank(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | Non
     return summary
 
 
+# Exit 2: the input (config, data, run directory) needs a change; exit 1: a fault while running.
+USAGE_ERRORS = (ConfigError, DataError, run_dir.RunDirError)
+
+
+def explain(exc: BaseException) -> tuple[int, str]:
+    """(exit code, the one message) for an error that ends the run."""
+    if isinstance(exc, USAGE_ERRORS):
+        return 2, str(exc)
+    if isinstance(exc, (storage.StorageError, ckpt.DamagedCheckpoint, FloatingPointError)):
+        return 1, str(exc)
+    if (error := storage.os_error_in(exc)) is not None and getattr(error, "filename", None):
+        return 1, f"{error.filename}: {storage.describe(error, Path(error.filename))}"
+    return 1, f"{type(exc).__name__}: {exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash-train", description="Train a DFlash drafter.")
     p.add_argument("--config", default="embedded", help="a TOML file, or a bundled config name (embedded)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a field")
     p.add_argument("--output-dir", help="where checkpoints, logs and the drafter go (overrides output_dir)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
+    p.add_argument("--overwrite", action="store_true", help="replace the run the output dir holds")
     p.add_argument("--target-gpus", type=int, help="target ranks T (parallel.target_ranks)")
     p.add_argument("--drafter-gpus", type=int, help="drafter ranks D (parallel.drafter_ranks)")
     p.add_argument("--dump-features", metavar="DIR", help="offline mode: write target features to DIR and exit")
     p.add_argument("--dump-batches", type=int, help="micro-batches to dump (default: one epoch)")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an error (or DFLASH_DEBUG=1)")
     args = p.parse_args(argv)
     try:
         overrides = list(args.set) + ([f"output_dir={args.output_dir}"] if args.output_dir else [])
@@ -425,12 +474,21 @@ def main(argv: list[str] | None = None) -> int:
         overrides += [f"parallel.drafter_ranks={args.drafter_gpus}"] if args.drafter_gpus is not None else []
         cfg = load_config(args.config, overrides)
         if args.dump_features:
+            check_inputs(cfg)
             dump_features(cfg, Path(args.dump_features), args.dump_batches)
         else:
-            run(cfg, resume=args.resume)
-    except (ConfigError, DataError, ValueError, FileNotFoundError) as exc:
-        console.print(f"[red]error:[/] {exc}")
-        return 2
+            run(cfg, resume=args.resume, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/] (a second signal): the last checkpoint is intact; --resume continues")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every error ends as one message (a traceback with --debug)
+        code, message = explain(exc)
+        debug = args.debug or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
+        if debug:
+            traceback.print_exception(exc)
+        hint = "" if debug or code == 2 else " (--debug or DFLASH_DEBUG=1 prints the traceback)"
+        console.print(f"[red]error:[/] {escape(message)}{hint}", soft_wrap=True)
+        return code
     return 0
 
 
