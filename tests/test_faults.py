@@ -374,6 +374,16 @@ def test_new_run_in_a_directory_that_holds_a_run(run_copy, capsys):
     assert json.loads((run_copy / "summary.json").read_text())["steps"] == 2
 
 
+def test_resume_of_a_finished_run_without_checkpoints(run_copy, capsys):
+    """train.checkpoint_every = 0 keeps none: --resume would start at step 0 and replace drafter/."""
+    shutil.rmtree(run_copy / "checkpoints")
+    before = snapshot(run_copy)
+    code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(run_copy))
+    assert code == 2 and "finished (drafter, summary.json) and kept no checkpoint" in err, err
+    assert "--overwrite" in err
+    assert snapshot(run_copy) == before
+
+
 # ---- storage faults on real mounts -------------------------------------------------------------
 
 @contextmanager

@@ -450,8 +450,9 @@ def explain(exc: BaseException) -> tuple[int, str]:
         return 2, str(exc)
     if isinstance(exc, (storage.StorageError, ckpt.DamagedCheckpoint, FloatingPointError)):
         return 1, str(exc)
-    if (error := storage.os_error_in(exc)) is not None and getattr(error, "filename", None):
-        return 1, f"{error.filename}: {storage.describe(error, Path(error.filename))}"
+    if (error := storage.os_error_in(exc)) is not None:
+        where = Path(error.filename) if error.filename else Path.cwd()
+        return 1, f"{error.filename or type(exc).__name__}: {storage.describe(error, where)}"
     return 1, f"{type(exc).__name__}: {exc}"
 
 
