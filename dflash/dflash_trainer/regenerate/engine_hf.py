@@ -23,7 +23,7 @@ BUCKETS = sorted({2**k for k in range(4, 18)} | {3 * 2**k for k in range(3, 16)}
 
 
 def bucket(length: int) -> int:
-    return next(b for b in BUCKETS if b >= length)
+    return next((b for b in BUCKETS if b >= length), -(-length // 8192) * 8192)
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

@@ -14,6 +14,7 @@ import sys
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import islice
 
 from jinja2 import TemplateError
 from tqdm import tqdm
@@ -71,9 +72,9 @@ def make_plan(rows, tokenizer, sampling: Sampling, chat_kwargs: dict, limit: int
         plan.skipped[reason] += 1
         plan.first_error.setdefault(reason, detail)
 
-    for index in tqdm(range(total), desc="reading prompts", unit="row", disable=not sys.stderr.isatty(),
-                      leave=False):
-        row = rows[index]
+    source = islice(iter(rows), total)  # a datasets.Dataset reads batches when iterated, not row by row
+    for index, row in enumerate(tqdm(source, total=total, desc="reading prompts", unit="row",
+                                     disable=not sys.stderr.isatty(), leave=False)):
         try:
             conversation = conversation_of(row, sampling.turns)
         except DataError as exc:
