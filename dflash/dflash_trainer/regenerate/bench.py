@@ -5,6 +5,7 @@ A random-weight target of the preset's shape (or the target of bench assets, --a
 length, greedy, every answer exactly --new-tokens long (EOS disabled), side by side in one process:
 
   hf              the hf engine (length buckets, large batches, static cache; compiled decode on a GPU)
+  hf_eager        the same without compiling the decode step (not run unless named in --contenders)
   baseline        the first regeneration path: batches of 32, left-padded, plain `model.generate`
   generate_batch  transformers' continuous batching (`model.generate_batch`)
 
@@ -27,7 +28,8 @@ from .baseline import generate_batched
 from .engine_hf import HFEngine, bucket
 from .sampling import Sampling
 
-CONTENDERS = ("hf", "baseline", "generate_batch")
+CONTENDERS = ("hf", "baseline", "generate_batch", "hf_eager")
+DEFAULT = ("hf", "baseline", "generate_batch")
 
 
 def _sync(device) -> None:
@@ -51,10 +53,10 @@ def load_model(args, device):
     return model.eval()
 
 
-def run_hf(model, args):
+def run_hf(model, args, eager: bool = False):
     sampling = Sampling(max_new_tokens=args.new_tokens, ignore_eos=True)
     engine = HFEngine(model, None, sampling, stop_ids=[], batch_size=args.batch_size, log=print,
-                      compile=False if args.no_compile else None)
+                      compile=False if (args.no_compile or eager) else None)
 
     def go(batch):
         out = []
@@ -86,13 +88,14 @@ def run_generate_batch(model, args):
     return go, {}
 
 
-RUNNERS = {"hf": run_hf, "baseline": run_baseline, "generate_batch": run_generate_batch}
+RUNNERS = {"hf": run_hf, "baseline": run_baseline, "generate_batch": run_generate_batch,
+           "hf_eager": lambda model, args: run_hf(model, args, eager=True)}
 
 
 def measure(name, model, prompts, args, device) -> tuple[dict, list[list[int]]]:
     """One warm-up batch of the timed shape, then the timed run: (figures, answers)."""
     go, info = RUNNERS[name](model, args)
-    warm_n = args.batch_size if name == "hf" else args.baseline_batch
+    warm_n = args.batch_size if name.startswith("hf") else args.baseline_batch
     _sync(device)
     t0 = time.perf_counter()
     go(prompts[: min(warm_n, len(prompts))])
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=256, help="hf engine: most prompts per batch")
     p.add_argument("--baseline-batch", type=int, default=32, help="baseline: prompts per generate call")
     p.add_argument("--no-compile", action="store_true", help="hf engine: eager decode on the GPU too")
-    p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated, from {CONTENDERS}")
+    p.add_argument("--contenders", default=",".join(DEFAULT), help=f"comma-separated, from {CONTENDERS}")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
