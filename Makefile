@@ -58,6 +58,19 @@ endif
 bench: venv ## drafter-step benchmark (GPU); prints step time, tokens/s, MFU, peak memory
 	$(PY) -m dflash_trainer.bench $(BENCH_ARGS)
 
+.PHONY: regenerate bench-regenerate
+regenerate: venv ## the target writes the training answers: REGEN_ARGS="--target DIR --data FILE --out DIR" (see README)
+ifeq ($(filter command line environment,$(origin INVENTORY)),)
+	$(PY) -m dflash_trainer.regenerate $(REGEN_ARGS)
+else
+	@echo "make regenerate INVENTORY=... (in the training container, detached) is not available yet: run" >&2
+	@echo "  torchrun --nproc-per-node G -m dflash_trainer.regenerate $(REGEN_ARGS)  in the container" >&2
+	@exit 2
+endif
+
+bench-regenerate: venv ## regeneration benchmark (GPU; Qwen3-8B shape): engine hf vs the old batched generate vs generate_batch
+	$(PY) -m dflash_trainer.regenerate.bench $(REGEN_BENCH_ARGS)
+
 clean: ## remove build outputs and runs (keeps the venv)
 	rm -rf build dist *.egg-info runs .pytest_cache
 

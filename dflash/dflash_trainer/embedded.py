@@ -17,7 +17,9 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from .data import normalise_messages
 from .held_out import distinct_prompts
-from .regenerate import regenerate
+from .regenerate import regenerate_rows
+from .regenerate.engine_hf import HFEngine
+from .regenerate.sampling import Sampling
 
 CORPUS = Path(__file__).parent / "assets" / "tiny_chat.jsonl"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
@@ -87,7 +89,10 @@ def build_embedded(out_dir: Path, pretrain_steps: int = 150, seed: int = 0, max_
     tokenizer.save_pretrained(target_dir)
     # One row per distinct prompt (the corpus repeats some): the eval rows are then held out for real.
     distinct = distinct_prompts(conversations)
-    rows = regenerate(model, tokenizer, distinct, max_new_tokens=max_new_tokens, stop_token="<|im_end|>")
+    sampling = Sampling(max_new_tokens=max_new_tokens)
+    engine = HFEngine(model, tokenizer, sampling, stop_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    answered = regenerate_rows(engine, [{"messages": c} for c in distinct], tokenizer, sampling)
+    rows = [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in answered]
     data_dir.mkdir(parents=True, exist_ok=True)
     held_out = len(rows) // 10
     for name, part in (("eval", rows[:held_out]), ("train", rows[held_out:])):
