@@ -390,6 +390,8 @@ def anchor_generator(cfg: RunConfig, device, index: int) -> torch.Generator:
 # ---- entry points --------------------------------------------------------------------------------
 
 def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict | None:
+    startup = Startup()
+    startup.mark("start-up and imports")
     cfg.output_dir = str(Path(cfg.output_dir).absolute())
     check_inputs(cfg)  # before anything loads or starts
     start = run_dir.prepare(cfg, resume, overwrite)
@@ -399,10 +401,11 @@ def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict |
                             isolate_gpus=p.isolate_gpus)
     except ValueError as exc:  # the role split does not fit the world
         raise ConfigError(str(exc)) from exc
+    startup.mark("run directory, process group and GPU")
     # After a failure, no graceful teardown: destroy_process_group can wait forever on a peer still
     # blocked in a send to this rank (NCCL), and the traceback would only print after it. The error
     # propagates at once; torchrun sees the failed rank and stops the others (torchtitan does the same).
-    summary = _run_rank(cfg, ctx, start)
+    summary = _run_rank(cfg, ctx, start, startup)
     parallel.shutdown(ctx)
     return summary
 
@@ -419,9 +422,7 @@ def _accept(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart) -> N
     ctx.barrier()  # the others read the checkpoints once they are clean
 
 
-def _run_rank(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart) -> dict | None:
-    startup = Startup()
-    startup.mark("start-up and imports")
+def _run_rank(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, startup: Startup) -> dict | None:
     embedded = cfg.target.path == "embedded"
     cfg = resolve_target(cfg, ctx)
     if embedded:
