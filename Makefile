@@ -36,8 +36,8 @@ test: venv ## run the test suite (GPU tests skip without a GPU)
 test-fast: venv ## unit tests only (no docker, LXC or slow tests)
 	$(PY) -m pytest -m "not slow and not docker and not lxc and not gpu" $(PYTEST_ARGS)
 
-lint: venv ## ruff on the Python code, ansible-lint on the roles
-	$(VENV)/bin/ruff check dflash image tests
+lint: venv ## ruff on the Python code (ansible/ too), ansible-lint on the playbooks and roles
+	$(VENV)/bin/ruff check dflash image tests ansible
 
 train: venv ## embedded default: tiny target + tiny drafter on this machine (CPU is fine); INVENTORY=...: in the containers
 ifeq ($(filter command line environment,$(origin INVENTORY)),)

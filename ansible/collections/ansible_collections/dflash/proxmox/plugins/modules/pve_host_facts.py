@@ -1,5 +1,5 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
+# ruff: noqa: EXE001 - Ansible's module shebang, on a file that must not be executable (ansible-test)
 # GPU discovery on the Proxmox host over SSH: driver version, device nodes and their (dynamic)
 # majors, and the passthrough entries both methods need. Read-only, so it runs in check mode too.
 from __future__ import annotations
@@ -24,6 +24,11 @@ options:
     description: Mode of the device nodes inside the container (C(dev[n]) method).
     type: str
     default: "0666"
+  files:
+    description: Files on the host to look for (such as the NVIDIA installer); the missing ones are returned.
+    type: list
+    elements: str
+    default: []
 author: dflash-trainer developers
 """
 
@@ -64,10 +69,16 @@ nvidia_majors:
   description: All NVIDIA majors (195 and the dynamic ones).
   type: list
   returned: always
+files_missing:
+  description: Those of O(files) that are not regular files on the host.
+  type: list
+  returned: always
 """
 
-from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module  # noqa: E402
+import shlex
+
+from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module
 
 
 def run(params):
@@ -82,15 +93,21 @@ def run(params):
     gpus = pve_host.parse_nvidia_smi_l(smi_text) if rc == 0 else []
     chosen = pve_host.passthrough_nodes(nodes, params["gpus"])
     nvidia_majors = sorted({pve_host.NVIDIA_MAJOR, *majors.values(), *(n["major"] for n in nodes)})
-    return dict(changed=False, driver_version=version, gpus=gpus, majors=majors, device_nodes=chosen,
-                dev_entries=pve_host.dev_entries(chosen, params["device_mode"]),
-                raw_lines=pve_host.raw_lxc_lines(chosen), nvidia_majors=nvidia_majors,
-                nvidia_smi_error=smi_err.strip() if rc != 0 else "")
+    missing = []
+    if params["files"]:
+        _, out, _ = shell.run("for f in " + " ".join(shlex.quote(f) for f in params["files"])
+                              + '; do [ -f "$f" ] || printf "%s\\n" "$f"; done', what="looking for files on the host")
+        missing = out.splitlines()
+    return {"changed": False, "driver_version": version, "gpus": gpus, "majors": majors, "device_nodes": chosen,
+                "dev_entries": pve_host.dev_entries(chosen, params["device_mode"]),
+                "raw_lines": pve_host.raw_lxc_lines(chosen), "nvidia_majors": nvidia_majors,
+                "nvidia_smi_error": smi_err.strip() if rc != 0 else "", "files_missing": missing}
 
 
 def main():
     run_module(lambda module: run(module.params),
-               dict(gpus=dict(type="raw", default="all"), device_mode=dict(type="str", default="0666")), details=())
+               {"gpus": {"type": "raw", "default": "all"}, "device_mode": {"type": "str", "default": "0666"},
+                "files": {"type": "list", "elements": "str", "default": []}}, details=())
 
 
 if __name__ == "__main__":
