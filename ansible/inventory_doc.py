@@ -11,6 +11,7 @@ choices and are kept; everything else is generated, so it cannot fall behind the
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import textwrap
 from pathlib import Path
@@ -38,6 +39,7 @@ class DocError(ValueError):
     pass
 
 
+@functools.cache
 def load_yaml(path: Path):
     return yaml.safe_load(path.read_text()) if path.is_file() else None
 
