@@ -297,6 +297,8 @@ def test_training_venv_missing_gets_a_clear_message(created, prov, tmp_path):
     for name in ("lock", "wheelhouse"):
         (tmp_path / name).mkdir()
         inputs[f"training_venv_{name}" + ("_dir" if name == "lock" else "")] = str(tmp_path / name)
+    for name in ("pylock.toml", "requirements.txt"):  # the preflight looks for them (the content is not read)
+        (tmp_path / "lock" / name).write_text("")
     (tmp_path / "dflash_trainer-0.1.0-py3-none-any.whl").write_bytes(b"")
     (tmp_path / "uv").write_bytes(b"")
     proc = prov.run(prov.inventory(host, training_venv_enabled=True,
