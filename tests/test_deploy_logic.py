@@ -283,6 +283,8 @@ def test_foreground_trainer_is_found_and_stopped(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "dflash_trainer.train",
                               "--output-dir", str(run)])
     try:
+        # until the child has exec'd: before that, its /proc/<pid>/cmdline is still the parent's
+        assert wait_for(lambda: procs.of_run(run, procs.training_processes()), timeout=10)
         mine = procs.of_run(run, procs.training_processes())
         assert [p.pid for p in mine] == [child.pid]
         (stale,) = preflight.check_stale(run, mine, "make train-stop")
