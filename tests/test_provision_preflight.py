@@ -81,8 +81,8 @@ BAD = [
      f"vmid {OWNER} is already used by container 'ct{OWNER}'"),
     # every setting of the wrong type or outside its choices, all named in one message
     ("types-choices", container(NEW, proxmox_lxc_cores="four"), {"proxmox_lxc_state": "running"}, {}, {},
-     "argument 'proxmox_lxc_cores' is of type str and we were unable to convert to int: \"'four'\" cannot be "
-     "converted to an int\n- value of proxmox_lxc_state must be one of: started, present, stopped, restarted"),
+     ("argument 'proxmox_lxc_cores' is of type str and we were unable to convert to int: \"'four'\" cannot be "
+      "converted to an int\n- value of proxmox_lxc_state must be one of: started, present, stopped, restarted")),
     ("vmid-range", container(42), {}, {}, {}, "vmid '42' is out of range"),
     ("template-file", container(NEW), {"proxmox_template_src": "/nonexistent/debian-13-x_1_amd64.tar.zst"}, {}, {},
      "template file /nonexistent/debian-13-x_1_amd64.tar.zst does not exist on the controller"),
