@@ -15,7 +15,7 @@ RUN_DIR    ?= runs/default
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast lint train bench clean
+.PHONY: help venv test test-fast lint train eval bench clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -46,8 +46,30 @@ else
 	$(MAKE) --no-print-directory train-container
 endif
 
+eval: venv ## evaluate a drafter: tau per prompt set, speedup, eval.png (EVAL_ARGS="--drafter DIR --target PATH --prompts FILE... --out DIR"; default: the run in RUN_DIR)
+ifeq ($(filter command line environment,$(origin INVENTORY)),)
+	$(PY) -m dflash_trainer.eval_cli $(or $(strip $(EVAL_ARGS)),--run $(RUN_DIR))
+else
+	@echo "make eval INVENTORY=... (evaluating in the training container) is not available yet. Copy the drafter" \
+		"directory to this machine and run: make eval EVAL_ARGS=\"--drafter DIR --target PATH --prompts FILE --out DIR\"" >&2
+	@exit 2
+endif
+
 bench: venv ## drafter-step benchmark (GPU); prints step time, tokens/s, MFU, peak memory
 	$(PY) -m dflash_trainer.bench $(BENCH_ARGS)
+
+.PHONY: regenerate bench-regenerate
+regenerate: venv ## the target writes the training answers: REGEN_ARGS="--target DIR --data FILE --out DIR" (see README)
+ifeq ($(filter command line environment,$(origin INVENTORY)),)
+	$(PY) -m dflash_trainer.regenerate $(REGEN_ARGS)
+else
+	@echo "make regenerate INVENTORY=... (in the training container, detached) is not available yet: run" >&2
+	@echo "  torchrun --nproc-per-node G -m dflash_trainer.regenerate $(REGEN_ARGS)  in the container" >&2
+	@exit 2
+endif
+
+bench-regenerate: venv ## regeneration benchmark (GPU; Qwen3-8B shape): engine hf vs the old batched generate vs generate_batch
+	$(PY) -m dflash_trainer.regenerate.bench $(REGEN_BENCH_ARGS)
 
 clean: ## remove build outputs and runs (keeps the venv)
 	rm -rf build dist *.egg-info runs .pytest_cache

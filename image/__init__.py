@@ -1,5 +1,6 @@
 """The frozen training environment: lock, wheelhouse, image, Proxmox template, drift doctor.
 
-Imported as `dflash_image`. The modules that run inside the training container (doctor, pylock,
-markers) use only the standard library, because the locked environment is all they can count on.
+Imported as `dflash_image`. The rebuild (with digest, manifest, pylock) runs under a bare system Python
+in the image build and in stock containers, so it uses only the standard library. The doctor runs
+inside the frozen venv, isolated, with the standard library and the venv's own `packaging`.
 """

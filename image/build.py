@@ -18,11 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_image import oci, pylock, rootfs, template, wheelhouse
+from dflash_image import manifest, oci, pylock, rootfs, template, wheelhouse
 from dflash_image.commands import ToolError, uv
+from dflash_image.digest import sha256_of
+from packaging.specifiers import SpecifierSet
 
 HERE = Path(__file__).resolve().parent
-STAGE_MODULES = ("__init__.py", "markers.py", "pylock.py", "doctor.py", "rebuild.py")
+# What the build stage runs (`python3 -m dflash_image.rebuild` under the base's bare python3).
+STAGE_MODULES = ("__init__.py", "digest.py", "manifest.py", "pylock.py", "rebuild.py")
 
 
 class BuildError(ToolError):
@@ -43,15 +46,11 @@ def docker_client(base_url: str | None = None):
     return client
 
 
-def sha256_file(path: Path) -> str:
-    return wheelhouse.sha256_of(path)
-
-
 def lock_digest(lock_dir: Path) -> str:
     """What the lock hash label means: uv.lock when present, else the exported pylock.toml."""
     for name in ("uv.lock", "pylock.toml"):
         if (lock_dir / name).is_file():
-            return sha256_file(lock_dir / name)
+            return sha256_of(lock_dir / name)
     raise BuildError(f"no uv.lock or pylock.toml in {lock_dir}: run `make lock`")
 
 
@@ -104,20 +103,24 @@ def build(lock_dir: Path, wheelhouse_dir: Path, trainer_wheel: Path, out: Path, 
     sde = rootfs.source_date_epoch(cfg)
     lock_sha = lock_digest(lock_dir)
     pylock_path = lock_dir / "pylock.toml"
+    requires = pylock.requires_python(pylock_path)
+    if requires and not SpecifierSet(requires).contains(cfg["python"], prereleases=True):
+        raise BuildError(f"{pylock_path} needs Python {requires}, but the image's Debian base has Python {cfg['python']} "
+                         "(image/rootfs.toml): lock for the base's Python (image/env/pyproject.toml) or change the base")
     # Checked before any build work: the wheels the image needs, each against its sha256.
     wheels = []
     for _pkg, w in wheelhouse.plan(pylock_path, cfg["python"], glibc=tuple(int(x) for x in cfg["glibc"].split("."))):
         path = wheelhouse_dir / w.filename
-        if not path.is_file() or sha256_file(path) != w.sha256:
+        if not path.is_file() or sha256_of(path) != w.sha256:
             raise BuildError(f"{path} is missing or does not match the lock: run `make wheelhouse`")
         wheels.append(path)
     if not trainer_wheel.is_file():
         raise BuildError(f"no trainer wheel at {trainer_wheel}: run `make trainer-wheel`")
-    torch = next((p.version for p in pylock.load(pylock_path) if p.key == "torch"), None)
+    torch = next((p.version for p in pylock.load(pylock_path) if p.name == "torch"), None)
     trainer_version = trainer_wheel.name.split("-")[1]
     client = docker_client(docker_url)
     base_tar = rootfs_tar or rootfs.build(out, cfg)
-    base_tag = f"dflash-base:{sha256_file(base_tar)[:12]}"
+    base_tag = f"dflash-base:{sha256_of(base_tar)[:12]}"
     from docker.errors import ImageNotFound
 
     try:
@@ -131,7 +134,7 @@ def build(lock_dir: Path, wheelhouse_dir: Path, trainer_wheel: Path, out: Path, 
         "org.opencontainers.image.version": f"{trainer_version}-{lock_sha[:12]}",
         "io.dflash.lock.sha256": lock_sha,
         "io.dflash.torch": torch or "none",
-        "io.dflash.trainer.sha256": sha256_file(trainer_wheel),
+        "io.dflash.trainer.sha256": sha256_of(trainer_wheel),
         "io.dflash.base": base_tag,
     }
     with tempfile.TemporaryDirectory(prefix="dflash-image-") as tmp:
@@ -147,6 +150,7 @@ def build(lock_dir: Path, wheelhouse_dir: Path, trainer_wheel: Path, out: Path, 
             container.remove(force=True)
         template.scrub(root)
         template.check(root)
+        manifest_sha = sha256_of(manifest.path_for(root / "opt/venv"))
         name = template.template_name(cfg["release"], trainer_version, lock_sha)
         tpl = out / name
         tpl_sha, plain_sha = template.pack(root, tpl, sde, zstd_level)
@@ -155,6 +159,7 @@ def build(lock_dir: Path, wheelhouse_dir: Path, trainer_wheel: Path, out: Path, 
     env = ["VIRTUAL_ENV=/opt/venv", "PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
     manifest_digest = oci.write(tpl, plain_sha, oci_path, tag, labels, env, created)
     result = {"image": tag, "image_id": image_id, "template": str(tpl), "template_sha256": tpl_sha,
+              "venv_manifest_sha256": manifest_sha,
               "oci_archive": str(oci_path), "oci_manifest": manifest_digest, "labels": labels}
     (out / name.replace(".tar.zst", ".json")).write_text(json.dumps(result, indent=2) + "\n")
     print(f"image: {tag}\ntemplate: {tpl}\n  sha256 {tpl_sha}\noci archive: {oci_path}", flush=True)

@@ -1,61 +1,54 @@
-"""Drift doctor: compare the running Python environment with the lock.
+"""Drift doctor: compare a venv with its lock and with the manifest written when it was built.
 
-Run it with the environment's own interpreter (`python -m dflash_image.doctor`, or `dflash-doctor`
-inside the container). Standard library only: it must work in the frozen environment as built.
+Run it as `dflash-doctor` (on PATH inside the container; VENV/bin/dflash-doctor elsewhere). It checks the
+venv it is installed in, with that venv's interpreter started isolated (`python -I -S`): none of the
+venv's startup hooks (.pth files, sitecustomize) run in the doctor's process, so they can neither print
+into its report nor change what it sees. `python -m dflash_image.doctor` re-executes itself that way
+(the hooks have then run once, in the interpreter that started it).
 
-What counts as drift: a locked package missing; a package the lock does not name (sglang,
-flashinfer...); a wrong version or build (torch +cu130 for +cu128, `torch.version.cuda`); a file whose
-content no longer matches its RECORD hash; a `.pth` or other file that no RECORD lists (`.pth`
-files run at every interpreter start); a package installed by something other than uv (pip); and,
-where an NVIDIA driver is loaded, userspace driver libraries in the container that do not match it.
-Exit code: 0 clean, 1 drift, 2 the check itself could not run (no lock, bad arguments).
+What counts as drift: a locked package missing; a package the lock does not name (sglang, flashinfer...);
+a wrong version or build (torch +cu130 for +cu128, `torch.version.cuda`); a file whose content no longer
+matches its RECORD hash or the build manifest (so a RECORD line rewritten to fit does not hide it); a
+`.pyc` that Python would run instead of its source and that does not match a fresh compile of it; a
+`.pth`, sitecustomize or other file that no RECORD lists (`.pth` files and sitecustomize run at every
+interpreter start); anything outside the venv and the standard library on the venv's sys.path (the base
+interpreter's site-packages through include-system-site-packages = true, a .pth line, a sitecustomize);
+a package installed by something other than uv (pip); and, where an NVIDIA driver is loaded, userspace
+driver libraries that do not match it.
+Exit code: 0 clean, 1 drift, 2 the check itself could not run (no lock, not a venv, bad arguments).
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import hashlib
 import importlib.metadata as md
 import json
 import os
 import re
 import sys
-import sysconfig
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from dflash_image import pylock
+from dflash_image import integrity, manifest, pylock, startup
+from dflash_image.digest import sha256_of
+from dflash_image.finding import REBUILD, Finding
 
-REBUILD = "make rebuild (locally) or re-create the container from the template (make image)"
-# Files uv's `venv` puts in site-packages itself; no wheel's RECORD lists them.
-VENV_FILES = {"_virtualenv.py", "_virtualenv.pth"}
+try:
+    from packaging.utils import canonicalize_name
+    from packaging.version import InvalidVersion, Version
+except ImportError:  # main() says so: the venv lacks a dependency of the trainer
+    canonicalize_name = None
+
 # Oldest driver per CUDA major version (NVIDIA's CUDA compatibility table, minor-version compatibility).
 MIN_DRIVER = {12: (525, 60, 13), 13: (580, 65, 6)}
 EXPECTED_INSTALLER = "uv"
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: str  # missing | extra | version | build | modified | orphan-pth | orphan | installer | driver
-    package: str | None
-    detail: str
-    fix: str
-
-
-def site_dirs() -> list[Path]:
-    paths = sysconfig.get_paths()
-    return sorted({Path(paths["purelib"]).resolve(), Path(paths["platlib"]).resolve()})
-
-
-def _record_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+# The isolated start of the dflash-doctor launcher (image/dflash-doctor), for `python -m dflash_image.doctor`.
+ISOLATED_BOOT = """import os, sys, sysconfig
+venv = os.path.dirname(os.path.dirname(sys.executable))
+sys.path.append(sysconfig.get_paths("venv", vars={"base": venv, "platbase": venv})["purelib"])
+from dflash_image.doctor import main
+sys.exit(main())"""
 
 
 def _cuda_of(version: str | None) -> str | None:
@@ -73,22 +66,35 @@ def _torch_cuda(site: Path) -> str | None:
     return m.group(1) if m else None
 
 
+def _version(v: str):
+    try:
+        return Version(v)
+    except InvalidVersion:
+        return v
+
+
+def _public(v: str) -> str:
+    """The release without its local part: 2.11.0+cu128 -> 2.11.0."""
+    parsed = _version(v)
+    return parsed.public if isinstance(parsed, Version) else v.split("+")[0]
+
+
 def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v))
 
 
 def check_packages(locked, installed: dict[str, md.Distribution], site: Path) -> list[Finding]:
     findings = []
-    wanted = {p.key: p for p in locked}
+    wanted = {canonicalize_name(p.name): p for p in locked}
     for key, pkg in sorted(wanted.items()):
         dist = installed.get(key)
         if dist is None:
             findings.append(Finding("missing", pkg.name, f"{pkg.name} {pkg.version or ''} is locked but not installed".replace("  ", " "), REBUILD))
             continue
         have = dist.version
-        if pkg.version and have.lower() != pkg.version.lower():
-            base_have, base_want = have.split("+")[0], pkg.version.split("+")[0]
-            kind = "build" if base_have == base_want else "version"
+        if pkg.version and _version(have) != _version(pkg.version):
+            # the same release with another local version (+cu130 for +cu128) is another build of it
+            kind = "build" if _public(have) == _public(pkg.version) else "version"
             what = "build" if kind == "build" else "version"
             findings.append(Finding(kind, pkg.name, f"{pkg.name} {have} installed, the lock pins {pkg.version} (wrong {what})", REBUILD))
         if key == "torch":
@@ -103,53 +109,6 @@ def check_packages(locked, installed: dict[str, md.Distribution], site: Path) ->
         if installer != EXPECTED_INSTALLER:
             findings.append(Finding("installer", dist.metadata["Name"], f"{dist.metadata['Name']} was installed by {installer or 'an unknown tool'}, not by {EXPECTED_INSTALLER} from the lock", REBUILD))
     return findings
-
-
-def check_files(installed: dict[str, md.Distribution], sites: list[Path], hashes: bool) -> tuple[list[Finding], int]:
-    """RECORD verification, then files in site-packages that no RECORD lists."""
-    findings, jobs, recorded = [], [], set()
-    for dist in installed.values():
-        name = dist.metadata["Name"]
-        base = Path(dist.locate_file(""))
-        for entry in dist.files or []:
-            path = Path(os.path.normpath(base / entry))
-            recorded.add(path)
-            if entry.hash is not None:
-                jobs.append((name, str(entry), path, entry.hash.value, entry.size))
-
-    def verify(job):
-        name, rel, path, digest, size = job
-        try:
-            if not hashes:
-                return None if size is None or path.stat().st_size == size else (name, rel, "size changed")
-            return None if _record_hash(path) == digest else (name, rel, "content changed")
-        except FileNotFoundError:
-            return name, rel, "deleted"
-
-    with ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 2) * 2)) as pool:
-        for bad in pool.map(verify, jobs):
-            if bad:
-                name, rel, how = bad
-                findings.append(Finding("modified", name, f"{rel}: {how} since install (RECORD of {name})", REBUILD))
-
-    orphans: dict[str, int] = {}
-    for site in sites:
-        for root, dirs, files in os.walk(site):
-            for f in files:
-                path = Path(root) / f
-                if path in recorded or (f.endswith(".pyc") and Path(root).name == "__pycache__"):
-                    continue
-                rel = path.relative_to(site)
-                if len(rel.parts) == 1 and f in VENV_FILES:
-                    continue
-                if f.endswith(".pth"):
-                    findings.append(Finding("orphan-pth", None, f"{rel} is in no RECORD and runs at every interpreter start", f"delete it, then {REBUILD}"))
-                else:
-                    top = rel.parts[0]
-                    orphans[top] = orphans.get(top, 0) + 1
-    for top, n in sorted(orphans.items()):
-        findings.append(Finding("orphan", None, f"{top}: {n} file(s) that no installed package's RECORD lists (left over by a removed or hand-copied package)", REBUILD))
-    return findings, len(jobs)
 
 
 def check_driver(system_root: Path, torch_cuda: str | None) -> tuple[list[Finding], dict]:
@@ -185,27 +144,44 @@ def check_driver(system_root: Path, torch_cuda: str | None) -> tuple[list[Findin
     return findings, info
 
 
-def diagnose(lock_path: Path, hashes: bool = True, system_root: Path = Path("/")) -> dict:
+def diagnose(lock_path: Path, venv: Path, manifest_path: Path | None = None, hashes: bool = True,
+             system_root: Path = Path("/")) -> dict:
     start = time.monotonic()
     locked = pylock.for_environment(pylock.load(lock_path))
-    sites = site_dirs()
+    sites = startup.site_dirs(venv)
     installed: dict[str, md.Distribution] = {}
     for dist in md.distributions(path=[str(s) for s in sites]):
-        installed.setdefault(pylock.canonical(dist.metadata["Name"]), dist)
+        installed.setdefault(canonicalize_name(dist.metadata["Name"]), dist)
     site = sites[0]
-    findings = check_packages(locked, installed, site)
-    file_findings, n_files = check_files(installed, sites, hashes)
+    findings = startup.check(venv, sites)
+    manifest_path = manifest_path or manifest.path_for(venv)
+    try:
+        built = manifest.load(manifest_path)
+    except manifest.ManifestError as exc:
+        built = None
+        findings.append(Finding("manifest", None, f"{exc}: without it, a file whose RECORD line was rewritten to "
+                                "match cannot be told from the one the build installed", REBUILD))
+    if built and built["lock_sha256"] != sha256_of(lock_path):
+        findings.append(Finding("manifest", None, f"{manifest_path} is the manifest of a build from another lock "
+                                f"than {lock_path}", REBUILD))
+    findings += check_packages(locked, installed, site)
+    local = {canonicalize_name(p.name) for p in locked if p.directory}
+    file_findings, checked = integrity.check(venv, installed, {canonicalize_name(p.name) for p in locked}, local,
+                                             sites, built, hashes)
     findings += file_findings
     driver_findings, driver_info = check_driver(system_root, _torch_cuda(site))
     findings += driver_findings
     return {
-        "environment": sys.prefix,
+        "environment": str(venv),
         "python": sys.version.split()[0],
         "lock": str(lock_path),
+        "manifest": str(manifest_path) if built else None,
+        "manifest_sha256": sha256_of(manifest_path) if built else None,
         "clean": not findings,
         "locked_packages": len(locked),
         "installed_packages": len(installed),
-        "files_checked": n_files,
+        "files_checked": checked["files"],
+        "pyc_compiled": checked["pyc_compiled"],
         "hashes": hashes,
         "torch_cuda": _torch_cuda(site),
         "gpu": driver_info,
@@ -219,10 +195,12 @@ def render(report: dict) -> str:
         f"dflash doctor: {report['environment']} (python {report['python']}) against {report['lock']}",
         (
             f"  {report['locked_packages']} locked, {report['installed_packages']} installed, "
-            f"{report['files_checked']} files {'hashed' if report['hashes'] else 'size-checked'} "
-            f"in {report['seconds']} s"
+            f"{report['files_checked']} files {'hashed' if report['hashes'] else 'size-checked'}, "
+            f"{report['pyc_compiled']} .pyc compiled, in {report['seconds']} s"
         ),
     ]
+    lines.append(f"  build manifest {report['manifest']} (sha256 {report['manifest_sha256']})" if report["manifest"]
+                 else "  no build manifest")
     gpu = report["gpu"]
     lines.append(f"  NVIDIA driver {gpu['driver']}" if gpu.get("driver") else "  no NVIDIA driver loaded: driver check skipped")
     if report["clean"]:
@@ -230,28 +208,48 @@ def render(report: dict) -> str:
         return "\n".join(lines)
     lines.append(f"DRIFT: {len(report['findings'])} finding(s)")
     for f in report["findings"]:
-        lines.append(f"  {f['kind']:<10} {f['detail']}")
+        lines.append(f"  {f['kind']:<12} {f['detail']}")
     fixes = sorted({f["fix"] for f in report["findings"]})
     lines.append("fix: " + "; ".join(fixes))
     return "\n".join(lines)
 
 
-def default_lock() -> Path:
-    """The lock the environment was built from: $DFLASH_LOCK, else the copy kept inside the venv."""
-    return Path(os.environ.get("DFLASH_LOCK") or Path(sys.prefix) / "dflash-lock" / "pylock.toml")
+def default_lock(venv: Path) -> Path:
+    """The lock the venv was built from: $DFLASH_LOCK, else the copy kept inside the venv."""
+    return Path(os.environ.get("DFLASH_LOCK") or venv / "dflash-lock" / "pylock.toml")
+
+
+def _reexec_isolated() -> None:
+    """Started with site (python -m dflash_image.doctor): run again the way dflash-doctor starts. Output the
+    hooks buffered and Python has not written yet is dropped with the old process image."""
+    try:
+        venv = startup.venv_of(sys.executable)
+    except startup.NotAVenv:
+        return
+    if Path(__file__).resolve().parent.parent not in {s.resolve() for s in startup.site_dirs(venv)}:
+        return  # not installed in this venv (a source checkout): ISOLATED_BOOT would not find the package
+    os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", ISOLATED_BOOT, *sys.argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dflash-doctor", description="Compare this Python environment with its lock.")
+    if argv is None and not sys.flags.no_site:
+        _reexec_isolated()
+    ap = argparse.ArgumentParser(prog="dflash-doctor", description="Compare this venv with its lock and its build manifest.")
     ap.add_argument("--lock", type=Path, default=None, help="pylock.toml to compare with (default: the copy inside the venv)")
+    ap.add_argument("--manifest", type=Path, default=None, help="the build manifest (default: beside the venv, VENV.manifest.json)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    ap.add_argument("--no-hash", action="store_true", help="compare file sizes instead of RECORD hashes (faster)")
+    ap.add_argument("--no-hash", action="store_true", help="compare file sizes instead of hashes (faster)")
     ap.add_argument("--system-root", type=Path, default=Path("/"), help="where /proc and the driver libraries are (tests, chroots)")
     args = ap.parse_args(argv)
-    lock = args.lock or default_lock()
+    if canonicalize_name is None:
+        print("dflash doctor: error: this venv has no `packaging` (a dependency of the trainer, which the doctor "
+              f"reads the lock with): {REBUILD}", file=sys.stderr)
+        return 2
     try:
-        report = diagnose(lock, hashes=not args.no_hash, system_root=args.system_root)
-    except (pylock.LockError, ValueError) as exc:
+        venv = startup.venv_of(sys.executable)
+        lock = args.lock or default_lock(venv)
+        report = diagnose(lock, venv, args.manifest, hashes=not args.no_hash, system_root=args.system_root)
+    except (pylock.LockError, startup.NotAVenv, ValueError) as exc:
         print(f"dflash doctor: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else render(report))

@@ -36,8 +36,8 @@ rebuild: trainer-wheel ## recreate $(TRAINENV) from the lock + wheelhouse (offli
 	  --trainer-wheel $$(ls $(TRAINER_WHL)/dflash_trainer-*.whl) --python $(ENV_PYTHON) --uv $(UV_BIN)
 
 doctor: ## compare $(TRAINENV) with the lock (inside the container: `dflash-doctor`); exit 1 on drift
-	@test -x $(TRAINENV)/bin/python || { echo "no environment at $(TRAINENV): run make rebuild (or set TRAINENV=/path/to/venv)"; exit 2; }
-	$(TRAINENV)/bin/python -m dflash_image.doctor --lock $(ENV_DIR)/pylock.toml $(DOCTOR_ARGS)
+	@test -x $(TRAINENV)/bin/dflash-doctor || { echo "no environment at $(TRAINENV): run make rebuild (or set TRAINENV=/path/to/venv)"; exit 2; }
+	$(TRAINENV)/bin/dflash-doctor --lock $(ENV_DIR)/pylock.toml $(DOCTOR_ARGS)
 else
 rebuild: rebuild-container
 doctor: doctor-container

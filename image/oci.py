@@ -13,7 +13,7 @@ import json
 import tarfile
 from pathlib import Path
 
-from dflash_image.wheelhouse import sha256_of
+from dflash_image.digest import sha256_of
 
 LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
 

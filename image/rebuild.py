@@ -2,24 +2,26 @@
 
 The same code builds the venv inside the image (the Dockerfile runs it) and restores a local one
 (`make rebuild`). Files are copied, never hard-linked to a cache (tampering with a hard-linked file
-would also change the cache and come back on the next install), and no uv cache is kept.
-Standard library only: inside the image build it runs from a plain `python3`.
+would also change the cache and come back on the next install), and no uv cache is kept. The
+venv's build manifest (every file's sha256) is written beside it at the end, for the doctor.
+Standard library only: inside the image build and in a stock container it runs from a bare `python3`;
+the one thing it needs `packaging` for, the lock's requires-python, it takes from the lock's own
+packaging wheel in the wheelhouse when the running Python has none.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from dflash_image import markers
+from dflash_image import manifest, pylock
+from dflash_image.digest import record_form, sha256_of
 
 LOCK_FILES = ("pylock.toml", "requirements.txt", "uv.lock", "pyproject.toml")
 LOCK_IN_VENV = "dflash-lock"  # where the doctor finds the lock a venv was built from
@@ -48,22 +50,48 @@ def preflight(lock_dir: Path, wheelhouse: Path, trainer_wheel: Path, uv: str) ->
         raise RebuildError(f"uv not found at {uv}: install it (pip install uv) or pass --uv")
 
 
-def check_python(lock_dir: Path, python: str) -> str:
-    """The venv's interpreter runs and is a version the lock allows (its requires-python), so a wrong base
-    (Debian 12's 3.11 for a 3.13 lock) fails here, clearly, not as a missing wheel halfway through."""
+def python_version(python: str) -> str:
+    """The version of the interpreter the venv will be built on (e.g. '3.13.5'), asked without its site hooks."""
     try:
-        version = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
-                                 capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+        return subprocess.run([python, "-I", "-S", "-c", "import platform; print(platform.python_version())"],
+                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     except (OSError, subprocess.SubprocessError) as exc:
         raise RebuildError(f"cannot run {python} for the venv ({exc}): install Python or pass --python") from exc
-    m = re.search(r'^requires-python\s*=\s*"([^"]*)"', (lock_dir / "pylock.toml").read_text(), re.MULTILINE)
-    spec = m.group(1) if m else ""
-    for clause in filter(None, (c.strip() for c in spec.split(","))):
-        op = re.match(r"(===|==|!=|<=|>=|~=|<|>)\s*(\S+)$", clause)
-        if op and not markers.evaluate(f"python_full_version {op.group(1)} '{op.group(2)}'",
-                                       {"python_full_version": version}):
-            raise RebuildError(f"{python} is Python {version}, but the lock needs Python {spec}: use a base with that "
-                               "Python (the frozen template's Debian 13 has 3.13)")
+
+
+def locked_wheel(lock_dir: Path, wheelhouse: Path, name: str) -> Path:
+    """The lock's wheel of `name` in the wheelhouse, checked against the lock's sha256."""
+    lock = lock_dir / "pylock.toml"
+    for pkg in pylock.load(lock):
+        if pkg.name != name:
+            continue
+        for wheel in pkg.wheels:
+            path = wheelhouse / wheel.filename
+            if path.is_file() and wheel.sha256 and sha256_of(path) == wheel.sha256:
+                return path
+    raise RebuildError(f"no wheel of {name} from {lock} in {wheelhouse} (the trainer depends on it): "
+                       "run `make lock` and `make wheelhouse`")
+
+
+def specifier_set(spec: str, lock_dir: Path, wheelhouse: Path):
+    """`packaging`'s SpecifierSet: this Python's own, else the one in the lock's packaging wheel (a pure
+    Python wheel imports from its zip), so a bare system Python reads the lock exactly as uv wrote it."""
+    try:
+        from packaging.specifiers import SpecifierSet
+    except ImportError:
+        sys.path.append(str(locked_wheel(lock_dir, wheelhouse, "packaging")))
+        from packaging.specifiers import SpecifierSet
+    return SpecifierSet(spec)
+
+
+def check_python(lock_dir: Path, wheelhouse: Path, python: str) -> str:
+    """The venv's interpreter runs and is a version the lock allows (its requires-python, e.g. ==3.13.*), so
+    a wrong base (Debian 12's 3.11 for a 3.13 lock) fails here, clearly, not as a missing wheel halfway through."""
+    version = python_version(python)
+    spec = pylock.requires_python(lock_dir / "pylock.toml")
+    if spec and not specifier_set(spec, lock_dir, wheelhouse).contains(version, prereleases=True):
+        raise RebuildError(f"{python} is Python {version}, but the lock needs Python {spec}: use a base with that "
+                           "Python (the frozen template's Debian 13 has 3.13)")
     return version
 
 
@@ -76,7 +104,7 @@ def pin_install_stamps(venv: Path, epoch: int) -> int:
         data["timestamp"] = {"secs_since_epoch": epoch, "nanos_since_epoch": 0}
         body = json.dumps(data, separators=(",", ":")).encode()
         stamp.write_bytes(body)
-        digest = base64.urlsafe_b64encode(hashlib.sha256(body).digest()).rstrip(b"=").decode()
+        digest = record_form(hashlib.sha256(body).hexdigest())
         record = stamp.parent / "RECORD"
         entry = f"{stamp.parent.name}/uv_cache.json"
         lines = [f"{entry},sha256={digest},{len(body)}" if line.startswith(entry + ",") else line
@@ -89,7 +117,7 @@ def pin_install_stamps(venv: Path, epoch: int) -> int:
 def rebuild(venv: Path, lock_dir: Path, wheelhouse: Path, trainer_wheel: Path, python: str, uv: str,
             doctor: bool = True) -> int:
     preflight(lock_dir, wheelhouse, trainer_wheel, uv)
-    check_python(lock_dir, python)
+    check_python(lock_dir, wheelhouse, python)
     venv = venv.absolute()
     env = {**os.environ, "UV_NO_CACHE": "1", "UV_LINK_MODE": "copy", "UV_OFFLINE": "1", "UV_NO_CONFIG": "1"}
     env.pop("VIRTUAL_ENV", None)
@@ -116,6 +144,7 @@ def rebuild(venv: Path, lock_dir: Path, wheelhouse: Path, trainer_wheel: Path, p
         env["PYTHONHASHSEED"] = "0"  # set constants (frozensets) are then marshalled in a fixed order
         _run([vpy, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "checked-hash",
               *sorted((venv / "lib").glob("python*/site-packages"))], "compile bytecode", env)
+        manifest.write(venv, sha256_of(lock_dir / "pylock.toml"))
     except BaseException:
         shutil.rmtree(venv, ignore_errors=True)
         if old.exists():
@@ -126,8 +155,8 @@ def rebuild(venv: Path, lock_dir: Path, wheelhouse: Path, trainer_wheel: Path, p
     print(f"rebuild: {venv} rebuilt from {lock_dir} and {wheelhouse}", flush=True)
     if not doctor:
         return 0
-    return subprocess.run([venv / "bin" / "python", "-m", "dflash_image.doctor",
-                           "--lock", venv / LOCK_IN_VENV / "pylock.toml"], check=False).returncode
+    return subprocess.run([venv / "bin" / "dflash-doctor", "--lock", venv / LOCK_IN_VENV / "pylock.toml"],
+                          check=False).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return rebuild(args.venv, args.lock, args.wheelhouse, args.trainer_wheel, args.python, args.uv,
                        doctor=not args.no_doctor)
-    except RebuildError as exc:
+    except (RebuildError, pylock.LockError) as exc:
         print(f"rebuild: error: {exc}", file=sys.stderr)
         return 2
 

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 from dflash_image.commands import ToolError, find
-from dflash_image.wheelhouse import sha256_of
+from dflash_image.digest import sha256_of
 
 MAX_ID = 65535  # unprivileged containers map ids 0..65535; a higher one makes `pct create` fail
 HOSTS = "127.0.0.1\tlocalhost\n::1\t\tlocalhost ip6-localhost ip6-loopback\n"

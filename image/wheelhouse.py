@@ -1,47 +1,92 @@
 """The wheelhouse: every locked wheel for the target, downloaded once, each checked against its sha256.
 
 An air-gapped host (or the image build, which has no network) then installs from it offline, with
-hash checking (`make rebuild`, `make image`). Standard library only.
+hash checking (`make rebuild`, `make image`). Runs on the controller: markers and wheel tags are read
+with `packaging`, for the target (the image's Linux CPython), not for the machine it runs on.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import shutil
 import sys
 import urllib.request
 from pathlib import Path
 
-from dflash_image import markers, pylock
+from dflash_image import pylock
+from dflash_image.digest import sha256_of
+from packaging import tags
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+# manylinux tags older than PEP 600's manylinux_x_y, each the alias of a glibc version.
+LEGACY_MANYLINUX = {(2, 17): "manylinux2014", (2, 12): "manylinux2010", (2, 5): "manylinux1"}
 
 
 class WheelhouseError(RuntimeError):
     """A wheel is missing, unhashed, unreachable or corrupt."""
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def target_environment(python: str, machine: str = "x86_64") -> dict[str, str]:
+    """PEP 508 marker variables of a Linux CPython target (the image), e.g. python='3.13' or '3.13.5'."""
+    parts = python.split(".")
+    full = ".".join((parts + ["0", "0"])[:3])
+    return {
+        "implementation_name": "cpython",
+        "implementation_version": full,
+        "os_name": "posix",
+        "platform_machine": machine,
+        "platform_python_implementation": "CPython",
+        "platform_release": "",
+        "platform_system": "Linux",
+        "platform_version": "",
+        "python_full_version": full,
+        "python_version": ".".join(parts[:2]),
+        "sys_platform": "linux",
+    }
+
+
+def target_tags(python: str, machine: str = "x86_64", glibc: tuple[int, int] = (2, 41)) -> list[tags.Tag]:
+    """The wheel tags a Linux CPython `python` with that glibc installs, most specific first (as pip and
+    uv rank them). packaging's own platform list describes the running machine, not the image."""
+    major, minor = (int(x) for x in python.split(".")[:2])
+    platforms = []
+    for glibc_minor in range(glibc[1], 4, -1):  # manylinux starts at glibc 2.5
+        platforms.append(f"manylinux_{glibc[0]}_{glibc_minor}_{machine}")
+        if (glibc[0], glibc_minor) in LEGACY_MANYLINUX:
+            platforms.append(f"{LEGACY_MANYLINUX[glibc[0], glibc_minor]}_{machine}")
+    platforms.append(f"linux_{machine}")
+    interpreter = f"cp{major}{minor}"
+    return [*tags.cpython_tags((major, minor), [interpreter], platforms),
+            *tags.compatible_tags((major, minor), interpreter, platforms)]
+
+
+def best_wheel(wheels, ranked: list[tags.Tag]):
+    """The wheel an installer would pick for the target (its best-ranked tag), or None if none fits."""
+    rank = {t: i for i, t in enumerate(ranked)}
+    best, best_rank = None, len(rank)
+    for w in wheels:
+        try:
+            wheel_tags = parse_wheel_filename(w.filename)[3]
+        except InvalidWheelFilename:
+            continue
+        r = min((rank[t] for t in wheel_tags if t in rank), default=len(rank))
+        if r < best_rank:
+            best, best_rank = w, r
+    return best
 
 
 def plan(lock_path: Path, python: str, machine: str = "x86_64", glibc: tuple[int, int] = (2, 41)):
     """(package, wheel) pairs the target needs; raises if a package has no fitting, hashed wheel."""
-    env = markers.target_environment(python, machine)
-    py = tuple(int(x) for x in python.split(".")[:2])
+    ranked = target_tags(python, machine, glibc)
     out = []
-    for pkg in pylock.for_environment(pylock.load(lock_path), env):
+    for pkg in pylock.for_environment(pylock.load(lock_path), target_environment(python, machine)):
         if pkg.directory:
             continue  # the trainer: built from this repository (make trainer-wheel)
-        fits = [w for w in pkg.wheels if pylock.wheel_fits(w.filename, py, machine, glibc)]
-        if not fits:
+        wheel = best_wheel(pkg.wheels, ranked)
+        if wheel is None:
             raise WheelhouseError(f"{pkg.name} {pkg.version}: no locked wheel fits python {python} on "
                                   f"{machine} (glibc {'.'.join(map(str, glibc))}); locked: "
                                   f"{', '.join(w.filename for w in pkg.wheels) or 'none'}")
-        wheel = fits[0]
         if not wheel.sha256:
             raise WheelhouseError(f"{wheel.filename} has no sha256 in {lock_path}: refusing to download it unchecked; "
                                   "re-run `make lock` once the index serves hashes")

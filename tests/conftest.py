@@ -6,6 +6,14 @@ from pathlib import Path
 
 import pytest
 
+# ansible.module_utils.basic (the provisioning tests import it) replaces sys.intern with an object, after
+# which a first `import torch._dynamo` fails ("substitute_in_graph expects a function"). Import dynamo
+# first, as every trainer process does, so the order pytest runs the files in does not matter.
+try:
+    import torch._dynamo  # noqa: F401
+except ImportError:  # a control-only environment without torch
+    pass
+
 
 # --- Proxmox VE test host (tests/pve_testhost, issue 5) -----------------------------------------
 @pytest.fixture(scope="session")
@@ -57,7 +65,7 @@ def tiny_target(tmp_path_factory):
     import json
 
     import torch
-    from dflash_trainer.tiny import TARGET_SHAPE, build_tokenizer, read_corpus
+    from dflash_trainer.embedded import TARGET_SHAPE, build_tokenizer, read_corpus
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     root = tmp_path_factory.mktemp("tiny-target")

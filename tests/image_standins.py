@@ -3,16 +3,21 @@
 CI reaches neither download.pytorch.org nor Docker Hub, so the lock, wheelhouse, rebuild, doctor and
 image mechanics are tested against small wheels built here: a fake torch 2.11.0+cu128 (and PyPI's
 2.11.0, the "cu130" build), transformers/datasets/safetensors at the versions image/env pins, and
-the trainer's own dependencies at their lowest allowed versions. They are served as PEP 503 indexes
-from file:// URLs (with #sha256= fragments, like real indexes), so uv locks them with real hashes.
-The project is image/env/pyproject.toml itself, with only the index URLs, the trainer's path and
-the Python version rewritten for this machine.
+the trainer's own dependencies at their lowest allowed versions; `packaging`, whose code the doctor
+and the rebuild run, is the real one (this venv's installed copy, repacked). They are served as
+PEP 503 indexes from file:// URLs (with #sha256= fragments, like real indexes), so uv locks them with
+real hashes. The project is image/env/pyproject.toml itself, with only the index URLs and the trainer's
+path rewritten, and requires-python in the real lock's wildcard form for the Python that builds the venv:
+`==3.11.*` for this machine (Debian 12), the real `==3.13.*` unchanged for the Debian 13 base of the image
+(`debian13_standins`, locked inside that base, whose python3 it is).
 """
 
 from __future__ import annotations
 
 import base64
+import copy
 import hashlib
+import importlib.metadata
 import os
 import re
 import shutil
@@ -23,7 +28,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from dflash_image.digest import sha256_of
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +63,14 @@ def make_wheel(outdir: Path, name: str, version: str, deps=(), files: dict[str, 
     return path
 
 
+def repacked_wheel(outdir: Path, name: str) -> Path:
+    """A wheel of an installed distribution's own files (its code, not a stand-in), at its version."""
+    dist = importlib.metadata.distribution(name)
+    files = {f.as_posix(): f.read_text() for f in dist.files
+             if ".dist-info" not in f.parts[0] and "__pycache__" not in f.parts and not f.parts[0].startswith("..")}
+    return make_wheel(outdir, dist.metadata["Name"], dist.version, files=files)
+
+
 def fake_torch(outdir: Path, version: str, cuda: str) -> Path:
     return make_wheel(outdir, "torch", version, files={
         "torch/__init__.py": "from torch.version import __version__\nfrom torch import version\n",
@@ -71,7 +86,7 @@ def write_index(wheels_dir: Path, index_dir: Path) -> str:
     for project, whls in groups.items():
         d = index_dir / project
         d.mkdir(parents=True, exist_ok=True)
-        links = "".join(f'<a href="{w.resolve().as_uri()}#sha256={hashlib.sha256(w.read_bytes()).hexdigest()}">'
+        links = "".join(f'<a href="{w.resolve().as_uri()}#sha256={sha256_of(w)}">'
                         f"{w.name}</a>\n" for w in whls)
         (d / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{links}</body></html>\n")
     return index_dir.resolve().as_uri()
@@ -99,7 +114,10 @@ def build_indexes(root: Path) -> dict[str, str]:
     fake_torch(cu128, "2.11.0+cu128", "12.8")
     fake_torch(pypi, "2.11.0", "13.0")  # PyPI's torch 2.11.0 is the CUDA 13.0 build
     fake_torch(drift, "2.11.0+cu130", "13.0")
-    seen = {"torch", "dflash-trainer"}
+    repacked = {"packaging"}  # the doctor and the rebuild import it: the real code
+    for name in repacked:
+        repacked_wheel(pypi, name)
+    seen = {"torch", "dflash-trainer", *repacked}
     for req in requirements():
         name = re.sub(r"[-_.]+", "-", req.name).lower()
         if name in seen:
@@ -115,23 +133,26 @@ def build_indexes(root: Path) -> dict[str, str]:
             "drift": str(drift)}
 
 
-def standin_project(root: Path, urls: dict[str, str], trainer_src: Path) -> Path:
-    """image/env/pyproject.toml pointed at the stand-in indexes, locked and exported."""
+def standin_project(project: Path, urls: dict[str, str], trainer_src: Path, python: str, run=subprocess.run) -> Path:
+    """image/env/pyproject.toml pointed at the stand-in indexes, for a venv built on Python `python` ('3.11'),
+    locked and exported into `project`. `run` runs uv (and finds the interpreter that locks) somewhere else:
+    the Debian 13 base (see debian13_standins)."""
     text = ENV_PYPROJECT.read_text()
     real_url = "https://download.pytorch.org/whl/cu128"
     assert real_url in text and 'path = "../.."' in text, "image/env/pyproject.toml changed shape"
     text = text.replace(real_url, urls["cu128"]).replace('path = "../.."', f'path = "{trainer_src}"')
-    py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    text = re.sub(r'requires-python = "[^"]*"', f'requires-python = ">={py}"', text)  # this host and the image
+    (real,) = re.findall(r'^requires-python = "([^"]*)"', text, flags=re.MULTILINE)
+    if not SpecifierSet(real).contains(python):  # the real lock's own form, for the Python the tests build on
+        text = text.replace(f'requires-python = "{real}"', f'requires-python = "=={python}.*"')
     text += f'\n[[tool.uv.index]]\nname = "pypi-standin"\nurl = "{urls["pypi"]}"\ndefault = true\n'
-    project = root / "env"
     project.mkdir()
     (project / "pyproject.toml").write_text(text)
-    env = {**os.environ, "UV_OFFLINE": "1"}  # no UV_NO_CONFIG: it would ignore [tool.uv] too
-    subprocess.run([UV, "lock", "--project", project], check=True, env=env, capture_output=True)
+    interpreter = sys.executable if run is subprocess.run else "/usr/bin/python3"
+    env = {**os.environ, "UV_OFFLINE": "1", "UV_PYTHON_DOWNLOADS": "never"}  # not UV_NO_CONFIG: it ignores [tool.uv]
+    run([UV, "lock", "--project", project, "--python", interpreter], check=True, env=env, capture_output=True)
     for fmt, extra in (("pylock.toml", []), ("requirements.txt", ["--no-emit-package", "dflash-trainer"])):
-        subprocess.run([UV, "export", "--project", project, "--frozen", "--no-header", "--format", fmt, *extra,
-                        "-o", project / fmt], check=True, env=env, capture_output=True)
+        run([UV, "export", "--project", project, "--frozen", "--no-header", "--format", fmt, *extra,
+             "-o", project / fmt], check=True, env=env, capture_output=True)
     return project
 
 
@@ -162,7 +183,8 @@ class Standins:
         self.root = root
         self.urls = build_indexes(root)
         self.trainer_src = trainer_source(root)
-        self.project = standin_project(root, self.urls, self.trainer_src)
+        self.python = f"{sys.version_info.major}.{sys.version_info.minor}"
+        self.project = standin_project(root / "env", self.urls, self.trainer_src, self.python)
         self.trainer_wheel = build_trainer_wheel(self.trainer_src, root / "trainer-wheel")
         self.wheelhouse = root / "wheelhouse"
         self.drift_wheels = Path(self.urls["drift"])
@@ -180,9 +202,47 @@ def standins(tmp_path_factory) -> Standins:
 def stocked_wheelhouse(standins) -> Path:
     from dflash_image import wheelhouse
 
-    py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    wheelhouse.fetch(standins.project / "pylock.toml", standins.wheelhouse, py)
+    wheelhouse.fetch(standins.project / "pylock.toml", standins.wheelhouse, standins.python)
     return standins.wheelhouse
+
+
+class ChrootRunner:
+    """subprocess.run, but inside an unpacked root filesystem (a private mount namespace: /proc, /dev and
+    the stand-ins' folder at its own path, so the lock's file:// URLs and paths hold in there too)."""
+
+    def __init__(self, rootfs_tar: Path, root: Path, shared: Path):
+        self.root, self.shared = root, shared
+        root.mkdir(parents=True)
+        subprocess.run(["tar", "-xf", rootfs_tar, "-C", root], check=True)
+        shutil.copy2(UV, root / "usr/local/bin/uv")
+
+    def __call__(self, argv, check=True, env=None, capture_output=True):
+        argv = ["/usr/local/bin/uv" if a == UV else str(a) for a in argv]
+        script = ('mount -t proc proc "$1/proc" && mount --rbind /dev "$1/dev" && mkdir -p "$1$2" && '
+                  'mount --bind "$2" "$1$2" && r=$1 && shift 2 && exec chroot "$r" "$@"')
+        keep = {k: v for k, v in (env or {}).items() if k.startswith("UV_")}
+        return subprocess.run(["unshare", "--mount", "--propagation", "private", "--fork", "sh", "-c", script, "sh",
+                               self.root, self.shared, *argv], check=check, capture_output=capture_output,
+                              env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", **keep})
+
+
+@pytest.fixture(scope="session")
+def debian13_standins(standins, debian_rootfs, image_cfg, tmp_path_factory) -> Standins:
+    """The stand-ins for the Debian 13 base (the image, containers made from the base): the project with the
+    real requires-python (==3.13.*), locked by uv inside that base with its python3, and a wheelhouse for it."""
+    from dflash_image import wheelhouse
+
+    run = ChrootRunner(debian_rootfs, tmp_path_factory.mktemp("debian13") / "root", standins.root)
+    try:
+        target = copy.copy(standins)
+        target.python = image_cfg["python"]
+        target.project = standin_project(standins.root / f"env-{target.python}", standins.urls, standins.trainer_src,
+                                         target.python, run=run)
+    finally:
+        shutil.rmtree(run.root)
+    target.wheelhouse = standins.root / f"wheelhouse-{target.python}"
+    wheelhouse.fetch(target.project / "pylock.toml", target.wheelhouse, target.python)
+    return target
 
 
 @pytest.fixture(scope="session")

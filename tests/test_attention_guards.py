@@ -19,20 +19,16 @@ from dflash_trainer.attention import (
     DenseFallbackError,
     RecompileError,
     attend,
-    build_block_mask,
-    check_dense_would_not_fit,
+    dense_risk,
     dense_scores_bytes,
     install_dense_guards,
-    remove_dense_guards,
 )
-from dflash_trainer.warmup import leave_run_phase, warm_up
+from dflash_trainer.compile_guard import compile_variants, leave_run_phase
 from torch.nn.attention.flex_attention import flex_attention
 
+from tests.helpers.attention import causal_block_mask, fused_memory_probe, remove_dense_guards
+
 L, H, D = 128, 2, 16
-
-
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
 
 
 def qkv(length=L, requires_grad=False):
@@ -57,7 +53,7 @@ class GuardTest(unittest.TestCase):
 
     def test_fx_trace_in_same_thread_raises_compile_race(self):
         q, k, v = qkv()
-        mask = build_block_mask(causal, 1, L, L, "cpu")
+        mask = causal_block_mask(L, "cpu")
 
         def traced(x):  # symbolic_trace holds the FX flag while this body runs
             attend(q, k, v, mask)
@@ -73,7 +69,7 @@ class GuardTest(unittest.TestCase):
     def test_fx_trace_in_another_thread_raises_compile_race(self):
         # The race from the issue: thread A traces, thread B enters a compiled call meanwhile.
         q, k, v = qkv()
-        mask = build_block_mask(causal, 1, L, L, "cpu")
+        mask = causal_block_mask(L, "cpu")
         entered, release = threading.Event(), threading.Event()
 
         def slow(x):
@@ -94,7 +90,7 @@ class GuardTest(unittest.TestCase):
 
     def test_eager_flex_call_raises_after_install(self):
         q, k, v = qkv()
-        mask = build_block_mask(causal, 1, L, L, "cpu")
+        mask = causal_block_mask(L, "cpu")
         with warnings.catch_warnings():  # an earlier eager call records the warning id ...
             warnings.simplefilter("ignore")
             flex_attention(q, k, v, block_mask=mask)
@@ -111,14 +107,14 @@ class GuardTest(unittest.TestCase):
 
     def test_forced_eager_stance_through_attend_is_a_dense_fallback_error(self):
         q, k, v = qkv()
-        mask = build_block_mask(causal, 1, L, L, "cpu")
+        mask = causal_block_mask(L, "cpu")
         install_dense_guards()
         with torch.compiler.set_stance("force_eager"), self.assertRaisesRegex(DenseFallbackError, "eager"):
             attend(q, k, v, mask)
 
     def test_tripwire_catches_math_path_when_warnings_are_silenced(self):
         q, k, v = qkv()
-        mask = build_block_mask(causal, 1, L, L, "cpu")
+        mask = causal_block_mask(L, "cpu")
         install_dense_guards(limit_bytes=dense_scores_bytes(1, H, L, L) - 1)
         install_dense_guards(limit_bytes=dense_scores_bytes(1, H, L, L) - 1)  # idempotent: one wrapper
         hop = __import__("importlib").import_module("torch._higher_order_ops.flex_attention")
@@ -137,26 +133,26 @@ class GuardTest(unittest.TestCase):
         # limit 0: any real dense score tensor would raise; the compiled path must not make one.
         install_dense_guards(limit_bytes=0)
         q, k, v = qkv()
-        mask = build_block_mask(causal, 1, L, L, "cpu")
+        mask = causal_block_mask(L, "cpu")
 
         def probe(variant):
             with torch.no_grad():
                 attend(q, k, v, mask)
 
-        report = warm_up(probe, ["L128 no_grad"], self._lock_path(), log=lambda _: None)
+        report = compile_variants(probe, ["L128 no_grad"], self._lock_path(), log=lambda _: None)
         self.assertEqual(report.counters["graph_breaks"], 0)
         with torch.no_grad():
             out = attend(q, k, v, mask)
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
         q2, k2, v2 = qkv(2 * L)
-        mask2 = build_block_mask(causal, 1, 2 * L, 2 * L, "cpu", compiled=False)
-        with torch.no_grad(), self.assertRaisesRegex(RecompileError, "warm-up did not compile"):
+        mask2 = causal_block_mask(2 * L, "cpu")
+        with torch.no_grad(), self.assertRaisesRegex(RecompileError, "compile step did not compile"):
             attend(q2, k2, v2, mask2)
 
     def test_mask_shape_mismatch_names_the_fix(self):
         q, k, v = qkv()
-        mask = build_block_mask(causal, 1, 2 * L, 2 * L, "cpu", compiled=False)
+        mask = causal_block_mask(2 * L, "cpu")
         with self.assertRaisesRegex(ValueError, "padded bucket"):
             attend(q, k, v, mask)
 
@@ -177,19 +173,29 @@ def test_dense_scores_bytes_arithmetic():
         dense_scores_bytes(1, -1, 2, 2)
 
 
-def test_preflight_refuses_unguarded_run_when_dense_would_not_fit():
-    reset_compile_state()
-    try:
-        small = check_dense_would_not_fit(1, 2, 128, 128, free_bytes=2**30)
-        assert small.fits and "fits" in small.explain()
-        with pytest.raises(DenseFallbackError, match="install_dense_guards"):
-            check_dense_would_not_fit(1, 32, 32768, 72768, free_bytes=140 * 2**30)
-        install_dense_guards()
-        risk = check_dense_would_not_fit(1, 32, 32768, 72768, free_bytes=140 * 2**30)
-        assert not risk.fits and "would NOT fit" in risk.explain()
-        assert risk.peak_bytes > 3 * risk.score_bytes
-    finally:
-        reset_compile_state()
+def test_dense_risk_says_what_a_fallback_would_cost():
+    small = dense_risk(1, 2, 128, 128, free_bytes=2**30)
+    assert small.fits and "fits" in small.explain()
+    risk = dense_risk(1, 32, 32768, 72768, free_bytes=140 * 2**30)
+    assert not risk.fits and "would NOT fit" in risk.explain()
+    assert risk.peak_bytes > 3 * risk.score_bytes
+
+
+def test_sdpa_backend_refuses_shapes_whose_dense_scores_cannot_fit(tmp_path):
+    """The trainer's sdpa path (CPU) checks the dense scores before step 1 (compile_step.check_dense_fits)."""
+    from dflash_trainer.compile_step import check_dense_fits
+    from dflash_trainer.config import ConfigError, load_config
+    from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
+    from transformers import Qwen3Config
+
+    target = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=8)
+    drafter = DFlashDrafter(drafter_config(target, DrafterShape(num_layers=1, block_size=16, mask_token_id=1)))
+    cfg = load_config("embedded", ["train.num_anchors=2048", "data.context_buckets=[65536]",
+                                   "data.max_length=65536"])
+    with pytest.raises(ConfigError, match="would NOT fit"):
+        check_dense_fits(cfg, drafter, torch.device("cpu"))
+    check_dense_fits(load_config("embedded"), drafter, torch.device("cpu"))  # the embedded shape fits
 
 
 def test_missing_private_name_gives_a_clear_error(monkeypatch):
@@ -209,13 +215,13 @@ def test_gpu_eager_flex_with_grad_trips_and_compiled_path_is_fused():
         install_dense_guards(limit_bytes=0)
         length = 1024
         q, k, v = [t.cuda().bfloat16().requires_grad_() for t in qkv(length)]
-        mask = build_block_mask(causal, 1, length, length, "cuda")
+        mask = causal_block_mask(length, "cuda")
         attend(q, k, v, mask).sum().backward()  # compiled fwd+bwd: no real dense scores
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with pytest.raises(DenseFallbackError):
                 flex_attention(q, k, v, block_mask=mask).sum().backward()
-        peak, dense = attention.fused_memory_probe(1, 16, 8192, 8192, 64, "cuda")
+        peak, dense = fused_memory_probe(1, 16, 8192, 64, "cuda")
         assert peak < dense // 4
     finally:
         reset_compile_state()

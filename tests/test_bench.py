@@ -9,7 +9,7 @@ from dflash_trainer import bench
 @pytest.mark.parametrize("extra", [[], ["--grad-accum", "2", "--with-target"]], ids=["drafter", "accum+target"])
 def test_tiny_bench_reports_a_consistent_result(tmp_path, extra):
     out = tmp_path / "bench.json"
-    assert bench.main(["--preset", "tiny", "--seq", "128", "--anchors", "8", "--steps", "2", "--warmup-steps", "1",
+    assert bench.main(["--preset", "tiny", "--seq", "128", "--anchors", "8", "--steps", "2", "--untimed-steps", "1",
                        "--json", str(out), *extra]) == 0
     r = json.loads(out.read_text())
     accum = 2 if extra else 1
@@ -34,7 +34,7 @@ def test_idle_gaps_are_charged_to_the_phase_and_op_the_cpu_was_in():
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
 
     trace = [
-        ev("user_annotation", "bench/forward", 0, 100), ev("user_annotation", "bench/sync", 100, 60),
+        ev("user_annotation", "step/forward", 0, 100), ev("user_annotation", "step/sync", 100, 60),
         ev("cpu_op", "aten::mm", 0, 20), ev("cpu_op", "aten::index_add_", 30, 40),
         ev("cuda_runtime", "cudaStreamSynchronize", 100, 60), ev("cpu_op", "autograd::engine", 0, 200, tid=2),
         ev("kernel", "gemm", 10, 20, tid=7), ev("kernel", "gemm", 32, 3, tid=7),  # 2 us gap: launch latency
@@ -45,4 +45,4 @@ def test_idle_gaps_are_charged_to_the_phase_and_op_the_cpu_was_in():
     charged, gaps = idle_gaps(trace)
     assert gaps == 2
     assert charged == {("forward", "aten::index_add_"): 25.0, ("sync", "cudaStreamSynchronize"): 60.0}
-    assert idle_gaps([ev("kernel", "k", 0, 1)]) == ({}, 0)  # no bench phases: nothing to charge
+    assert idle_gaps([ev("kernel", "k", 0, 1)]) == ({}, 0)  # no step phases: nothing to charge

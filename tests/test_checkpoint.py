@@ -167,3 +167,78 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
     first = _train(8, tmp_path / "b", resume=False, stop_after=3)
     rest = _train(8, tmp_path / "b", resume=True)
     assert first + rest == straight  # bit for bit: dropout masks, LR and AdamW moments all restored
+
+
+# ---- damaged directories: verify, inspect, repair ------------------------------------------------
+
+def save_real(root, step: int, keep_last: int = 10):
+    from safetensors.torch import save_file
+
+    return save_checkpoint(root, step, lambda d: save_file({"w": torch.ones(64)}, d / "model.safetensors"),
+                           {"step": step, "blob": torch.zeros(256)}, keep_last=keep_last)
+
+
+def test_manifest_catches_truncation_and_old_checkpoints_are_checked_by_format(tmp_path):
+    from dflash_trainer.checkpoint import MANIFEST_FILE, verify
+
+    path = save_real(tmp_path, 1)
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    assert manifest["step"] == 1 and set(manifest["files"]) == {"model.safetensors", TRAIN_STATE_FILE}
+    assert verify(path) is None
+    data = (path / TRAIN_STATE_FILE).read_bytes()
+    (path / TRAIN_STATE_FILE).write_bytes(data[:-10])
+    assert "training_state.pt is" in verify(path) and "truncated" in verify(path)
+    (path / TRAIN_STATE_FILE).write_bytes(data)
+    (path / MANIFEST_FILE).unlink()  # as written before manifests: the formats speak for themselves
+    assert verify(path) is None
+    weights = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(weights[:-4])
+    assert "model.safetensors is" in verify(path) and "(truncated)" in verify(path)
+    (path / "model.safetensors").write_bytes(weights)
+    (path / TRAIN_STATE_FILE).write_bytes(data[: len(data) // 2])
+    assert "not a complete torch file" in verify(path)
+
+
+def test_latest_skips_a_damaged_checkpoint(tmp_path):
+    save_real(tmp_path, 1)
+    second = save_real(tmp_path, 2)
+    (second / "model.safetensors").write_bytes(b"x")
+    assert latest_checkpoint(tmp_path).name == "step-00000001"  # `latest` points at step 2, which is damaged
+
+
+def test_inspect_and_repair(tmp_path):
+    from dflash_trainer.checkpoint import inspect, repair
+
+    for step in (1, 2, 3, 4):
+        save_real(tmp_path, step)
+    (tmp_path / "step-00000001" / TRAIN_STATE_FILE).unlink()  # half-pruned
+    (tmp_path / "step-00000004" / "model.safetensors").write_bytes(b"short")  # damaged newest
+    (tmp_path / "step-00000005").mkdir()  # empty
+    (tmp_path / ".latest.tmp-99").symlink_to("step-00000003")
+    found = inspect(tmp_path)
+    assert found.resume_from.name == "step-00000003" and found.needs_repair()
+    assert [p.name for p, _ in found.damaged] == ["step-00000001", "step-00000004"]
+    notes = repair(found)
+    assert any("removed step-00000001" in n for n in notes) and any("moved aside" in n for n in notes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "damaged-step-00000004", "latest", "step-00000002", "step-00000003"]
+    assert os.readlink(tmp_path / LATEST_LINK) == "step-00000003"
+    assert not inspect(tmp_path).needs_repair()
+
+
+def test_prune_renames_before_it_removes(tmp_path, monkeypatch):
+    """A kill inside the prune leaves a temporary name (removed by the next save), never a half step dir."""
+    import shutil
+
+    from dflash_trainer import checkpoint
+
+    for step in (1, 2):
+        save_real(tmp_path, step, keep_last=5)
+    removed, rmtree = [], shutil.rmtree
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda p, **kw: removed.append(p.name))  # killed here
+    save_real(tmp_path, 3, keep_last=2)
+    assert removed[0].startswith(".tmp-step-00000001-pruned")
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    save_real(tmp_path, 4, keep_last=2)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]

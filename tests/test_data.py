@@ -50,7 +50,7 @@ def test_dataset_drops_rows_without_a_trainable_position(tiny_target, tokenizer,
     rows = load_rows([tiny_target["train"]])
     ds = tokenize_dataset(rows, tokenizer, max_length=128)
     assert len(ds) == len(rows) and all(has_anchor(r["loss_mask"]) for r in ds)
-    with pytest.raises(DataError, match="no sample has two consecutive assistant tokens"):
+    with pytest.raises(DataError, match="no usable rows .* none of its 96 rows has two consecutive assistant"):
         tokenize_dataset(rows, tokenizer, max_length=8)  # truncated before any answer
 
 
@@ -67,3 +67,28 @@ def test_bucket_and_stream_are_deterministic(tiny_target, tokenizer):
         assert x.input_ids.shape[1] in (64, 128)
         assert (x.loss_mask.bool() <= x.attention_mask.bool()).all()
     assert not a.batch(0).input_ids.equal(a.batch(a.per_epoch).input_ids)  # a new permutation each epoch
+
+
+def test_bad_lines_and_files_are_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n\n[1, 2]\n')
+    with pytest.raises(DataError, match=r"bad.jsonl, line 3: a JSON list, not an object"):
+        load_rows([str(bad)])
+    array = tmp_path / "rows.json"
+    array.write_text('[\n {"messages": []},\n {"messages": ]\n]\n')
+    with pytest.raises(DataError, match=r"rows.json, line 3: not valid JSON"):
+        load_rows([str(array)])
+    with pytest.raises(DataError, match="is a directory"):
+        load_rows([str(tmp_path)])
+    with pytest.raises(DataError, match="mix of local files and hub names"):
+        load_rows([str(bad), "org/dataset"])
+
+
+def test_rows_of_both_chat_styles_in_one_file():
+    """Arrow gives every turn all four keys (None where absent): both styles still read."""
+    turns = [{"role": "user", "content": "hi", "from": None, "value": None},
+             {"role": None, "content": None, "from": "gpt", "value": "yo"}]
+    assert normalise_messages({"messages": turns}) == [{"role": "user", "content": "hi"},
+                                                       {"role": "assistant", "content": "yo"}]
+    with pytest.raises(DataError, match="list of turns"):
+        normalise_messages({"messages": ["hi"]})

@@ -83,9 +83,10 @@ def starts(site: Site) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def site(pve_host, debian_rootfs, tmp_path_factory, standins, stocked_wheelhouse, tiny_target):
+def site(pve_host, debian_rootfs, tmp_path_factory, debian13_standins, tiny_target):
     work = tmp_path_factory.mktemp("deploy-systemd")
-    s = Site(pve_host, work, venv_inputs(standins, stocked_wheelhouse), tiny_target, vmid=VMID,
+    # the stand-in lock for this Debian 13 CT's python3: the real requires-python, ==3.13.*
+    s = Site(pve_host, work, venv_inputs(debian13_standins, debian13_standins.wheelhouse), tiny_target, vmid=VMID,
              template=build_systemd_template(debian_rootfs), steps=STEPS, every=EVERY,
              run_vars={"training_run_python": f"{DEV_PYTHON}/bin/python", "training_run_env": {}})
     s.mounts = dict(dev_python(work), mp2=f"{s.persist},mp=/srv/dflash")

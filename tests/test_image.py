@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from dflash_image import build, oci, template
+from dflash_image import build, oci, pylock, rootfs, template
+from dflash_image.digest import sha256_of
 
 pytest_plugins = ["tests.image_standins"]  # the stand-in index, lock, wheelhouse and venv fixtures
 # image_cfg and debian_rootfs (the Debian base, cached between runs) come from tests/conftest.py
@@ -39,13 +40,12 @@ def docker_daemon():
 
 
 @pytest.fixture(scope="session")
-def two_builds(docker_daemon, standins, debian_rootfs, image_cfg, tmp_path_factory):
-    """The same inputs built twice, without docker's layer cache (skipped, before any build, without docker)."""
-    from dflash_image import wheelhouse
-
-    wheelhouse.fetch(standins.project / "pylock.toml", standins.root / "wheelhouse-image", image_cfg["python"])
+def two_builds(docker_daemon, debian13_standins, debian_rootfs, image_cfg, tmp_path_factory):
+    """The same inputs built twice, without docker's layer cache (skipped, before any build, without docker).
+    The lock is the stand-in for the Debian 13 base: the real requires-python, ==3.13.*."""
+    target = debian13_standins
     out = tmp_path_factory.mktemp("images")
-    results = [build.build(standins.project, standins.root / "wheelhouse-image", standins.trainer_wheel, out / run,
+    results = [build.build(target.project, target.wheelhouse, target.trainer_wheel, out / run,
                            rootfs_tar=debian_rootfs, nocache=True, zstd_level=3, cfg=image_cfg) for run in ("a", "b")]
     yield results
     client = build.docker_client()
@@ -80,7 +80,8 @@ def test_template_is_a_proxmox_system_container(two_builds):
     assert re.fullmatch(r"debian-13-dflash-trainenv_0\.1\.0-[0-9a-f]{12}_amd64\.tar\.zst", name)
     m = members(Path(result["template"]))
     for needed in ("./sbin", "./etc/os-release", "./etc/debian_version", "./sbin/init", "./usr/sbin/ifup",
-                   "./opt/venv/bin/python", "./opt/venv/dflash-lock/pylock.toml", "./etc/profile.d/dflash-trainenv.sh"):
+                   "./opt/venv/bin/python", "./opt/venv/dflash-lock/pylock.toml", "./etc/profile.d/dflash-trainenv.sh",
+                   "./opt/venv.manifest.json", "./opt/venv/bin/dflash-doctor"):
         assert needed in m or needed.replace("./sbin", "./usr/sbin") in m, needed
     assert "./.dockerenv" not in m
     assert not [n for n in m if n.startswith("./dev/")], "device nodes must not be in a template"
@@ -93,12 +94,13 @@ def test_template_is_a_proxmox_system_container(two_builds):
 
 @pytest.mark.docker
 @pytest.mark.slow
-def test_image_labels_carry_lock_hash_and_torch_build(two_builds, standins):
+def test_image_labels_carry_lock_hash_and_torch_build(two_builds, debian13_standins):
     result = two_builds[0]
     labels = build.docker_client().images.get(result["image"]).labels
     assert labels["io.dflash.torch"] == "2.11.0+cu128"
-    assert labels["io.dflash.lock.sha256"] == build.lock_digest(standins.project)
-    assert labels["io.dflash.trainer.sha256"] == build.sha256_file(standins.trainer_wheel)
+    assert labels["io.dflash.lock.sha256"] == build.lock_digest(debian13_standins.project)
+    assert labels["io.dflash.trainer.sha256"] == sha256_of(debian13_standins.trainer_wheel)
+    assert pylock.requires_python(debian13_standins.project / "pylock.toml") == "==3.13.*"  # the real lock's
 
 
 @pytest.mark.docker
@@ -163,6 +165,10 @@ def test_template_boots_in_lxc_with_a_read_only_venv(two_builds, tmp_path):
         doctor = lxc(lxcpath, "attach", "-n", name, "--", "/opt/venv/bin/dflash-doctor", check=False)
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr
         assert "CLEAN" in doctor.stdout
+        # on the image's own Python 3.13, against the build manifest the build recorded
+        report = json.loads(lxc(lxcpath, "attach", "-n", name, "--", "/opt/venv/bin/dflash-doctor", "--json").stdout)
+        assert report["python"].startswith("3.13.") and report["manifest"] == "/opt/venv.manifest.json"
+        assert report["manifest_sha256"] == two_builds[0]["venv_manifest_sha256"]
         stray = lxc(lxcpath, "attach", "-n", name, "--", "/opt/venv/bin/python", "-c",
                     "import sysconfig; open(sysconfig.get_paths()['purelib'] + '/sglang.pth', 'w')", check=False)
         assert stray.returncode != 0 and "Read-only file system" in stray.stderr
@@ -172,10 +178,20 @@ def test_template_boots_in_lxc_with_a_read_only_venv(two_builds, tmp_path):
 
 
 # --- errors and checks that need no daemon ---------------------------------------------------------
-def test_build_refuses_an_incomplete_wheelhouse_before_touching_docker(standins, tmp_path):
-    with pytest.raises(build.BuildError, match="missing or does not match the lock: run `make wheelhouse`"):
+def test_build_refuses_a_lock_for_another_python_before_touching_docker(standins, tmp_path):
+    # the stand-in lock is for this machine's Python (==3.11.*); the image's Debian 13 base has 3.13
+    with pytest.raises(build.BuildError, match=rf"pylock.toml needs Python =={standins.python}\.\*, but the image's "
+                                               r"Debian base has Python 3\.13 \(image/rootfs.toml\)"):
         build.build(standins.project, tmp_path / "empty", standins.trainer_wheel, tmp_path / "out",
                     docker_url="unix:///nonexistent.sock")
+    assert not (tmp_path / "out").exists()
+
+
+def test_build_refuses_an_incomplete_wheelhouse_before_touching_docker(standins, tmp_path):
+    cfg = dict(rootfs.load_config(), python=standins.python)  # a base with this machine's Python
+    with pytest.raises(build.BuildError, match="missing or does not match the lock: run `make wheelhouse`"):
+        build.build(standins.project, tmp_path / "empty", standins.trainer_wheel, tmp_path / "out",
+                    docker_url="unix:///nonexistent.sock", cfg=cfg)
     assert not (tmp_path / "out").exists()
 
 

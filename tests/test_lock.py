@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -11,7 +12,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from dflash_image import commands, lock, markers, pylock, rebuild, wheelhouse
+from dflash_image import commands, lock, manifest, pylock, rebuild, wheelhouse
+from dflash_image.digest import sha256_of
+from packaging.specifiers import SpecifierSet
 
 pytest_plugins = ["tests.image_standins"]  # the stand-in index, lock, wheelhouse and venv fixtures
 UV = commands.uv()
@@ -20,27 +23,36 @@ REPO = Path(__file__).resolve().parents[1]
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-# --- markers and wheel tags (unit) -------------------------------------------------------------
+# --- markers and wheel tags, for the image's target (unit) ---------------------------------------
+TARGET = wheelhouse.target_environment("3.13.5")
+
+
+def locked(marker: str | None) -> pylock.LockedPackage:
+    return pylock.LockedPackage(name="x", version="1", marker=marker, index=None, directory=None)
+
+
 @pytest.mark.parametrize(("marker", "expected"), [
     ("sys_platform == 'linux' and platform_machine == 'x86_64'", True),
     ("sys_platform == 'win32'", False),
     ("python_full_version < '3.14' and (sys_platform == 'darwin' or platform_machine == 'x86_64')", True),
     ("python_version >= '3.10'", True),
     ("python_version > '3.13'", False),
+    ("python_full_version == '3.13.*'", True),  # the wildcard form of the real lock's requires-python
+    ("python_full_version == '3.12.*'", False),
     ("'linux' in sys_platform", True),
-    ("platform_machine != 'aarch64' and extra == 'cuda'", False),
+    ("platform_machine != 'aarch64' and 'cuda' in extras", False),  # pylock.toml's form (PEP 751)
     ("implementation_name == 'cpython' or os_name == 'nt'", True),
     ("python_version ~= '3.12'", True),
+    (None, True),
 ])
 def test_markers_on_the_image_target(marker, expected):
-    assert markers.evaluate(marker, markers.target_environment("3.13.5")) is expected
+    assert (pylock.for_environment([locked(marker)], TARGET) != []) is expected
 
 
-def test_markers_reject_garbage():
-    with pytest.raises(markers.MarkerError, match="unknown marker variable"):
-        markers.evaluate("sys_plat == 'linux'")
-    with pytest.raises(markers.MarkerError):
-        markers.evaluate("sys_platform == 'linux' and")
+@pytest.mark.parametrize("marker", ["sys_platform == 'linux' and", "sys_plat == 'linux'", "extra == 'cuda'"])
+def test_a_bad_marker_names_the_package(marker):
+    with pytest.raises(pylock.LockError, match="x: its marker .* is not a valid lock marker.*make lock"):
+        pylock.for_environment([locked(marker)], TARGET)
 
 
 @pytest.mark.parametrize(("name", "fits"), [
@@ -49,11 +61,24 @@ def test_markers_reject_garbage():
     ("torch-2.11.0+cu128-cp313-cp313-manylinux_2_28_aarch64.whl", False),
     ("torch-2.11.0+cu128-cp313-cp313-win_amd64.whl", False),
     ("safetensors-0.7.0-cp38-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl", True),
+    ("nvidia_nccl_cu12-2.27.3-py3-none-manylinux2014_x86_64.whl", True),  # legacy alias of glibc 2.17
     ("numpy-2.5.5-cp313-cp313-manylinux_2_42_x86_64.whl", False),  # needs a newer glibc than trixie's
+    ("numpy-2.5.5-cp313-cp313t-manylinux_2_28_x86_64.whl", False),  # the free-threaded build
     ("tqdm-4.70.1-py3-none-any.whl", True),
+    ("not-a-wheel.whl", False),
 ])
 def test_wheel_tags_for_the_image(name, fits):
-    assert pylock.wheel_fits(name, (3, 13), "x86_64", (2, 41)) is fits
+    wheel = pylock.Wheel(filename=name, url=None, path=None, sha256=None)
+    ranked = wheelhouse.target_tags("3.13", "x86_64", (2, 41))
+    assert (wheelhouse.best_wheel([wheel], ranked) is wheel) is fits
+
+
+def test_the_most_specific_wheel_is_chosen_as_an_installer_would():
+    names = ["tokenizers-0.22.1-cp39-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+             "tokenizers-0.22.1-cp313-cp313-manylinux_2_28_x86_64.whl",
+             "tokenizers-0.22.1-py3-none-any.whl"]
+    wheels = [pylock.Wheel(filename=n, url=None, path=None, sha256=None) for n in names]
+    assert wheelhouse.best_wheel(wheels, wheelhouse.target_tags("3.13")).filename == names[1]
 
 
 # --- the real configuration --------------------------------------------------------------------
@@ -129,13 +154,12 @@ def test_check_without_lock_says_how_to_make_one(tmp_path):
 
 # --- wheelhouse ---------------------------------------------------------------------------------
 def test_wheelhouse_holds_every_locked_wheel_with_its_hash(standins, stocked_wheelhouse):
-    locked = pylock.for_environment(pylock.load(standins.project / "pylock.toml"))
     names = {w.name for w in stocked_wheelhouse.glob("*.whl")}
-    for pkg in locked:
+    for pkg in pylock.for_environment(pylock.load(standins.project / "pylock.toml")):
         if pkg.directory:
             continue
         (w,) = pkg.wheels
-        assert w.filename in names and wheelhouse.sha256_of(stocked_wheelhouse / w.filename) == w.sha256
+        assert w.filename in names and sha256_of(stocked_wheelhouse / w.filename) == w.sha256
     assert "torch-2.11.0+cu128-py3-none-any.whl" in names
 
 
@@ -200,20 +224,108 @@ def test_rebuild_failure_puts_the_old_env_back(standins, tmp_path):
     assert (venv / "marker").read_text() == "keep"
 
 
-def test_rebuild_refuses_a_python_the_lock_does_not_allow(standins, stocked_wheelhouse, tmp_path):
+# --- requires-python: the real lock's wildcard, under the Pythons that read it -------------------------
+REAL_REQUIRES_PYTHON = tomllib.loads((REPO / "image/env/pyproject.toml").read_text())["project"]["requires-python"]
+
+
+def test_the_standin_lock_has_the_real_locks_wildcard_form(standins):
+    assert REAL_REQUIRES_PYTHON == "==3.13.*"
+    want = REAL_REQUIRES_PYTHON if SpecifierSet(REAL_REQUIRES_PYTHON).contains(PY) else f"=={PY}.*"
+    assert pylock.requires_python(standins.project / "pylock.toml") == want
+
+
+@pytest.mark.parametrize(("version", "allowed"), [
+    ("3.13.0", True), ("3.13.5", True), ("3.13.11", True), ("3.13.1rc1", True),
+    ("3.12.9", False), ("3.14.0", False), ("3.14.0a1", False), ("3.1.3", False),
+])
+def test_the_real_requires_python_on_each_python(standins, stocked_wheelhouse, version, allowed):
+    spec = rebuild.specifier_set(REAL_REQUIRES_PYTHON, standins.project, stocked_wheelhouse)
+    assert spec.contains(version, prereleases=True) is allowed
+
+
+def lock_for_another_python(standins, tmp_path) -> tuple[Path, str]:
+    """The stand-in lock as the real one would be on this machine: requires-python for another Python."""
+    other = REAL_REQUIRES_PYTHON if not SpecifierSet(REAL_REQUIRES_PYTHON).contains(PY) else "==3.12.*"
     lock_dir = tmp_path / "lock"
     shutil.copytree(standins.project, lock_dir)
     pylock_file = lock_dir / "pylock.toml"
-    text = pylock_file.read_text()
-    assert 'requires-python = ">=' in text
-    pylock_file.write_text(re.sub(r'^requires-python = "[^"]*"', 'requires-python = "==3.99.*"', text,
-                                  flags=re.MULTILINE))
-    venv = tmp_path / "trainenv"
-    venv.mkdir()
-    (venv / "marker").write_text("keep")
-    with pytest.raises(rebuild.RebuildError, match=r"is Python 3\.\d+\.\d+, but the lock needs Python ==3\.99\.\*"):
-        rebuild.rebuild(venv, lock_dir, stocked_wheelhouse, standins.trainer_wheel, sys.executable, UV)
+    pylock_file.write_text(re.sub(r'^requires-python = "[^"]*"', f'requires-python = "{other}"',
+                                  pylock_file.read_text(), flags=re.MULTILINE))
+    return lock_dir, other
+
+
+def tree(root: Path) -> dict:
+    """Every entry under root: type and mode, mtime, content or link target (what "untouched" means)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        what = os.readlink(p) if p.is_symlink() else sha256_of(p) if p.is_file() else None
+        out[str(p.relative_to(root))] = (st.st_mode, st.st_mtime_ns, what)
+    return out
+
+
+@pytest.fixture
+def built_venv(clean_venv, tmp_path) -> Path:
+    """A copy of a venv rebuilt from the stand-in lock, with its build manifest beside it."""
+    venv = tmp_path / "site" / "trainenv"
+    shutil.copytree(clean_venv, venv, symlinks=True)
+    shutil.copy2(manifest.path_for(clean_venv), manifest.path_for(venv))
+    return venv
+
+
+def test_rebuild_refuses_a_python_the_lock_does_not_allow_before_touching_the_venv(standins, stocked_wheelhouse,
+                                                                                 built_venv, tmp_path):
+    lock_dir, other = lock_for_another_python(standins, tmp_path)
+    before = tree(built_venv.parent)
+    proc = subprocess.run([sys.executable, "-m", "dflash_image.rebuild", "--venv", built_venv, "--lock", lock_dir,
+                           "--wheelhouse", stocked_wheelhouse, "--trainer-wheel", standins.trainer_wheel,
+                           "--python", sys.executable, "--uv", UV], capture_output=True, text=True, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert re.search(rf"is Python {re.escape(platform.python_version())}, but the lock needs Python "
+                     rf"{re.escape(other)}: use a base with that Python", proc.stderr), proc.stderr
+    assert "uv venv" not in proc.stdout  # nothing was started
+    assert tree(built_venv.parent) == before  # the venv, its manifest, no .old beside it: untouched
     with pytest.raises(rebuild.RebuildError, match="cannot run .*no-such-python.* for the venv"):
-        rebuild.rebuild(venv, standins.project, stocked_wheelhouse, standins.trainer_wheel,
+        rebuild.rebuild(built_venv, standins.project, stocked_wheelhouse, standins.trainer_wheel,
                         str(tmp_path / "no-such-python"), UV)
-    assert (venv / "marker").read_text() == "keep"  # refused before anything was touched
+    assert tree(built_venv.parent) == before
+
+
+BARE = ("import sys; sys.path.insert(0, sys.argv.pop(1)); from pathlib import Path; import dflash_image.rebuild as r; "
+        "print(r.check_python(Path(sys.argv[1]), Path(sys.argv[2]), sys.executable)); import packaging; "
+        "print(packaging.__file__)")
+
+
+def bare_python_check(lock_dir: Path, wheelhouse_dir: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """check_python under this Python without site-packages (-I -S: no packaging), importing only what the
+    image build ships to its build stage, as a stock Debian's python3 runs it."""
+    from dflash_image import build
+
+    ctx = tmp_path / "ctx" / "dflash_image"
+    ctx.mkdir(parents=True)
+    for name in build.STAGE_MODULES:
+        shutil.copy2(REPO / "image" / name, ctx / name)
+    return subprocess.run([sys.executable, "-I", "-S", "-c", BARE, ctx.parent, lock_dir, wheelhouse_dir],
+                          capture_output=True, text=True, check=False)
+
+
+def test_a_bare_python_reads_requires_python_with_the_locks_own_packaging(standins, stocked_wheelhouse, tmp_path):
+    proc = bare_python_check(standins.project, stocked_wheelhouse, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    version, packaging_file = proc.stdout.split()
+    assert version == platform.python_version()
+    (wheel,) = stocked_wheelhouse.glob("packaging-*.whl")
+    assert packaging_file.startswith(str(wheel) + "/")  # imported from the hash-checked locked wheel
+    lock_dir, other = lock_for_another_python(standins, tmp_path)
+    proc = bare_python_check(lock_dir, stocked_wheelhouse, tmp_path / "b")
+    assert proc.returncode != 0 and f"but the lock needs Python {other}" in proc.stderr
+
+
+def test_a_bare_python_without_the_locks_packaging_wheel_is_told_the_fix(standins, stocked_wheelhouse, tmp_path):
+    wh = tmp_path / "wh"
+    shutil.copytree(stocked_wheelhouse, wh)
+    (wheel,) = wh.glob("packaging-*.whl")
+    wheel.write_bytes(wheel.read_bytes() + b"tampered")
+    proc = bare_python_check(standins.project, wh, tmp_path)
+    assert proc.returncode != 0
+    assert "no wheel of packaging from" in proc.stderr and "make wheelhouse" in proc.stderr

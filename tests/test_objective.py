@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from dflash_trainer.anchors import build_blocks, default_gamma, sample_anchors
 from dflash_trainer.loss import chunked_block_loss
-from dflash_trainer.mask import dense_mask, dflash_block_mask, reference_block_mask
+from dflash_trainer.mask import dense_mask, dflash_block_mask
 from torch.nn.attention.flex_attention import BlockMask
+
+from tests.helpers.attention import reference_block_mask
 
 
 def brute_force_mask(anchors, keep, block, ctx_len):
@@ -106,6 +108,7 @@ def test_chunked_loss_equals_the_full_computation():
     head = torch.randn(50, 16, generator=g)
     labels = torch.randint(50, (2, 24), generator=g)
     weights = torch.rand(2, 24, generator=g) * (torch.rand(2, 24, generator=g) > 0.3)
+    weights.view(2, 6, 4)[:, :, 0] = 0  # slot 0, the anchor, never carries loss (build_blocks)
     scale = torch.tensor(0.37, requires_grad=True)  # the backward must apply the incoming gradient
     x = hidden * scale  # and flow on to what produced the hidden states
     sums = chunked_block_loss(x, head, labels, weights, block_size=4, chunk_rows=7)
@@ -131,6 +134,7 @@ def test_chunked_loss_in_bf16_matches_the_fp32_reference():
     head = (torch.randn(300, 32, generator=g) * 0.3).bfloat16()
     labels = torch.randint(300, (1, 40), generator=g)
     weights = torch.rand(1, 40, generator=g)
+    weights.view(1, 5, 8)[:, :, 0] = 0  # slot 0, the anchor, never carries loss
     sums = chunked_block_loss(hidden.unsqueeze(0), head, labels, weights, block_size=8, chunk_rows=16)
     (grad,) = torch.autograd.grad(sums.weighted_ce, hidden)
     ref_h = hidden.detach().float().requires_grad_()

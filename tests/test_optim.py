@@ -84,17 +84,18 @@ def test_one_pass_refuses_what_it_cannot_step():
         MasterWeightAdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, one_pass=True)  # fp32: its own master
 
 
-def test_warm_compiles_the_one_graph_every_parameter_uses():
-    """After warm() (scratch tensors) the real parameters -- 1-D and 2-D, gradients that are views into
-    a bucket as under DDP -- must hit the same graph: a recompile would fail the run after warm-up."""
+def test_precompile_compiles_the_one_graph_every_parameter_uses():
+    """After precompile() (scratch tensors) the real parameters -- 1-D and 2-D, gradients that are views
+    into a bucket as under DDP -- must hit the same graph: a recompile would fail the run after the
+    compile step."""
+    from dflash_trainer.compile_guard import leave_run_phase
     from dflash_trainer.optim import adamw_one_pass_
-    from dflash_trainer.warmup import leave_run_phase
 
     torch._dynamo.reset()
     params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for s in [(64, 32), (128,), (30, 60)]]
     opt = MasterWeightAdamW(params, lr=1e-2, one_pass=True)
     opt._kernel = torch.compile(adamw_one_pass_, dynamic=True, fullgraph=True, backend="aot_eager")
-    opt.warm()
+    opt.precompile()
     bucket = torch.zeros(sum(p.numel() for p in params) + 64, dtype=torch.bfloat16)
     torch.compiler.set_stance("fail_on_recompile")
     try:

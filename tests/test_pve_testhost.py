@@ -13,6 +13,7 @@ from proxmoxer import ProxmoxAPI
 from proxmoxer.core import ResourceException
 
 from tests.pve_testhost.fixture import REPO_ROOT, missing_prerequisites
+from tests.pve_testhost.tasks import parse_upid
 from tests.pve_testhost.templates import PYTHON_TEMPLATE_NAME, TEMPLATE_NAME, build_test_template
 
 pytestmark = pytest.mark.lxc
@@ -65,15 +66,19 @@ def destroy(api, vmid):
     assert st["exitstatus"] == "OK"
 
 
+def api_request(h, method, path, token=True, **kwargs):
+    headers = {"Authorization": f"PVEAPIToken={h.token_id}={h.token_secret}"} if token else {}
+    return requests.request(method, f"{h.api_url}{path}", verify=h.ca_cert, headers=headers, **kwargs)
+
+
 def test_bad_parameters_get_pves_400_shape(pve_host):
-    r = requests.post(f"{pve_host.api_url}/nodes/pve/lxc", verify=pve_host.ca_cert,
-                      headers={"Authorization": f"PVEAPIToken={pve_host.token_id}={pve_host.token_secret}"},
-                      data={"vmid": "12", "ostemplate": "local:vztmpl/x.tar.zst", "cores": "many",
-                            "lxc.cgroup2.devices.allow": "c 195:* rwm"})
+    r = api_request(pve_host, "POST", "/nodes/pve/lxc",
+                    data={"vmid": "12", "ostemplate": "local:vztmpl/x.tar.zst", "cores": "many",
+                          "lxc.cgroup2.devices.allow": "c 195:* rwm"})
     assert r.status_code == 400
     assert r.reason == "Parameter verification failed."
-    assert r.json() == {"data": None, "errors": {
-        "vmid": "value must have a minimum value of 100",
+    assert r.json() == {"data": None, "message": "Parameter verification failed.\n", "errors": {
+        "vmid": "invalid format - value does not look like a valid VM ID\n",
         "cores": "type check ('integer') failed - got 'many'",
         "lxc.cgroup2.devices.allow": "property is not defined in schema and the schema does not allow "
                                      "additional properties"}}
@@ -82,21 +87,54 @@ def test_bad_parameters_get_pves_400_shape(pve_host):
     assert exc.value.status_code == 400 and "lxc.idmap" in exc.value.errors
 
 
+def test_error_bodies_carry_the_message_beside_errors(pve_host):
+    """pve-http-server Formatter/Standard.pm prepare_response_data (5.2+, fix #6503): an error answer
+    is {"data": null, "message": ...} plus "errors" for parameter errors; the reason phrase is the
+    message's first line (AnyEvent.pm response). The texts are pve-container's and pve-manager's."""
+    r = api_request(pve_host, "GET", "/nodes/pve/lxc/999/config")  # AbstractConfig.pm load_config
+    assert (r.status_code, r.reason) == (500, "Configuration file 'nodes/pve/lxc/999.conf' does not exist")
+    assert r.json() == {"data": None, "message": "Configuration file 'nodes/pve/lxc/999.conf' does not exist\n"}
+    r = api_request(pve_host, "GET", "/nodes/pve/nosuch")  # HTTPServer.pm rest_handler
+    assert r.status_code == 501
+    assert r.json() == {"data": None, "message": "Method 'GET /nodes/pve/nosuch' not implemented"}
+    r = api_request(pve_host, "POST", "/nodes/pve/lxc", data={"vmid": "150", "ostemplate": "local:vztmpl/x.tar.zst",
+                                                               "dev0": "/dev/nvidia0"})
+    assert (r.status_code, r.json()) == (403, {"data": None, "message": "Permission check failed (configuring "
+                                               "device passthrough is only allowed for root@pam)\n"})
+    r = api_request(pve_host, "GET", "/nodes/pve2/lxc")  # proxied to a node the cluster lacks
+    assert r.status_code == 500 and r.json()["message"] == (
+        "hostname lookup 'pve2' failed - failed to get address info for: pve2: Name or service not known\n")
+    r = api_request(pve_host, "PUT", "/nodes/pve/lxc/999/config", data={"vmid": "998", "memory": "1024"})
+    assert r.status_code == 400 and r.json()["errors"] == {
+        "vmid": "duplicate parameter (already defined in URI) with conflicting values!"}
+
+
 def test_auth_modes_and_refusals(pve_host):
+    """pve-manager HTTPServer.pm auth_handler and pve-http-server AnyEvent.pm: a failed login check is
+    a 401 whose reason is the error and which has no body at all; a wrong password at /access/ticket
+    (pve-access-control API2/AccessControl.pm create_ticket) is an ordinary error answer."""
     url = f"{pve_host.api_url}/version"
-    assert requests.get(url, verify=pve_host.ca_cert).status_code == 401
+    no_auth = requests.get(url, verify=pve_host.ca_cert)
+    assert (no_auth.status_code, no_auth.reason, no_auth.content) == (401, "No ticket", b"")
     bad = {"Authorization": f"PVEAPIToken={pve_host.token_id}=wrong"}
-    assert requests.get(url, verify=pve_host.ca_cert, headers=bad).status_code == 401
+    wrong_token = requests.get(url, verify=pve_host.ca_cert, headers=bad)
+    assert (wrong_token.status_code, wrong_token.reason, wrong_token.content) == (401, "Authentication failed!", b"")
+    unknown_path = requests.get(f"{pve_host.api_url}/nodes/pve/nosuch", verify=pve_host.ca_cert)
+    assert unknown_path.status_code == 401  # authentication comes before routing
     login = requests.post(f"{pve_host.api_url}/access/ticket", verify=pve_host.ca_cert,
                           data={"username": "root@pam", "password": pve_host.root_password}).json()["data"]
     cookies = {"PVEAuthCookie": login["ticket"]}
     assert requests.get(url, verify=pve_host.ca_cert, cookies=cookies).json()["data"]["release"] == "9.1"
+    bad_ticket = requests.get(url, verify=pve_host.ca_cert, cookies={"PVEAuthCookie": login["ticket"][:-4] + "0000"})
+    assert (bad_ticket.status_code, bad_ticket.reason, bad_ticket.content) == (401, "Authentication failed!", b"")
     no_csrf = requests.put(f"{pve_host.api_url}/nodes/pve/lxc/100/config", verify=pve_host.ca_cert,
                            cookies=cookies, data={"memory": "1024"})
-    assert (no_csrf.status_code, no_csrf.reason) == (401, "Permission denied - invalid csrf token")
+    assert (no_csrf.status_code, no_csrf.reason, no_csrf.content) == (
+        401, "Permission denied - invalid csrf token", b"")
     wrong = requests.post(f"{pve_host.api_url}/access/ticket", verify=pve_host.ca_cert,
                           data={"username": "root@pam", "password": "nope"})
-    assert wrong.status_code == 401 and wrong.json() == {"data": None}
+    assert (wrong.status_code, wrong.reason) == (401, "authentication failure")
+    assert wrong.json() == {"data": None, "message": "authentication failure\n"}
     assert root_api(pve_host).version.get()["version"].startswith("9.")
 
 
@@ -276,3 +314,173 @@ def test_up_and_down_commands_clean_up(tmp_path):
                           capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=120, check=False)
     assert down.returncode == 0, down.stderr
     assert not Path(f"/proc/{info['pid']}").exists() and not (state / "connection.json").exists()
+
+
+def test_description_is_accepted_stored_and_returned_like_pve(pve_host, template):
+    """pve-container: create_vm and update_vm take description; write_pct_config stores it as
+    '#'-comment lines (encode_text); GET config (parse_pct_config) returns it with a newline per line;
+    it is fast-plugged ($LXC_FASTPLUG_OPTIONS), so a running CT takes it at once; pct config prints it
+    encoded on one line (CLI/pct.pm)."""
+    api = root_api(pve_host)
+    create(api, 190, template, hostname="described", description="GPU trainer: 2 x H200\n100% busy")
+    assert api.nodes("pve").lxc(190).config.get()["description"] == "GPU trainer: 2 x H200\n100% busy\n"
+    assert pve_host.pve_conf(190).read_text().splitlines()[:2] == ["#GPU trainer%3A 2 x H200", "#100%25 busy"]
+    wait_task(api, api.nodes("pve").lxc(190).status.start.post())
+    token_api(pve_host).nodes("pve").lxc(190).config.put(description="retrained")
+    assert api.nodes("pve").lxc(190).config.get(current=1)["description"] == "retrained\n"
+    assert "description" not in [p["key"] for p in api.nodes("pve").lxc(190).pending.get() if "pending" in p]
+    assert "description: retrained%0A" in pve_host.ssh("pct config 190").stdout.splitlines()
+    api.nodes("pve").lxc(190).config.put(delete="description")
+    assert "description" not in api.nodes("pve").lxc(190).config.get()
+    assert not pve_host.pve_conf(190).read_text().startswith("#")
+    destroy(api, 190)
+
+
+def test_tasks_of_an_api_token_report_user_and_tokenid(pve_host, template):
+    """The UPID carries the token id as the user (HTTPServer.pm auth_handler: the token id is the
+    user; pve-common UPID.pm encode); pve-manager API2/Tasks.pm read_task_status and node_tasks split
+    it into user 'root@pam' and tokenid 'ci' (convert_token_task). Ticket tasks have no tokenid."""
+    tok, root = token_api(pve_host), root_api(pve_host)
+    upid = create(tok, 191, template)
+    assert f":vzcreate:191:{pve_host.token_id}:" in upid
+    st = tok.nodes("pve").tasks(upid).status.get()
+    assert (st["user"], st["tokenid"], st["exitstatus"], st["upid"]) == ("root@pam", "ci", "OK", upid)
+    listed = {t["upid"]: t for t in tok.nodes("pve").tasks.get(vmid=191)}
+    assert (listed[upid]["user"], listed[upid]["tokenid"], listed[upid]["status"]) == ("root@pam", "ci", "OK")
+    assert listed[upid]["endtime"] >= listed[upid]["starttime"]
+    assert [t["tokenid"] for t in tok.cluster.tasks.get() if t["upid"] == upid] == ["ci"]
+    start = root.nodes("pve").lxc(191).status.start.post()
+    wait_task(root, start)
+    st = root.nodes("pve").tasks(start).status.get()
+    assert st["user"] == "root@pam" and "tokenid" not in st
+    by_type = tok.nodes("pve").tasks.get(typefilter="vzstart", vmid=191, userfilter="root@pam")
+    assert [t["upid"] for t in by_type] == [start]
+    # a failed task lists under errors=1; a bad or unknown UPID is a parameter error, as on PVE
+    assert upid not in [t["upid"] for t in tok.nodes("pve").tasks.get(errors=1)]
+    r = api_request(pve_host, "GET", f"/nodes/pve/tasks/{upid.replace(':vzcreate:', ':vzstart:')}/status")
+    assert (r.status_code, r.json()["errors"]) == (400, {"upid": "no such task"})
+    r = api_request(pve_host, "GET", "/nodes/pve/tasks/UPID:nonsense/status")
+    assert (r.status_code, r.json()["errors"]) == (400, {"upid": "unable to parse worker upid"})
+    destroy(root, 191)
+
+
+def test_status_current_always_has_swap_and_a_stopped_ct_reports_its_rootfs_size(pve_host, template):
+    """pve-container LXC.pm vmstatus: mem and swap are always there (0 for a stopped CT, the cgroup's
+    counters for a running one); a stopped CT's maxdisk is its rootfs size= (4 GiB without one),
+    maxswap the configured swap; API2/LXC/Status.pm vm_status adds the HA state."""
+    api = token_api(pve_host)
+    create(api, 192, template, rootfs="local:2", swap=256, memory=1024, cores=2)
+    st = api.nodes("pve").lxc(192).status.current.get()
+    assert (st["status"], st["maxdisk"], st["disk"], st["swap"], st["mem"]) == ("stopped", 2 * 1024 ** 3, 0, 0, 0)
+    assert (st["maxswap"], st["maxmem"], st["cpus"], st["ha"]) == (256 * 1024 ** 2, 1024 ** 3, 2, {"managed": 0})
+    assert "template" not in st and "pid" not in st
+    wait_task(api, api.nodes("pve").lxc(192).status.start.post())
+    st = api.nodes("pve").lxc(192).status.current.get()
+    assert st["status"] == "running" and st["pid"] > 1 and st["mem"] > 0
+    assert isinstance(st["swap"], int) and st["maxdisk"] == 2 * 1024 ** 3
+    listed = {c["vmid"]: c for c in api.nodes("pve").lxc.get()}[192]  # vmlist: the same entries, less ha
+    assert set(st) - set(listed) == {"ha"} and listed["maxdisk"] == 2 * 1024 ** 3 and "swap" in listed
+    destroy(api, 192)
+
+
+def test_delete_content_routes_volume_ids_with_slashes(pve_host, template, tmp_path):
+    """pve-storage API2/Storage/Status.pm mounts Content with fragmentDelimiter '' (the rest of the
+    path is the volume id, slashes and all); Content.pm delete resolves it (real_volume_id) and runs
+    an 'imgdel' task with the storage as its id that logs "Removed volume '<volid>'"."""
+    api = token_api(pve_host)
+    names = [f"debian-12-scratch{i}_1.0-1_amd64.tar.zst" for i in range(3)]
+    src = build_test_template(REPO_ROOT / "build" / "testhost")
+    for name in names:
+        copy = tmp_path / name
+        copy.write_bytes(src.read_bytes())
+        with open(copy, "rb") as fh:
+            wait_task(api, api.nodes("pve").storage("local").upload.post(content="vztmpl", filename=fh))
+    volids = [f"local:vztmpl/{n}" for n in names]
+    assert set(volids) <= {i["volid"] for i in api.nodes("pve").storage("local").content.get(content="vztmpl")}
+    upids = [api.nodes("pve").storage("local").content(volids[0]).delete()]  # proxmoxer: a literal '/'
+    r = api_request(pve_host, "DELETE", f"/nodes/pve/storage/local/content/local%3Avztmpl%2F{names[1]}")
+    upids.append(r.json()["data"])
+    r = api_request(pve_host, "DELETE", f"/nodes/pve/storage/local/content/vztmpl/{names[2]}")  # no storage prefix
+    upids.append(r.json()["data"])
+    for upid, volid in zip(upids, volids):
+        assert parse_upid(upid)["type"] == "imgdel" and parse_upid(upid)["id"] == "local"
+        st, _ = wait_task(api, upid)
+        assert st["exitstatus"] == "OK"
+        assert f"Removed volume '{volid}'" in [line["t"] for line in api.nodes("pve").tasks(upid).log.get()]
+    left = {i["volid"] for i in api.nodes("pve").storage("local").content.get(content="vztmpl")}
+    assert not set(volids) & left and template in left
+    # a volume that is not there: PVE's free_image only warns (plain warn, no WARNINGS count)
+    upid = api.nodes("pve").storage("local").content("local:vztmpl/gone_1.0_amd64.tar.zst").delete()
+    st, _ = wait_task(api, upid)
+    assert st["exitstatus"] == "OK"
+    assert [line["t"] for line in api.nodes("pve").tasks(upid).log.get()][:2] == [
+        "disk image '/var/lib/vz/template/cache/gone_1.0_amd64.tar.zst' does not exist",
+        "Removed volume 'local:vztmpl/gone_1.0_amd64.tar.zst'"]
+    r = api_request(pve_host, "DELETE", "/nodes/pve/storage/local/content/other:vztmpl/x.tar.zst")
+    assert (r.status_code, r.json()["errors"]) == (400, {"volume": "storage ID mismatch (other != local)\n"})
+
+
+def test_create_with_a_missing_template_fails_in_its_task_like_pve(pve_host):
+    """pve-container API2/LXC.pm create_vm checks only the volume id before forking
+    (pve-storage Storage.pm check_volume_access); the vzcreate task then fails where it opens the
+    archive (Plugin.pm activate_volume: "volume '<volid>' does not exist", warned once by
+    LXC/Create.pm archive_is_oci_format), prefixed "unable to create CT <vmid> - "."""
+    api = token_api(pve_host)
+    volid = "local:vztmpl/debian-12-missing_1.0-1_amd64.tar.zst"
+    upid = api.nodes("pve").lxc.post(vmid=193, ostemplate=volid)
+    st, _ = wait_task(api, upid)
+    assert st["exitstatus"] == f"unable to create CT 193 - volume '{volid}' does not exist"
+    lines = [line["t"] for line in api.nodes("pve").tasks(upid).log.get()]
+    assert lines[-2:] == [f"volume '{volid}' does not exist",
+                          f"TASK ERROR: unable to create CT 193 - volume '{volid}' does not exist"]
+    assert not pve_host.container_exists(193)
+    with pytest.raises(ResourceException) as exc:  # a volume of the wrong content type: refused at once
+        api.nodes("pve").lxc.post(vmid=193, ostemplate="local:iso/debian.iso")
+    assert exc.value.status_code == 500
+    assert exc.value.content == "unable to use volume local:iso/debian.iso - content type needs to be 'vztmpl'"
+    with pytest.raises(ResourceException, match="storage 'nfs' does not exist"):
+        api.nodes("pve").lxc.post(vmid=193, ostemplate="nfs:vztmpl/x.tar.zst")
+
+
+def test_create_refusals_carry_pves_schema_messages(pve_host):
+    """The 400 bodies for a vmid below 100 (pve_verify_vmid), an IPv4 without prefix in net0
+    (pve-container $netconf_desc ip: pve-ipv4-config) and a hostname with '_' (dns-name), all from
+    pve-common JSONSchema.pm."""
+    base = {"ostemplate": "local:vztmpl/x.tar.zst"}
+    cases = [({"vmid": "99"}, {"vmid": "invalid format - value does not look like a valid VM ID\n"}),
+             ({"vmid": "194", "net0": "name=eth0,bridge=vmbr0,ip=192.168.1.20"},
+              {"net0": "invalid format - format error\nnet0.ip: invalid format - value does not look like a "
+                       "valid ipv4 network configuration\n\n"}),
+             ({"vmid": "194", "hostname": "gpu_trainer"},
+              {"hostname": "invalid format - value does not look like a valid DNS name\n"})]
+    for params, errors in cases:
+        r = api_request(pve_host, "POST", "/nodes/pve/lxc", data={**base, **params})
+        assert (r.status_code, r.json()) == (400, {"data": None, "errors": errors,
+                                                   "message": "Parameter verification failed.\n"})
+    assert not pve_host.container_exists(194)
+
+
+def test_config_updates_answer_like_update_vm(pve_host, template):
+    """pve-container API2/LXC/Config.pm update_vm and LXC/Config.pm update_pct_config refusals."""
+    api = root_api(pve_host)
+    create(api, 195, template)
+    ct = api.nodes("pve").lxc(195)
+    with pytest.raises(ResourceException) as exc:
+        ct.config.put(delete="colour")
+    assert exc.value.errors == {"delete": "unknown option 'colour'"}
+    with pytest.raises(ResourceException) as exc:
+        ct.config.put(memory=1024, delete="memory")
+    assert exc.value.errors == {"delete": "you can't use '-memory' and -delete memory' at the same time"}
+    with pytest.raises(ResourceException, match="unable to delete required option 'rootfs'"):
+        ct.config.put(delete="rootfs")
+    with pytest.raises(ResourceException, match="unable to modify read-only option: 'unprivileged'"):
+        ct.config.put(unprivileged=0)
+    with pytest.raises(ResourceException, match="no options specified"):
+        ct.config.put()
+    ct.config.put(delete="searchdomain")  # not set: PVE warns and carries on
+    with pytest.raises(ResourceException, match=r"CT 195 already exists on node 'pve'"):
+        api.nodes("pve").lxc.post(vmid=195, ostemplate=template, force=1)  # force only counts with restore
+    destroy(api, 195)
+    create(api, 196, template, unprivileged=0)  # create_vm writes 'unprivileged: 1' or nothing
+    assert "unprivileged" not in api.nodes("pve").lxc(196).config.get()
+    destroy(api, 196)

@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -59,9 +60,18 @@ def inventory(prov: Provision, vmid: int, **group_vars) -> Path:
 
 
 def doctor(prov: Provision, vmid: int) -> tuple[int, dict]:
-    res = prov.host.exec_in_container(vmid, [f"{VENV}/bin/python", "-m", "dflash_image.doctor", "--json"])
+    res = prov.host.exec_in_container(vmid, [f"{VENV}/bin/dflash-doctor", "--json"])
     assert res.returncode in (0, 1), res.stderr
     return res.returncode, json.loads(res.stdout)
+
+
+# Every entry of /opt (the venv, its manifest, anything beside them) with mode, mtime and content.
+UNTOUCHED = ("""python3 -c 'import hashlib, os
+for d, dirs, files in sorted(os.walk("/opt")):
+    for n in sorted(dirs + files):
+        p = os.path.join(d, n); st = os.lstat(p)
+        body = os.readlink(p) if os.path.islink(p) else hashlib.sha256(open(p, "rb").read()).hexdigest() if os.path.isfile(p) else ""
+        print(p, st.st_mode, st.st_mtime_ns, body)'""")
 
 
 def in_ct(prov: Provision, vmid: int, script: str) -> str:
@@ -90,6 +100,7 @@ def test_stock_template_gets_the_venv_and_the_doctor_is_clean(stock, vprov, stan
     assert in_ct(vprov, STOCK, f"cat {VENV}/pyvenv.cfg").count("home = /usr/bin") == 1
     locked = (standins.project / "pylock.toml").read_text()
     assert in_ct(vprov, STOCK, f"cat {VENV}/dflash-lock/pylock.toml") == locked
+    assert report["manifest"] == f"{VENV}.manifest.json"  # the build manifest, beside the venv
     # files copied, not hard-linked (nothing outside the venv shares an inode with it)
     links = in_ct(vprov, STOCK, f"find {VENV} -type f -links +1")
     assert links == "", links
@@ -126,16 +137,20 @@ def test_stock_planted_drift_is_reported_with_the_fix_then_fixed(stock, vprov, i
     assert "extra: sglang 0.5.0 is installed but not in the lock" in text
     assert f'make provision INVENTORY={inv} ARGS="--limit ct{STOCK} -e training_venv_on_drift=rebuild"' in text
     assert ("extra", "sglang") in {(f["kind"], f["package"]) for f in doctor(vprov, STOCK)[1]["findings"]}
-    # a lock for another Python (a Debian 12 base for the 3.13 lock): refused before the venv is touched
-    other = vprov.workdir / "lock-3.99"
+    # the real lock (==3.13.*) on this Debian 12 container's python3 (3.11): refused before the venv is touched,
+    # by the container's bare python3 (no packaging: it reads requires-python with the lock's own wheel)
+    real = tomllib.loads((REPO / "image/env/pyproject.toml").read_text())["project"]["requires-python"]
+    other = vprov.workdir / "lock-real-python"
     shutil.copytree(standins.project, other, dirs_exist_ok=True)
     pylock_file = other / "pylock.toml"
-    pylock_file.write_text(re.sub(r'^requires-python = "[^"]*"', 'requires-python = "==3.99.*"',
+    pylock_file.write_text(re.sub(r'^requires-python = "[^"]*"', f'requires-python = "{real}"',
                                   pylock_file.read_text(), flags=re.MULTILINE))
+    before = in_ct(vprov, STOCK, UNTOUCHED)
     proc = vprov.run(inventory(vprov, STOCK, **dict(inputs, training_venv_lock_dir=str(other))),
                      "-e", "training_venv_on_drift=rebuild")
     assert proc.returncode != 0
-    assert re.search(r"is Python 3\.\d+\.\d+, but the lock needs Python ==3\.99\.\*", failure_text(proc))
+    assert re.search(rf"is Python 3\.11\.\d+, but the lock needs Python {re.escape(real)}", failure_text(proc))
+    assert in_ct(vprov, STOCK, UNTOUCHED) == before
     assert ("extra", "sglang") in {(f["kind"], f["package"]) for f in doctor(vprov, STOCK)[1]["findings"]}
     # check mode: would rebuild, touches nothing
     proc = vprov.run(inv, "--check", "-e", "training_venv_on_drift=rebuild")
@@ -195,6 +210,7 @@ def test_frozen_template_only_runs_the_doctor(frozen, vprov):
     assert "rebuild.yml" not in proc.stdout
     rc, report = doctor(vprov, FROZEN)
     assert rc == 0 and report["clean"], report["findings"]
+    assert report["manifest"] == f"{VENV}.manifest.json"
 
 
 def test_frozen_template_drift_names_the_inputs_to_fix_it(frozen, vprov):

@@ -1,6 +1,6 @@
 """The one compiled flex_attention per process, and the guards that keep the run phase off the dense path.
 
-Why this file exists (see shared/notes/compile-race.md): an uncompiled flex_attention call is not an
+Why this file exists (README, "Troubleshooting the trainer"): an uncompiled flex_attention call is not an
 error in torch, it is a silent fallback to a math path that materializes fp32 B*H*L*S scores (305 GB at
 H=32, L=32768, S=72768). It happens when the FX-tracing flag is set while a compiled call enters (torch
 2.11-2.13 keep that flag in a process global), with `error_on_nested_fx_trace` switched off, under a
@@ -9,15 +9,12 @@ H=32, L=32768, S=72768). It happens when the FX-tracing flag is set while a comp
 - `attend` is the only run-phase call site. It calls the module-level compiled flex (`FLEX`) and refuses
   to enter it while an FX trace is active, instead of letting dynamo raise or fall back. Inside a
   compiled drafter layer (objective.COMPILED_LAYER, the default on GPUs) it inlines flex_attention
-  into that layer's graph instead: that graph is compiled in the warm-up like FLEX.
+  into that layer's graph instead: that graph is compiled in the compile step like FLEX.
 - `install_dense_guards` turns every eager flex_attention entry into an error and puts a size tripwire on
   the math path itself, so a fallback that bypasses `attend` still stops with a named error.
-- `check_dense_would_not_fit` says, before step 1, what a dense fallback would cost, and refuses when it
-  would not fit while nothing stops it. The trainer itself installs the guards in its compile step (so a
-  fallback raises instead); its sdpa path checks `dense_risk` (compile_step.check_dense_fits).
-- `build_block_mask` is the one compiled `create_block_mask`, for masks given as a mask_mod (the memory
-  probe, the guard tests); compile it for every bucket during warm-up. The trainer's DFlash masks need no
-  compile at all: mask.dflash_block_mask computes them from the anchors.
+- `dense_risk` says what a dense fallback would cost; the sdpa path refuses shapes where it would not
+  fit (compile_step.check_dense_fits). The DFlash masks need no compiled create_block_mask at all:
+  mask.dflash_block_mask computes them from the anchors.
 
 Everything here relies on private torch names; each is looked up by name and fails with a clear error
 naming the torch version when it is missing (checked on 2.13; the notes read them in 2.11-2.14).
@@ -32,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 __all__ = [
     "FLEX",
@@ -42,27 +39,20 @@ __all__ = [
     "PrivateTorchAPIError",
     "RecompileError",
     "attend",
-    "build_block_mask",
-    "check_dense_would_not_fit",
     "dense_guards_installed",
     "dense_risk",
     "dense_scores_bytes",
-    "fused_memory_probe",
     "fx_tracing_active",
     "install_dense_guards",
-    "remove_dense_guards",
 ]
 
 # One compiled object per process (torchtitan does the same): every call site shares its guards and
-# its recompile budget, so warm-up can cover all of them. dynamic=False: buckets give static shapes.
+# its recompile budget, so the compile step can cover all of them. dynamic=False: buckets give static shapes.
 FLEX = torch.compile(flex_attention, dynamic=False, fullgraph=True)
-_COMPILED_CREATE_BLOCK_MASK = torch.compile(create_block_mask, dynamic=False, fullgraph=True)
 
 # The start of flex's eager-path warning (torch/nn/attention/flex_attention.py, `_warn_once`).
 EAGER_FLEX_WARNING = "flex_attention called without torch.compile"
 _EAGER_FLEX_WARNING_ID = "flex_attention_performance"
-# Shapes at or below one 128x128 tile build their mask eagerly: compiling would cost more than it saves.
-_EAGER_MASK_MAX_LEN = 128
 # fp32 score copies the eager math path holds at its peak (measured 3.3 on an H200, see the notes).
 DENSE_PEAK_COPIES = 3.3
 # Default tripwire: a real dense score tensor above this size is a fallback, not a unit test.
@@ -78,7 +68,7 @@ class DenseFallbackError(RuntimeError):
 
 
 class RecompileError(RuntimeError):
-    """A compiled call met a shape or grad mode that warm-up did not cover."""
+    """A compiled call met a shape or grad mode that the compile step did not cover."""
 
 
 class PrivateTorchAPIError(RuntimeError):
@@ -134,7 +124,7 @@ def attend(
     """flex_attention through the process's one compiled object; never a silent dense fallback.
 
     q [B, Hq, L, D], k/v [B, Hkv, S, D]; block_mask built for (L, S). Raises CompileRaceError if an FX trace
-    is active, RecompileError for a shape warm-up did not cover (once warm-up set fail_on_recompile),
+    is active, RecompileError for a shape the compile step did not cover (once it set fail_on_recompile),
     DenseFallbackError if the call ran eagerly anyway (with install_dense_guards).
     """
     if torch.compiler.is_compiling():
@@ -146,7 +136,7 @@ def attend(
             "set). In torch 2.11-2.13 that flag is process-global, so another thread compiling or tracing "
             "(a lazy backward compile, torch.compile(create_block_mask), make_fx) makes every compiled call "
             "raise or, with error_on_nested_fx_trace switched off, run dense attention. Compile everything in the "
-            "serialized warm-up (dflash_trainer.warmup.warm_up), one process per GPU, before step 1."
+            "serialized compile step (dflash_trainer.compile_guard.compile_variants), one process per GPU, before step 1."
         )
     q_len, kv_len = block_mask.seq_lengths
     if q.shape[-2] != q_len or k.shape[-2] != kv_len:
@@ -170,9 +160,9 @@ def attend(
         if not _is_recompile_failure(err):
             raise
         raise RecompileError(
-            f"flex_attention met a variant warm-up did not compile: q {tuple(q.shape)} {q.dtype}, "
+            f"flex_attention met a variant the compile step did not compile: q {tuple(q.shape)} {q.dtype}, "
             f"k {tuple(k.shape)}, grad {'on' if torch.is_grad_enabled() else 'off'}, mask ({q_len}, "
-            f"{kv_len}). Pad to one of the warmed buckets, or add this one to the warm-up variants."
+            f"{kv_len}). Pad to one of the compiled buckets (data.context_buckets), or add this one to them."
         ) from err
 
 
@@ -206,7 +196,7 @@ def _make_tripwire(inner: Callable) -> Callable:
                     f"flex_attention's unfused math path was about to materialize fp32 scores of "
                     f"[{b}, {h}, {q_len}, {kv_len}] = {nbytes / 2**30:.2f} GiB per copy (limit "
                     f"{_guard_state['limit_bytes'] / 2**30:.2f} GiB). flex_attention ran without "
-                    "torch.compile (or under aot_eager); call dflash_trainer.attention.attend after warm-up."
+                    "torch.compile (or under aot_eager); call dflash_trainer.attention.attend after the compile step."
                 )
         return inner(query, key, *args, **kwargs)
 
@@ -240,21 +230,6 @@ def install_dense_guards(limit_bytes: int = DEFAULT_DENSE_LIMIT_BYTES) -> None:
         _guard_state["original"] = inner
         hop_module._math_attention_inner = _make_tripwire(inner)
     _guard_state["installed"] = True
-
-
-def remove_dense_guards() -> None:
-    """Undo install_dense_guards (tests, and code that needs flex's eager path on purpose)."""
-    hop_module = importlib.import_module("torch._higher_order_ops.flex_attention")
-    if _guard_state["original"] is not None:
-        hop_module._math_attention_inner = _guard_state["original"]
-        _guard_state["original"] = None
-    warnings.filters[:] = [
-        f
-        for f in warnings.filters
-        if not (f[0] == "error" and f[1] is not None and f[1].pattern == EAGER_FLEX_WARNING)
-    ]
-    _guard_state["installed"] = False
-    _guard_state["shown"] = None
 
 
 def dense_guards_installed() -> bool:
@@ -308,104 +283,3 @@ def dense_risk(
     if free_bytes is None and device is not None and torch.device(device).type == "cuda":
         free_bytes = torch.cuda.mem_get_info(torch.device(device))[0]
     return DenseRisk(score, int(score * DENSE_PEAK_COPIES), free_bytes)
-
-
-def check_dense_would_not_fit(batch: int, heads: int, q_len: int, kv_len: int, **where) -> DenseRisk:
-    """Preflight before step 1: refuse to start when a dense fallback would not fit and nothing stops it.
-
-    Returns the DenseRisk so the trainer can log `risk.explain()`. Raises DenseFallbackError when the
-    dense path would not fit in memory and install_dense_guards() has not run: a fallback would then end
-    in an out-of-memory error deep in the step instead of an error that names the cause.
-    """
-    risk = dense_risk(batch, heads, q_len, kv_len, **where)  # where: device=..., free_bytes=...
-    if not risk.fits and not dense_guards_installed():
-        raise DenseFallbackError(
-            f"{risk.explain()} for batch={batch}, heads={heads}, q_len={q_len}, kv_len={kv_len}, and the "
-            "dense-path guards are not installed. Call dflash_trainer.attention.install_dense_guards() "
-            "before warm-up so a fallback stops with a clear error instead of running out of memory."
-        )
-    return risk
-
-
-def fused_memory_probe(
-    batch: int,
-    heads: int,
-    q_len: int,
-    kv_len: int,
-    head_dim: int,
-    device: torch.device | str,
-    dtype: torch.dtype = torch.bfloat16,
-) -> tuple[int, int]:
-    """Run one no-grad compiled attention and compare its peak memory with one dense score copy.
-
-    Returns (peak_delta_bytes, dense_score_bytes); raises DenseFallbackError when the peak exceeds a
-    quarter of one dense copy (the fused kernel needs O(B*H*L*D), the math path >3 copies). CUDA only.
-    It compiles a (no-grad) variant of its own: run it inside warm-up (as one of the probe's variants),
-    never after. Measured on an H200 at L=S=8192, H=16: fused +17 MiB vs 4 GiB per dense copy.
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"fused_memory_probe measures CUDA memory; got device {device}")
-
-    def full(b, h, q_idx, kv_idx):
-        return q_idx >= 0
-
-    mask = build_block_mask(full, batch, q_len, kv_len, device)
-    q = torch.randn(batch, heads, q_len, head_dim, device=device, dtype=dtype)
-    k = torch.randn(batch, heads, kv_len, head_dim, device=device, dtype=dtype)
-    v = torch.randn_like(k)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    with torch.no_grad():
-        out = attend(q, k, v, mask)
-    torch.cuda.synchronize(device)
-    peak_delta = torch.cuda.max_memory_allocated(device) - before
-    del out
-    dense = dense_scores_bytes(batch, heads, q_len, kv_len)
-    if peak_delta > dense // 4:
-        raise DenseFallbackError(
-            f"attention over [{batch}, {heads}, {q_len}, {kv_len}] peaked at {peak_delta / 2**20:.0f} MiB, "
-            f"more than a quarter of one dense score copy ({dense / 2**20:.0f} MiB): it is not running the "
-            "fused kernel. Check that torch.compile uses Inductor (not eager/aot_eager) on this device."
-        )
-    return peak_delta, dense
-
-
-# ---------------------------------------------------------------------------------------------------
-# Block masks
-# ---------------------------------------------------------------------------------------------------
-
-
-def build_block_mask(
-    mask_mod: Callable,
-    B: int | None,
-    Q_LEN: int,
-    KV_LEN: int,
-    device: torch.device | str,
-    compiled: bool = True,
-    H: int | None = None,
-) -> BlockMask:
-    """create_block_mask through the process's one compiled builder, eager for tiny shapes or on request.
-
-    The compiled builder traces on every new (Q_LEN, KV_LEN): call it for every bucket inside warm-up.
-    After warm-up (fail_on_recompile) a warmed shape runs without tracing and an unseen one raises. Eager
-    building does no tracing but materializes a B*H*Q_LEN*KV_LEN boolean mask. Define mask_mod at module
-    level or as a closure over fixed-shape tensors (the guards check the code object and tensor shapes).
-    """
-    if not compiled or (Q_LEN <= _EAGER_MASK_MAX_LEN and KV_LEN <= _EAGER_MASK_MAX_LEN):
-        return create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=device)
-    if fx_tracing_active():
-        raise CompileRaceError(
-            "build_block_mask(compiled=True) was called while an FX trace is active; build block masks "
-            "in the serialized warm-up or in the process's only thread."
-        )
-    try:
-        return _COMPILED_CREATE_BLOCK_MASK(mask_mod, B, H, Q_LEN, KV_LEN, device=device)
-    except Exception as err:
-        if not _is_recompile_failure(err):
-            raise
-        raise RecompileError(
-            f"the compiled create_block_mask met (B={B}, H={H}, Q_LEN={Q_LEN}, KV_LEN={KV_LEN}) after "
-            "warm-up; pad to a warmed bucket or add it to the warm-up variants."
-        ) from err

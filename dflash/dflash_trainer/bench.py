@@ -1,8 +1,9 @@
 """Drafter-step benchmark: `make bench` / `python -m dflash_trainer.bench --preset qwen3-8b`.
 
-Times the full drafter training step (block inputs, drafter forward, chunked LM head + CE,
-backward, fp32-master AdamW) at a fixed shape after the serialized compile step, and reports step
-time, context tokens/s, MFU (shared/notes/performance.md convention) and peak memory. With
+Times the full drafter training step (step.DrafterStep, the trainer's own: block inputs, drafter
+forward, chunked LM head + CE, backward, fp32-master AdamW) at a fixed shape after the serialized
+compile step, and reports step time, context tokens/s, MFU (against the GPU's dense bf16 datasheet
+peak, README "Performance") and peak memory. With
 --with-target a random-weight target of the preset's shape produces the features, as in a
 one-GPU run; without it the features are random (the drafter step alone).
 """
@@ -21,12 +22,13 @@ from transformers import Qwen3Config
 
 from .anchors import sample_anchors
 from .attention import dense_scores_bytes
-from .compile_step import warm_drafter
-from .flops import drafter_step_flops, peak_flops
+from .compile_step import compile_drafter_step
+from .flops import peak_flops
 from .mask import dflash_block_mask
 from .model import DFlashDrafter, DrafterShape, drafter_config
-from .objective import drafter_loss, prepare_micro_batch
 from .optim import MasterWeightAdamW
+from .sources import FeatureBatch, Wait
+from .step import DrafterStep, StepClock, phase
 
 PRESETS = {
     # Qwen3-8B and its published drafter (z-lab/Qwen3-8B-DFlash-b16).
@@ -62,7 +64,7 @@ def make_assets(root: Path, preset: str, seq: int, rows: int) -> None:
     """
     from transformers import Qwen3ForCausalLM
 
-    from .tiny import build_tokenizer, read_corpus
+    from .embedded import build_tokenizer, read_corpus
 
     cfg = Qwen3Config(**PRESETS[preset]["target"], tie_word_embeddings=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,9 +94,11 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the timed steps")
     p.add_argument("--no-memory-probe", action="store_true", help="skip the attention memory probe")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps after the compile step")
+    p.add_argument("--untimed-steps", type=int, default=2, help="steps run after the compile step, before timing")
     p.add_argument("--chunk-rows", type=int, default=2048)
     p.add_argument("--with-target", action="store_true", help="features from a random-weight target")
+    p.add_argument("--target-sdpa", choices=["default", "cudnn", "flash"], default="default",
+                   help="SDPA kernels the target's forward prefers (--with-target)")
     p.add_argument("--cache-dir", default="runs/bench/compile-cache")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--make-assets", metavar="DIR", help="write a random target + data for end-to-end runs")
@@ -121,9 +125,13 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     target = build_target(tcfg, device, dtype) if args.with_target else None
     if target is not None:
+        from torch.nn.attention import SDPBackend
+
         from .target import FrozenTarget
 
-        frozen = FrozenTarget(target, dcfg.dflash_config["target_layer_ids"])
+        backends = {"default": None, "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
+                    "flash": [SDPBackend.FLASH_ATTENTION]}[args.target_sdpa]
+        frozen = FrozenTarget(target, dcfg.dflash_config["target_layer_ids"], sdpa_backends=backends)
         embed, head = frozen.embed_weight, frozen.head_weight
     else:
         embed = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
@@ -135,59 +143,51 @@ def main(argv=None) -> int:
     attention = "flex" if device.type == "cuda" else "sdpa"
     compiled_layers = attention == "flex" and not args.no_compile_layers
 
+    step = DrafterStep(drafter, embed, head, opt, num_anchors=N, gamma=None, chunk_rows=args.chunk_rows,
+                       backend=attention, compiled_layers=compiled_layers, vocab_size=tcfg.vocab_size)
     t0 = time.perf_counter()
     report = None
     if attention == "flex":
-        report = warm_drafter(drafter, embed, head, [S], b, N, None, args.chunk_rows, Path(args.cache_dir),
-                              log=print, compiled_layers=compiled_layers, optimizer=opt)
+        report = compile_drafter_step(step, [S], b, Path(args.cache_dir), log=print,
+                                      target=frozen if target is not None else None)
     compile_s = time.perf_counter() - t0
 
     feat_dim = len(drafter.target_layer_ids) * dcfg.hidden_size
     ids = torch.randint(tcfg.vocab_size, (b, S), device=device)
     lm = torch.ones(b, S, dtype=torch.uint8, device=device)
-    times, target_times = [], []
+
+    def feature_batches():
+        """Features from the target (its GPU time measured between two events) or random."""
+        while True:
+            if target is not None:
+                wait = Wait.interval(device)
+                with phase("target"):
+                    feats = frozen.features(ids)
+                yield FeatureBatch(feats, ids, lm, b * S, 0, wait.stop())
+            else:
+                yield FeatureBatch(torch.randn(b, S, feat_dim, device=device, dtype=dtype), ids, lm, b * S, 0,
+                                   Wait(within_step=False))
+
+    batches = feature_batches()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    flops = 0.0
     profiler = _profiler(device) if args.profile else None
-    for step in range(args.warmup_steps + args.steps):
-        if profiler is not None and step == args.warmup_steps:
-            profiler.start()
-        t_target = 0.0
-        flops, total_weight = 0.0, 0.0
-        _sync(device)
-        t_step = time.perf_counter()
-        for _ in range(A):  # micro-batches: features (target or random), then the drafter's forward + backward
-            if target is not None:  # timed apart: wait for the queued drafter work first, then time the target
-                _sync(device)
-                t_start = time.perf_counter()
-                feats = frozen.features(ids)
-                _sync(device)
-                t_target += time.perf_counter() - t_start
-            else:
-                feats = torch.randn(b, S, feat_dim, device=device, dtype=dtype)
-            with _phase("blocks"):
-                mb = prepare_micro_batch(ids, lm, N, dcfg, drafter.mask_token_id, None, attention)
-            with _phase("forward"):
-                sums = drafter_loss(drafter, embed, head, feats, mb.blocks, mb.attention, args.chunk_rows,
-                                    compiled_layers=compiled_layers)
-            with _phase("backward"):
-                sums.weighted_ce.backward()
-            total_weight = total_weight + mb.blocks.total_weight  # device tensors: no sync inside the step
-            flops = flops + drafter_step_flops(dcfg, b, S, N, mb.visible_pairs, tcfg.vocab_size)
-        with _phase("optimizer"):
-            opt.step(1.0 / total_weight)
-            opt.zero_grad()
-        with _phase("sync"):
-            _sync(device)
-        t_drafter = time.perf_counter() - t_step - t_target
-        flops = float(flops)
-        if step >= args.warmup_steps:
-            times.append(t_drafter)
-            target_times.append(t_target)
+    launched = []
+    for it in range(args.untimed_steps + args.steps):
+        if it == args.untimed_steps:
+            if profiler is not None:
+                profiler.start()
+            clock = StepClock(device)  # as the train loop: no host sync between steps
+        done = step.run(batches, A)  # A micro-batches (features, blocks, forward, backward), then AdamW
+        if it >= args.untimed_steps:
+            launched.append((done, clock.lap()))
+    figures = [(done.read(), StepClock.seconds(lap)) for done, lap in launched]
     if profiler is not None:
         profiler.stop()
         _print_profile(profiler, args.steps)
+    flops = figures[-1][0].flops
+    times = [seconds - f.step_wait_s for f, seconds in figures]  # the drafter's share of each step
+    target_times = [f.step_wait_s for f, _ in figures]
     step_s = statistics.mean(times)
     peak = peak_flops(device)
     result = {
@@ -222,11 +222,11 @@ def main(argv=None) -> int:
 def attention_memory_probe(dcfg, loss_mask, num_anchors: int) -> dict:
     """The fused attention's extra memory (forward + backward, one layer's call at the benchmark shape)
     against what the dense path would hold: one fp32 score copy, and the ~3.3 copies the eager math path
-    peaks at (shared/notes/performance.md). Runs after the timed steps and compiles the standalone
+    peaks at (measured on an H200). Runs after the timed steps and compiles the standalone
     flex_attention for this shape, so it leaves the fail-on-recompile stance first.
     """
     from .attention import DENSE_PEAK_COPIES, attend
-    from .warmup import leave_run_phase
+    from .compile_guard import leave_run_phase
 
     leave_run_phase()
     device = loss_mask.device
@@ -275,11 +275,6 @@ _KERNEL_KINDS = [
 ]
 
 
-def _phase(name: str):
-    """A named range in the profiler trace (free when not profiling): idle GPU time is charged to it."""
-    return torch.profiler.record_function(f"bench/{name}")
-
-
 def _print_profile(profiler, steps: int) -> None:
     # Kernels only: CPU-side ops (aten::mm, ...) also carry the device time of the kernels they launch.
     # and so do user annotations such as Optimizer.step#AdamW.step (kernel time counted twice).
@@ -313,18 +308,18 @@ def _print_idle(profiler, steps: int) -> None:
         return
     print(f"GPU idle {sum(charged.values()) / steps / 1e3:.1f} ms per step ({gaps / steps:.0f} gaps > 5 us), "
           "by phase and the CPU op at the gap's middle:")
-    for (phase, op), t in sorted(charged.items(), key=lambda kv: -kv[1])[:12]:
-        print(f"  {t / steps / 1e3:8.2f} ms  {phase:10s} {op[:90]}")
+    for (where, op), t in sorted(charged.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {t / steps / 1e3:8.2f} ms  {where:10s} {op[:90]}")
 
 
 def idle_gaps(trace_events: list[dict], min_gap_us: float = 5.0) -> tuple[dict[tuple[str, str], float], int]:
     """Where the GPU waits for the CPU, from a Chrome trace: gaps between GPU work longer than min_gap_us,
-    charged to the bench phase (a `bench/*` range) and the innermost CPU op the main thread was in at
+    charged to the step phase (a `step/*` range, step.phase) and the innermost CPU op the main thread was in at
     the gap's middle (a sync, a Python-side loop, a slow launch path). Returns ({(phase, op): us}, gaps).
     """
     events = [e for e in trace_events if e.get("ph") == "X"]
     gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    phases = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("bench/")]
+    phases = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("step/")]
     if not gpu or not phases:
         return {}, 0
     main_tid = phases[0]["tid"]
@@ -335,10 +330,10 @@ def idle_gaps(trace_events: list[dict], min_gap_us: float = 5.0) -> tuple[dict[t
         if start - end > min_gap_us:
             mid = (start + end) / 2
             around = [e for e in cpu if e["ts"] <= mid <= e["ts"] + e["dur"]]
-            phase = next((e["name"][len("bench/"):] for e in around if e["name"].startswith("bench/")), "-")
+            where = next((e["name"][len("step/"):] for e in around if e["name"].startswith("step/")), "-")
             ops = [e for e in around if e["cat"] != "user_annotation"]
             op = min(ops, key=lambda e: e["dur"])["name"] if ops else "(python)"
-            charged[(phase, op)] = charged.get((phase, op), 0.0) + start - end
+            charged[(where, op)] = charged.get((where, op), 0.0) + start - end
             count += 1
         end = max(end, stop)
     return charged, count

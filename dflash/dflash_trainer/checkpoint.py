@@ -3,44 +3,66 @@
 Layout under the run's checkpoint root:
 
     step-00001000/        the drafter as a Hugging Face dir (written by the caller) + training_state.pt
-    step-00002000/
+    step-00002000/          + checkpoint.json (the step and every file's size: a truncated file shows)
     latest -> step-00002000   a relative symlink, replaced atomically; loadable as a model dir itself
 
 Each save writes into a hidden temporary directory inside root (same filesystem, so rename is atomic),
 fsyncs the files and the directory, renames it to step-XXXXXXXX, then swaps the `latest` link. A crash
 at any point leaves the previous checkpoint and `latest` intact; `latest_checkpoint` also recovers
-when the link points at nothing.
+when the link points at nothing or at a damaged directory. `inspect` + `repair` handle what copies,
+kills and damaged disks leave: `latest` copied as a directory (cp -rL, scp -r), leftover temporary
+files, empty or half-pruned step directories, truncated files.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import pickle
 import random
 import re
 import shutil
+import struct
 import tempfile
+import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import storage
+from .storage import fsync_path, fsync_tree, replace_dir
+
 __all__ = [
     "LATEST_LINK",
+    "MANIFEST_FILE",
     "TRAIN_STATE_FILE",
+    "DamagedCheckpoint",
+    "Inspection",
+    "damaged",
+    "inspect",
     "latest_checkpoint",
     "list_checkpoints",
     "load_train_state",
+    "repair",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
     "step_dir_name",
+    "step_of",
+    "verify",
 ]
 
 TRAIN_STATE_FILE = "training_state.pt"
+MANIFEST_FILE = "checkpoint.json"
 LATEST_LINK = "latest"
+DAMAGED_PREFIX = "damaged-"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TMP_PREFIX = ".tmp-step-"
+_LATEST_TMP = f".{LATEST_LINK}.tmp-"
 
 
 def step_dir_name(step: int) -> str:
@@ -49,66 +71,268 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def step_of(path: Path) -> int | None:
+    match = _STEP_DIR.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+# ---- is a step directory whole? -----------------------------------------------------------------
+
+def _zip_problem(path: Path) -> str | None:
+    """torch.save writes a zip whose directory sits at the end: a truncated file has none."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with zipfile.ZipFile(path) as z:
+            z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        return f"{path.name} is not a complete torch file ({exc}: truncated?)"
+    return None
 
 
-def _fsync_tree(root: Path) -> None:
-    # Files first, then the directories that name them: after a power loss the rename must not
-    # expose a directory whose entries or contents are still only in the page cache.
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            _fsync_path(Path(dirpath) / name)
-        _fsync_path(Path(dirpath))
+def _safetensors_problem(path: Path) -> str | None:
+    """The header lists every tensor's byte range: the file must be exactly that long."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(length))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        return f"{path.name} has no readable header ({exc})"
+    if 8 + length + end != size:
+        return f"{path.name} is {size} bytes, its header needs {8 + length + end} (truncated)"
+    return None
+
+
+def _manifest_problem(step_dir: Path) -> str | None:
+    try:
+        files = json.loads((step_dir / MANIFEST_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST_FILE} is unreadable ({exc})"
+    for name, size in files.items():
+        if not (step_dir / name).is_file():
+            return f"{name} is missing"
+        actual = (step_dir / name).stat().st_size
+        if actual != size:
+            return f"{name} is {actual} bytes, the save wrote {size} (truncated or changed)"
+    return None
+
+
+def verify(step_dir: Path) -> str | None:
+    """What is wrong with a checkpoint directory, or None when it is whole."""
+    step_dir = Path(step_dir)
+    if not (step_dir / TRAIN_STATE_FILE).is_file():
+        return f"{TRAIN_STATE_FILE} is missing"
+    if (step_dir / MANIFEST_FILE).is_file():
+        return _manifest_problem(step_dir) or _zip_problem(step_dir / TRAIN_STATE_FILE)
+    # Written before manifests existed: check what the formats themselves say.
+    problem = _zip_problem(step_dir / TRAIN_STATE_FILE)
+    if problem is None and (step_dir / "model.safetensors").is_file():
+        problem = _safetensors_problem(step_dir / "model.safetensors")
+    if problem is None and (step_dir / "config.json").is_file():
+        try:
+            json.loads((step_dir / "config.json").read_text())
+        except ValueError as exc:
+            problem = f"config.json is not valid JSON ({exc})"
+    return problem
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete step directories under root, oldest first (temporary directories are never listed)."""
+    """Step directories holding a training state under root, oldest first (never temporary ones)."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = []
     for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir() and not entry.is_symlink() and (entry / TRAIN_STATE_FILE).is_file():
-            found.append((int(match.group(1)), entry))
+        step = step_of(entry)
+        if step is not None and entry.is_dir() and not entry.is_symlink() and (entry / TRAIN_STATE_FILE).is_file():
+            found.append((step, entry))
     return sorted(found)
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The step directory `latest` points to; the newest complete one if the link is missing or stale."""
+    """The step directory `latest` points to when it is whole; else the newest whole one."""
     root = Path(root)
     link = root / LATEST_LINK
     if link.is_symlink():
         target = (root / os.readlink(link)).resolve()
-        if target.is_dir() and (target / TRAIN_STATE_FILE).is_file() and _STEP_DIR.match(target.name):
+        if target.is_dir() and step_of(target) is not None and verify(target) is None:
             return target
-    checkpoints = list_checkpoints(root)
-    return checkpoints[-1][1] if checkpoints else None
+    for _step, path in reversed(list_checkpoints(root)):
+        if verify(path) is None:
+            return path
+    return None
 
+
+# ---- what a run directory's checkpoints look like, and the repair --------------------------------
+
+@dataclass
+class Inspection:
+    """The checkpoint root as found: what to resume from and what needs cleaning."""
+
+    root: Path
+    resume_from: Path | None = None  # the newest whole checkpoint (None: nothing to resume)
+    damaged: list[tuple[Path, str]] = field(default_factory=list)  # step dirs with a problem, oldest first
+    empty: list[Path] = field(default_factory=list)
+    leftovers: list[Path] = field(default_factory=list)  # temporary dirs and links of killed saves
+    latest_copy: Path | None = None  # `latest` as a real directory (a run copied with cp -rL / scp -r)
+    latest_copy_step: int | None = None
+
+    @property
+    def anything(self) -> bool:
+        return bool(self.resume_from or self.damaged or self.empty or self.latest_copy)
+
+    def needs_repair(self) -> bool:
+        link = self.root / LATEST_LINK
+        stale = self.resume_from is not None and (
+            not link.is_symlink() or (self.root / os.readlink(link)).resolve() != self.resume_from.resolve())
+        return bool(self.damaged or self.empty or self.leftovers or self.latest_copy or stale)
+
+
+def _copy_step(path: Path) -> int | None:
+    try:
+        return int(json.loads((path / MANIFEST_FILE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:  # a checkpoint from before manifests: the step is in the (memory-mapped, so cheap) state
+        return int(torch.load(path / TRAIN_STATE_FILE, map_location="cpu", weights_only=False, mmap=True)["step"])
+    except (RuntimeError, OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError):
+        return None
+
+
+def inspect(root: str | os.PathLike) -> Inspection:
+    root = Path(root)
+    found = Inspection(root)
+    if not root.is_dir():
+        return found
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith((_TMP_PREFIX, _LATEST_TMP)):
+            found.leftovers.append(entry)
+        elif step_of(entry) is not None and entry.is_dir() and not entry.is_symlink():
+            if not any(entry.iterdir()):
+                found.empty.append(entry)
+            elif (problem := verify(entry)) is not None:
+                found.damaged.append((entry, problem))
+    found.resume_from = latest_checkpoint(root)
+    latest = root / LATEST_LINK
+    if latest.is_dir() and not latest.is_symlink() and verify(latest) is None:
+        found.latest_copy, found.latest_copy_step = latest, _copy_step(latest)
+        newest = step_of(found.resume_from) if found.resume_from else -1
+        if found.latest_copy_step is not None and found.latest_copy_step > newest:
+            found.resume_from = latest  # the only copy of the newest step: repair renames it
+    elif latest.exists() and not latest.is_symlink():
+        found.leftovers.append(latest)  # a damaged copy, or a file: not a pointer to anything
+    return found
+
+
+def _aside(path: Path) -> Path:
+    target = path.with_name(DAMAGED_PREFIX + path.name)
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{DAMAGED_PREFIX}{path.name}.{n}")
+    os.rename(path, target)
+    return target
+
+
+def _repair_latest_copy(found: Inspection, notes: list[str]) -> Path | None:
+    copy, step = found.latest_copy, found.latest_copy_step
+    named = found.root / step_dir_name(step) if step is not None else None
+    if found.resume_from == copy and named is not None and not named.exists():
+        os.rename(copy, named)
+        notes.append(f"`latest` was a directory (a copy made with cp -rL or scp -r): renamed to {named.name}")
+        return named
+    shutil.rmtree(copy)
+    notes.append("`latest` was a directory (a copy made with cp -rL or scp -r) of a step directory that "
+                 "exists: replaced by a link")
+    return found.resume_from
+
+
+def repair(found: Inspection) -> list[str]:
+    """Clean what inspect found; `latest` then links to the checkpoint to resume from. Returns what it did.
+
+    Damaged step directories older than that checkpoint are what a killed prune left (it removes the
+    oldest first): removed. Newer ones are moved aside as damaged-step-N for a look, never deleted.
+    """
+    notes: list[str] = []
+    root, resume = found.root, found.resume_from
+    for path in found.leftovers:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        notes.append(f"removed {path.name} (left by a save that was killed)")
+    for path in found.empty:
+        path.rmdir()
+        notes.append(f"removed the empty {path.name}")
+    resume_step = found.latest_copy_step if resume == found.latest_copy else step_of(resume) if resume else None
+    for path, problem in found.damaged:
+        if resume_step is not None and step_of(path) < resume_step:
+            shutil.rmtree(path)
+            notes.append(f"removed {path.name}: {problem} (a prune that was killed)")
+        else:
+            notes.append(f"{path.name} is damaged ({problem}): moved aside to {_aside(path).name}")
+    if found.latest_copy is not None:
+        resume = _repair_latest_copy(found, notes)
+    if resume is not None:
+        _point_latest(root, resume)
+    return notes
+
+
+# ---- save, prune, load -----------------------------------------------------------------------------
 
 def _point_latest(root: Path, step_dir: Path) -> None:
-    tmp_link = root / f".{LATEST_LINK}.tmp-{os.getpid()}"
+    tmp_link = root / f"{_LATEST_TMP}{os.getpid()}"
     if tmp_link.is_symlink() or tmp_link.exists():
         tmp_link.unlink()
     tmp_link.symlink_to(step_dir.name)  # relative: the run dir can be moved or mounted elsewhere
     os.replace(tmp_link, root / LATEST_LINK)  # rename(2) over the old link is atomic
-    _fsync_path(root)
+    fsync_path(root)
 
 
 def _prune(root: Path, keep_last: int, protect: Path) -> None:
     checkpoints = list_checkpoints(root)
-    for _step, path in checkpoints[: max(0, len(checkpoints) - keep_last)]:
-        if path.resolve() != protect.resolve():
-            shutil.rmtree(path, ignore_errors=True)
+    kept = checkpoints[max(0, len(checkpoints) - keep_last):]
+    oldest_kept = kept[0][0] if kept else 0
+    for entry in root.iterdir():
+        step = step_of(entry)
+        if step is None or step >= oldest_kept or entry.is_symlink() or entry.resolve() == protect.resolve():
+            continue
+        # Renamed first: a kill during the removal leaves a temporary name, never a half step directory.
+        doomed = root / f"{_TMP_PREFIX}{step:08d}-pruned-{os.getpid()}"
+        os.rename(entry, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     # Leftovers of saves that were killed (SIGKILL skips our cleanup); only rank 0 writes here.
     for entry in root.iterdir():
         if entry.name.startswith(_TMP_PREFIX) and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
+
+
+class _RecordingFile(io.FileIO):
+    """torch.save reports a failed write as 'unexpected pos'; this keeps the OSError (disk full...)."""
+
+    error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return super().write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
+def _save_state(train_state: dict, path: Path) -> None:
+    with _RecordingFile(path, "wb") as f:
+        try:
+            torch.save(train_state, f)
+        except RuntimeError as exc:
+            if f.error is not None:
+                raise f.error from exc
+            raise
+
+
+def _write_manifest(directory: Path, step: int) -> None:
+    files = {p.relative_to(directory).as_posix(): p.stat().st_size for p in sorted(directory.rglob("*"))
+             if p.is_file()}
+    (directory / MANIFEST_FILE).write_text(json.dumps({"step": step, "files": files}, indent=1))
 
 
 def save_checkpoint(
@@ -134,24 +358,32 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{step:08d}-", dir=root))
     try:
         write_model(tmp)
-        torch.save(train_state, tmp / TRAIN_STATE_FILE)
-        _fsync_tree(tmp)
-        if final.exists():
-            # rename(2) cannot replace a non-empty directory: move the old one aside first. A crash in
-            # between leaves `latest` stale; latest_checkpoint then falls back to the newest complete dir.
-            old = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{step:08d}-old-", dir=root))
-            os.rename(final, old / final.name)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_path(root)
+        _save_state(train_state, tmp / TRAIN_STATE_FILE)
+        _write_manifest(tmp, step)
+        fsync_tree(tmp)
+        replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _point_latest(root, final)
     _prune(root, keep_last, protect=final)
     return final
+
+
+class DamagedCheckpoint(RuntimeError):
+    """A checkpoint whose files have the right sizes but do not load."""
+
+
+def damaged(step_dir: Path, exc: BaseException) -> DamagedCheckpoint | None:
+    """The error to report when loading step_dir raised exc because its bytes are bad (None: another cause)."""
+    unreadable = (isinstance(exc, (EOFError, pickle.UnpicklingError, KeyError)) or "PytorchStreamReader" in str(exc)
+                  or type(exc).__name__ == "SafetensorError")
+    if not unreadable or storage.os_error_in(exc) is not None:
+        return None
+    aside = step_dir.parent / (DAMAGED_PREFIX + step_dir.name)
+    return DamagedCheckpoint(
+        f"checkpoint {step_dir} cannot be loaded ({type(exc).__name__}: {exc}): it is damaged. Move it aside "
+        f"(mv {step_dir} {aside}), then --resume continues from the checkpoint before it")
 
 
 def load_train_state(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:

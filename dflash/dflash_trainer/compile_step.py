@@ -1,7 +1,7 @@
-"""The drafter's compile step: every context bucket warmed (forward + backward) before step 1.
+"""The drafter's compile step: every context bucket compiled (forward + backward) before step 1.
 
-The mechanics (turn-taking lock, cache directory, fail-on-recompile) are in warmup.py; this file says
-what a DFlash drafter step runs, so that warm-up compiles exactly that.
+The mechanics (turn-taking lock, cache directory, fail-on-recompile) are in compile_guard.py; this file
+says what a DFlash drafter step runs (step.DrafterStep), so that the compile step compiles exactly that.
 """
 
 from __future__ import annotations
@@ -14,61 +14,77 @@ import torch
 
 from .config import ConfigError, RunConfig
 from .model import DFlashDrafter
-from .objective import drafter_loss, prepare_micro_batch
+from .step import DrafterStep
 
 
 def check_dense_fits(cfg: RunConfig, drafter: DFlashDrafter, device: torch.device) -> None:
     """The sdpa backend materialises scores: refuse shapes where that cannot fit (use flex on a GPU)."""
     from .attention import dense_risk
 
-    dc = drafter.config
-    q = cfg.train.num_anchors * dc.block_size
+    config = drafter.config
+    q = cfg.train.num_anchors * config.block_size
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if device.type == "cpu" else None
-    risk = dense_risk(cfg.train.micro_batch, dc.num_attention_heads, q, cfg.data.context_buckets[-1] + q,
+    risk = dense_risk(cfg.train.micro_batch, config.num_attention_heads, q, cfg.data.context_buckets[-1] + q,
                       device=device, free_bytes=free)
     if not risk.fits:
         raise ConfigError(f"train.attention = 'sdpa' would materialise dense scores: {risk.explain()}. "
                           "Train with attention = 'flex' on a GPU.")
 
 
-def warm_drafter(drafter, embed_weight, head_weight, buckets, micro_batch: int, num_anchors: int,
-                 gamma, chunk_rows: int, cache_dir: Path, log, label: str = "",
-                 compiled_layers: bool = True, serialized: bool = True, optimizer=None):
-    """The serialized compile step: warm every context bucket (forward + backward) before step 1.
+def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir: Path, log, label: str = "",
+                         serialized: bool = True, target=None):
+    """The serialized compile step: compile the drafter step for every context bucket (forward +
+    backward, and the optimizer's update kernel) before step 1.
 
     Ranks take turns through a file lock in the shared cache directory, so the first fills the cache
     and the others hit it; afterwards a recompile is an error and an eager flex_attention call raises.
-    The probe runs the bare drafter, not its DDP wrapper: a gradient all-reduce inside the lock
-    would wait for ranks that are waiting for the lock. `optimizer` (a MasterWeightAdamW) has its
-    compiled update warmed too, on scratch tensors.
+    The probe is the step's own forward_backward on random inputs of the bucket's shape, run on the
+    bare drafter (bare=True: no DDP all-reduce inside the lock). The optimizer's one-pass update is
+    compiled on scratch tensors, so the probe changes no weight and no optimizer state.
+    serialized=False: no lock, for FSDP, whose forward needs every rank. target: the colocated target,
+    whose compiled feature forward is compiled for the same buckets (target.FrozenTarget).
     """
     from .attention import install_dense_guards
-    from .warmup import compile_cache_env, warm_up
+    from .compile_guard import compile_cache_env, compile_variants
 
     compile_cache_env(cache_dir)
     install_dense_guards()
-    dc = drafter.config
-    feat_dim = len(drafter.target_layer_ids) * dc.hidden_size
-    device = embed_weight.device
+    drafter = step.drafter
+    config = drafter.config
+    feat_dim = len(drafter.target_layer_ids) * config.hidden_size
+    device = step.embed_weight.device
 
     def probe(ctx_len: int) -> None:
         drafter.train()  # the step's mode: compiled graphs are guarded on it
         t0 = time.perf_counter()
-        ids = torch.randint(dc.vocab_size, (micro_batch, ctx_len), device=device)
-        lm = torch.ones(micro_batch, ctx_len, dtype=torch.uint8, device=device)
-        feats = torch.randn(micro_batch, ctx_len, feat_dim, device=device, dtype=drafter.fc.weight.dtype)
-        mb = prepare_micro_batch(ids, lm, num_anchors, dc, drafter.mask_token_id, gamma, "flex")
-        t1 = time.perf_counter()
-        sums = drafter_loss(drafter, embed_weight, head_weight, feats, mb.blocks, mb.attention, chunk_rows,
-                            compiled_layers=compiled_layers)
-        t2 = time.perf_counter()
-        sums.weighted_ce.backward()
+        ids = torch.randint(config.vocab_size, (micro_batch, ctx_len), device=device)
+        if target is not None:
+            target.features(ids)
+        loss_mask = torch.ones(micro_batch, ctx_len, dtype=torch.uint8, device=device)
+        features = torch.randn(micro_batch, ctx_len, feat_dim, device=device, dtype=drafter.fc.weight.dtype)
+        step.forward_backward(ids, loss_mask, features, bare=True)
         drafter.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        if optimizer is not None:
-            optimizer.warm()
-        log(f"{label}  bucket {ctx_len}: mask {t1 - t0:.1f}s, forward {t2 - t1:.1f}s, "
-            f"backward {t3 - t2:.1f}s" + (f", optimizer {time.perf_counter() - t3:.1f}s" if optimizer else ""))
+        t1 = time.perf_counter()
+        step.optimizer.precompile()
+        log(f"{label}  bucket {ctx_len}: forward + backward {t1 - t0:.1f}s, optimizer {time.perf_counter() - t1:.1f}s")
 
-    lock = Path(cache_dir) / "compile.lock" if serialized else None  # FSDP: the forward needs every rank
-    return warm_up(probe, list(buckets), lock, log=log, label=label)
+    lock = Path(cache_dir) / "compile.lock" if serialized else None
+    return compile_variants(probe, list(buckets), lock, log=log, label=label)
+
+
+def compile_target_step(target, buckets, micro_batch: int, cache_dir: Path, log, label: str = ""):
+    """A target rank's compile step: its compiled feature forward for every context bucket, through the
+    same lock and cache as the drafter ranks' (no-op where the target runs eagerly: not on a GPU, or a
+    backbone without the tapped forward)."""
+    from .compile_guard import compile_cache_env, compile_variants
+
+    if not target.compile_layers:
+        return None
+    compile_cache_env(cache_dir)
+    device = target.embed_weight.device
+    vocab = target.embed_weight.shape[0]
+
+    def probe(ctx_len: int) -> None:
+        target.features(torch.randint(vocab, (micro_batch, ctx_len), device=device))
+
+    return compile_variants(probe, list(buckets), Path(cache_dir) / "compile.lock", log=log, label=label)

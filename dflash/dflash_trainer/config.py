@@ -1,87 +1,119 @@
-"""Run configuration: TOML sections mapped onto dataclasses; unknown keys are errors.
+"""Run configuration: TOML sections mapped onto dataclasses; unknown keys and wrong types are errors.
 
 `--config embedded` is the bundled default (configs/embedded.toml): a tiny target and data that
 the trainer builds itself. `--set section.key=value` overrides any field from the command line.
+
+Every field is checked against its declared type (an int is not a float, a bool is only true or
+false, a list of ints holds ints) and against the range or choices its `Rule` declares, and
+every problem is reported at once, each with the key that has it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 class ConfigError(ValueError):
     pass
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What a field allows beyond its type: ge/gt/le bound numbers (each element of a list), choices
+    lists the allowed strings, path marks a filesystem path (stored absolute or relative to the run dir)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    choices: tuple[str, ...] = ()
+    path: bool = False
+
+
+PATH = Rule(path=True)
+POSITIVE = Rule(gt=0)
+AT_LEAST_1 = Rule(ge=1)
+AT_LEAST_2 = Rule(ge=2)
+NOT_NEGATIVE = Rule(ge=0)
+FRACTION = Rule(ge=0, le=1)
+DTYPE = Rule(choices=DTYPE_NAMES)
+
+
 @dataclass
 class TargetConfig:
-    path: str = ""  # HF directory or hub id of the target; "embedded" builds the tiny one
-    dtype: str = "bfloat16"
+    path: Annotated[str, PATH] = ""  # HF directory or hub id of the target; "embedded" builds the tiny one
+    dtype: Annotated[str, DTYPE] = "bfloat16"
 
 
 @dataclass
 class DrafterConfig:
-    num_layers: int = 5
-    block_size: int = 16
-    mask_token_id: int | None = None  # None: the tokenizer's mask token
-    target_layer_ids: list[int] | None = None  # None: the published rule
-    intermediate_size: int | None = None
-    gamma: float | None = None  # None: 7 for B=16 (paper)
-    init_from: str | None = None  # an existing drafter directory to continue from
+    num_layers: Annotated[int, AT_LEAST_1] = 5
+    block_size: Annotated[int, AT_LEAST_2] = 16
+    mask_token_id: Annotated[int | None, NOT_NEGATIVE] = None  # None: the tokenizer's mask token
+    target_layer_ids: Annotated[list[int] | None, NOT_NEGATIVE] = None  # None: the published rule
+    intermediate_size: Annotated[int | None, AT_LEAST_1] = None
+    gamma: Annotated[float | None, POSITIVE] = None  # None: 7 for B=16 (paper)
+    init_from: Annotated[str | None, PATH] = None  # an existing drafter directory to continue from
 
 
 @dataclass
 class DataConfig:
-    train: list[str] = field(default_factory=list)
-    eval: list[str] = field(default_factory=list)
-    max_length: int = 3072
-    context_buckets: list[int] = field(default_factory=lambda: [512, 1024, 2048, 3072])
-    num_proc: int | None = None
-    features_dir: str | None = None  # offline mode: features dumped with --dump-features
+    train: Annotated[list[str], PATH] = field(default_factory=list)
+    eval: Annotated[list[str], PATH] = field(default_factory=list)
+    max_length: Annotated[int, AT_LEAST_2] = 3072
+    context_buckets: Annotated[list[int], AT_LEAST_2] = field(default_factory=lambda: [512, 1024, 2048, 3072])
+    num_proc: Annotated[int | None, AT_LEAST_1] = None
+    features_dir: Annotated[str | None, PATH] = None  # offline mode: features dumped with --dump-features
 
 
 @dataclass
 class ParallelConfig:
-    target_ranks: int = 0  # processes running the frozen target (torchrun --nproc-per-node = T + D)
-    drafter_ranks: int = 1  # processes training the drafter
-    drafter_sharding: str = "ddp"  # ddp: a full copy per drafter rank; fsdp: split across them (sharding.py)
-    prefetch: int = 2  # micro-batches in flight per target -> drafter pair
+    target_ranks: Annotated[int, NOT_NEGATIVE] = 0  # processes running the frozen target (torchrun --nproc-per-node = T + D)
+    drafter_ranks: Annotated[int, AT_LEAST_1] = 1  # processes training the drafter
+    # ddp: a full copy per drafter rank; fsdp: split across them (sharding.py)
+    drafter_sharding: Annotated[str, Rule(choices=("ddp", "fsdp"))] = "ddp"
+    prefetch: Annotated[int, AT_LEAST_1] = 2  # micro-batches in flight per target -> drafter pair
     isolate_gpus: bool = True  # each worker sees its GPU as cuda:0: one compile cache for all ranks
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
-    micro_batch: int = 1
-    grad_accum: int = 1
-    num_anchors: int = 512
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    dtype: str = "bfloat16"  # drafter parameters; the optimizer keeps fp32 masters
-    attention: str = "auto"  # auto: flex on CUDA, sdpa on CPU (flex has no CPU backward)
-    loss_chunk_rows: int = 2048
+    steps: Annotated[int, AT_LEAST_1] = 1000
+    micro_batch: Annotated[int, AT_LEAST_1] = 1
+    grad_accum: Annotated[int, AT_LEAST_1] = 1
+    num_anchors: Annotated[int, AT_LEAST_1] = 512
+    lr: Annotated[float, POSITIVE] = 6e-4
+    warmup_ratio: Annotated[float, FRACTION] = 0.04
+    min_lr_ratio: Annotated[float, FRACTION] = 0.0
+    weight_decay: Annotated[float, NOT_NEGATIVE] = 0.0
+    max_grad_norm: Annotated[float, POSITIVE] = 1.0
+    seed: Annotated[int, NOT_NEGATIVE] = 0
+    dtype: Annotated[str, DTYPE] = "bfloat16"  # drafter parameters; the optimizer keeps fp32 masters
+    attention: Annotated[str, Rule(choices=("auto", "flex", "sdpa"))] = "auto"  # auto: flex on CUDA, sdpa on CPU
+    loss_chunk_rows: Annotated[int, AT_LEAST_1] = 2048
     compile_layers: bool = True  # flex backend: compile each drafter layer whole (fused norms/RoPE/SwiGLU)
-    log_every: int = 10
-    checkpoint_every: int = 500  # steps; 0 disables checkpoints (the final drafter is always saved)
-    keep_last: int = 3
-    compile_cache_dir: str | None = None
+    log_every: Annotated[int, AT_LEAST_1] = 10
+    checkpoint_every: Annotated[int, NOT_NEGATIVE] = 500  # steps; 0: none (the final drafter is always saved)
+    keep_last: Annotated[int, AT_LEAST_1] = 3
+    compile_cache_dir: Annotated[str | None, PATH] = None
     wandb_project: str | None = None  # W&B logging when wandb is installed (or set WANDB_PROJECT)
 
 
 @dataclass
 class EvalConfig:
-    prompts: int = 16
-    max_new_tokens: int = 128
+    prompts: Annotated[int, AT_LEAST_1] = 16
+    max_new_tokens: Annotated[int, AT_LEAST_1] = 128
 
 
 @dataclass
@@ -92,38 +124,186 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    output_dir: str = "runs/default"
+    output_dir: Annotated[str, PATH] = "runs/default"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _build(cls, values: dict, where: str):
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in [{where}]; known: {sorted(names)}")
+def path_keys(cls=RunConfig, prefix: str = "") -> list[str]:
+    """The dotted keys of every field that holds a filesystem path."""
+    keys = []
+    for f, hint, rule in _fields(cls):
+        if dataclasses.is_dataclass(hint):
+            keys += path_keys(hint, f"{prefix}{f.name}.")
+        elif rule.path:
+            keys.append(prefix + f.name)
+    return keys
+
+
+# ---- type and range checks ---------------------------------------------------------------------
+
+def _fields(cls) -> list[tuple[dataclasses.Field, object, Rule]]:
+    """(field, declared type, its Rule) for each field of a config dataclass."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = []
+    for f in dataclasses.fields(cls):
+        hint, rule = hints[f.name], Rule()
+        if typing.get_origin(hint) is Annotated:
+            hint, rule = typing.get_args(hint)[0], typing.get_args(hint)[1]
+        out.append((f, hint, rule))
+    return out
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _optional(hint) -> tuple[object, bool]:
+    """(the type inside `X | None`, whether None is allowed)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        return inner[0], len(inner) < len(typing.get_args(hint))
+    return hint, False
+
+
+def _coerce(value, hint):
+    """value as `hint` (an int is a fine float; a bool is never a number), or _Mismatch."""
+    hint, nullable = _optional(hint)
+    if value is None and nullable:
+        return None
+    if typing.get_origin(hint) is list:
+        if not isinstance(value, list):
+            raise _Mismatch
+        return [_coerce(v, typing.get_args(hint)[0]) for v in value]
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise _Mismatch
+        return float(value)
+    if hint is str and isinstance(value, str):
+        return value
+    raise _Mismatch
+
+
+_NAMES = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"),
+          bool: ("true or false", "booleans")}
+_EXAMPLES = {int: "[64, 128]", str: '["train.jsonl"]'}
+
+
+def _describe(hint) -> str:
+    hint, nullable = _optional(hint)
+    if typing.get_origin(hint) is list:
+        item = typing.get_args(hint)[0]
+        text = f"a list of {_NAMES[item][1]}" + (f", e.g. {_EXAMPLES[item]}" if item in _EXAMPLES else "")
+    else:
+        text = _NAMES[hint][0]
+    return text + (" (or null)" if nullable else "")
+
+
+def _shown(value) -> str:
+    return json.dumps(value, default=str) if not isinstance(value, dict) else "a table"
+
+
+def _range_problem(value, rule: Rule) -> str | None:
+    each = " (each element)" if isinstance(value, list) else ""
+    for v in value if isinstance(value, list) else [value]:
+        if v is None:
+            continue
+        if rule.choices and v not in rule.choices:
+            return "must be one of " + ", ".join(rule.choices)
+        if rule.ge is not None and v < rule.ge:
+            return f"must be >= {rule.ge}{each}"
+        if rule.gt is not None and v <= rule.gt:
+            return f"must be > {rule.gt}{each}"
+        if rule.le is not None and v > rule.le:
+            return f"must be <= {rule.le}{each}"
+    return None
+
+
+def _section_name(where: str) -> str:
+    return f"[{where}]" if where else "the top level (no section)"
+
+
+def _unknown_key(key: str, known: list[str], where: str) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key {key!r} {'in' if where else 'at'} {_section_name(where)}{hint}; known keys: {', '.join(known)}"
+
+
+def _build(cls, values: dict, where: str, problems: list[str]):
+    fields = _fields(cls)
+    known = [f.name for f, _, _ in fields]
+    problems += [_unknown_key(key, known, where) for key in values if key not in known]
     kwargs = {}
-    for key, value in values.items():
-        default = getattr(cls(), key)
-        if dataclasses.is_dataclass(default):
-            if not isinstance(value, dict):
-                raise ConfigError(f"[{where}.{key}] must be a table")
-            kwargs[key] = _build(type(default), value, f"{where}.{key}" if where else key)
-        else:
-            kwargs[key] = value
+    for f, hint, rule in fields:
+        if f.name not in values:
+            continue
+        key, value = f"{where}.{f.name}" if where else f.name, values[f.name]
+        if dataclasses.is_dataclass(hint):
+            if isinstance(value, dict):
+                kwargs[f.name] = _build(hint, value, key, problems)
+            else:
+                problems.append(f"{key} = {_shown(value)}: must be a table ([{key}] with its keys)")
+            continue
+        try:
+            typed = _coerce(value, hint)
+        except _Mismatch:
+            finite = " (finite)" if isinstance(value, float) and not math.isfinite(value) else ""
+            problems.append(f"{key} = {_shown(value)}: must be {_describe(hint)}{finite}")
+            continue
+        if (problem := _range_problem(typed, rule)) is not None:
+            problems.append(f"{key} = {_shown(value)}: {problem}")
+            continue
+        kwargs[f.name] = typed
     return cls(**kwargs)
 
 
-def _parse_override(text: str) -> tuple[list[str], object]:
-    if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected section.key=value")
-    key, raw = text.split("=", 1)
+# ---- loading -----------------------------------------------------------------------------------
+
+def _hint_for(keys: list[str]):
+    """The declared type of a dotted key, or None when the key is unknown (reported by _build)."""
+    hint = RunConfig
+    for key in keys:
+        if not dataclasses.is_dataclass(hint):
+            return None
+        hint = {f.name: h for f, h, _ in _fields(hint)}.get(key)
+    return hint
+
+
+def _parse_value(raw: str, hint):
+    """A --set value as its field expects it: strings need no quotes; numbers and lists are JSON."""
+    inner, nullable = _optional(hint)
+    if raw == "null" and nullable:
+        return None
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
-        value = raw  # bare strings need no quotes
-    return key.strip().split("."), value
+        if inner is float:
+            try:
+                return float(raw)  # .5, 1e-3 spelled loosely
+            except ValueError:
+                pass
+        return raw
+    if inner is str and not isinstance(value, str):
+        return raw  # a path or name that happens to look like a number
+    return value
+
+
+def _apply_override(values: dict, text: str) -> None:
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    key, raw = text.split("=", 1)
+    keys = key.strip().split(".")
+    node = values
+    for i, k in enumerate(keys[:-1]):
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {text!r}: {'.'.join(keys[: i + 1])} is a value, not a section")
+    node[keys[-1]] = _parse_value(raw, _hint_for(keys))
 
 
 def load_config(source: str, overrides: list[str] = ()) -> RunConfig:
@@ -134,37 +314,36 @@ def load_config(source: str, overrides: list[str] = ()) -> RunConfig:
     try:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot be read: {exc}") from exc
     for text in overrides:
-        keys, value = _parse_override(text)
-        node = values
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = value
-    config = _build(RunConfig, values, "")
-    validate(config)
+        _apply_override(values, text)
+    problems: list[str] = []
+    config = _build(RunConfig, values, "", problems)
+    if not problems:
+        problems = semantic_problems(config)
+    if problems:
+        where = path.name + (" with --set" if overrides else "")
+        raise ConfigError(f"invalid config ({where}):\n  - " + "\n  - ".join(problems))
     return config
 
 
-def validate(c: RunConfig) -> None:
+def semantic_problems(c: RunConfig) -> list[str]:
+    """What the fields' types and ranges cannot say alone."""
     problems = []
     if not c.target.path:
         problems.append("target.path is empty: give the target model directory (or 'embedded')")
-    if c.drafter.block_size < 2:
-        problems.append("drafter.block_size must be >= 2")
-    if c.train.steps < 1 or c.train.micro_batch < 1 or c.train.grad_accum < 1 or c.train.num_anchors < 1:
-        problems.append("train.steps, micro_batch, grad_accum and num_anchors must be >= 1")
-    if c.train.attention not in ("auto", "flex", "sdpa"):
-        problems.append(f"train.attention {c.train.attention!r}: use auto, flex or sdpa")
-    if sorted(c.data.context_buckets) != c.data.context_buckets or not c.data.context_buckets:
+    if not c.data.context_buckets or sorted(c.data.context_buckets) != c.data.context_buckets:
         problems.append("data.context_buckets must be a non-empty ascending list")
     elif c.data.max_length > c.data.context_buckets[-1]:
-        problems.append(f"data.max_length {c.data.max_length} exceeds the largest context bucket")
-    if c.parallel.target_ranks < 0 or c.parallel.drafter_ranks < 1 or c.parallel.prefetch < 1:
-        problems.append("parallel: target_ranks >= 0, drafter_ranks >= 1 and prefetch >= 1")
-    if c.parallel.drafter_sharding not in ("ddp", "fsdp"):
-        problems.append(f"parallel.drafter_sharding {c.parallel.drafter_sharding!r}: use ddp or fsdp")
+        problems.append(f"data.max_length {c.data.max_length} exceeds the largest context bucket "
+                        f"{c.data.context_buckets[-1]}: raise the bucket or lower data.max_length")
+    if c.drafter.target_layer_ids is not None and not c.drafter.target_layer_ids:
+        problems.append("drafter.target_layer_ids is empty: list target layers, or leave it out for the "
+                        "published rule")
     if c.target.path != "embedded" and not c.data.train and not c.data.features_dir:
         problems.append("data.train is empty: list JSONL files (or a hub dataset name)")
-    if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+    return problems
+
+

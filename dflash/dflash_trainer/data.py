@@ -11,18 +11,137 @@ through unchanged.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
 import torch
 
+from . import hub
+
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
 
 
 class DataError(ValueError):
     """Input data that cannot be used, with what to change."""
+
+
+_DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+
+
+def _is_glob(source: str) -> bool:
+    return any(ch in source for ch in "*?[")
+
+
+def _local_files(sources: list[str]) -> list[str]:
+    """The files behind local sources (globs expanded); DataError for a missing or empty one."""
+    from glob import glob
+
+    files, missing, empty = [], [], []
+    for source in sources:
+        found = sorted(glob(source)) if _is_glob(source) else [source] if Path(source).exists() else []
+        if not found:
+            missing.append(source)
+        for name in found:
+            if Path(name).is_dir():
+                raise DataError(f"data file {name} is a directory: list the JSONL files in it (or a glob)")
+            (empty if Path(name).stat().st_size == 0 else files).append(name)
+    if missing:
+        raise DataError(f"data files not found: {missing} (relative paths are from {Path.cwd()}); fix the "
+                        "path(s) in data.train / data.eval")
+    if empty:
+        raise DataError(f"data file(s) {empty} are empty: give files with one JSON object per line")
+    return files
+
+
+def _open_text(name: str):
+    import gzip
+
+    return gzip.open(name, "rt") if name.endswith(".gz") else open(name)
+
+
+def _has_rows(name: str) -> bool:
+    with _open_text(name) as f:
+        return any(line.strip() for line in f)
+
+
+def _first_bad_line(files: list[str]) -> str | None:
+    """file:line and what is wrong with the first line that is not a JSON object; None if all are."""
+    for name in files:
+        with _open_text(name) as f:
+            if f.read(64).lstrip().startswith("["):  # one JSON array, not JSON lines
+                f.seek(0)
+                try:
+                    json.load(f)
+                except ValueError as exc:
+                    return f"{name}, line {getattr(exc, 'lineno', '?')}: not valid JSON ({getattr(exc, 'msg', exc)})"
+                continue
+        with _open_text(name) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as exc:
+                    return f"{name}, line {lineno}: not valid JSON ({getattr(exc, 'msg', exc)})"
+                if not isinstance(row, dict):
+                    return f"{name}, line {lineno}: a JSON {type(row).__name__}, not an object"
+    return None
+
+
+def _load_local(files: list[str], split: str):
+    import datasets
+
+    try:
+        rows = datasets.load_dataset("json", data_files=files, split=split)
+    except Exception as exc:
+        if not any(_has_rows(name) for name in files):
+            raise DataError(f"{files} hold no rows (only blank lines): give one JSON object per line") from exc
+        bad = _first_bad_line(files)
+        if bad is not None:
+            raise DataError(f"{bad}; each line must be one JSON object (a chat row)") from exc
+        raise DataError(f"could not read {files}: {exc.__cause__ or exc}; each line "
+                        "must be one JSON object, with the same keys and value types in every row") from exc
+    if len(rows) == 0:
+        raise DataError(f"{files} hold no rows (only blank lines): give one JSON object per line")
+    return rows
+
+
+def _load_hub(name: str, split: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as exc:  # unknown name, no such split: say both
+        raise DataError(
+            f"could not load dataset {name!r} ({exc.__class__.__name__}: {exc}); "
+            "it is neither a local file nor a hub dataset that loads"
+        ) from exc
+
+
+def _sources(sources: str | Sequence[str]) -> tuple[list[str], str | None]:
+    """(local files, or one hub dataset name); DataError when a source cannot be used."""
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    # A source is a file when it exists, is a glob, or is named like one; anything else is a hub name.
+    local = [s for s in sources if Path(s).exists() or _is_glob(s) or s.endswith(_DATA_SUFFIXES)
+             or not hub.looks_like_hub_id(s)]
+    if local and len(local) != len(sources):
+        raise DataError(f"mix of local files and hub names {sources}: give one or the other")
+    if local:
+        return _local_files(local), None
+    if len(sources) != 1:
+        raise DataError(f"give one hub dataset name, got {sources}")
+    if reason := hub.unavailable_reason(sources[0], "file"):
+        raise DataError(f"data file {sources[0]!r}: {reason}; fix the path in data.train / data.eval")
+    return [], sources[0]
+
+
+def check_sources(sources: Sequence[str]) -> None:
+    """Before anything loads: every local file exists and is not empty; a hub name only with the hub."""
+    if sources:
+        _sources(sources)
 
 
 def load_rows(sources: str | Sequence[str], split: str = "train"):
@@ -33,28 +152,10 @@ def load_rows(sources: str | Sequence[str], split: str = "train"):
 
     if not sys.stderr.isatty():  # a log file or journald: carriage-return progress bars are just noise
         datasets.disable_progress_bars()
-
-    sources = [sources] if isinstance(sources, str) else list(sources)
-    # A source is a file when it exists, is a glob, or is named like one; anything else is a hub name.
-    looks_local = [s for s in sources if Path(s).exists() or any(ch in s for ch in "*?")
-                   or s.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz"))]
-    missing = [s for s in looks_local if not any(ch in s for ch in "*?") and not Path(s).exists()]
-    if missing:
-        raise DataError(f"data files not found: {missing}; fix the path(s) in data.train / data.eval")
-    local = looks_local
-    if local and len(local) != len(sources):
-        raise DataError(f"mix of local files and hub names {sources}: give one or the other")
-    if local:
-        return datasets.load_dataset("json", data_files=local, split=split)
-    if len(sources) != 1:
-        raise DataError(f"give one hub dataset name, got {sources}")
-    try:
-        return datasets.load_dataset(sources[0], split=split)
-    except Exception as exc:  # offline hub, unknown name: say both
-        raise DataError(
-            f"could not load dataset {sources[0]!r} ({exc.__class__.__name__}: {exc}); "
-            "it is neither a local file nor a reachable hub dataset"
-        ) from exc
+    files, name = _sources(sources)
+    rows = _load_local(files, split) if files else _load_hub(name, split)
+    rows.info.description = ", ".join(files or [name])  # named in the row errors of tokenize_dataset
+    return rows
 
 
 def normalise_messages(row: dict) -> list[dict]:
@@ -62,12 +163,15 @@ def normalise_messages(row: dict) -> list[dict]:
     raw = row.get("messages") or row.get("conversations")
     if not raw:
         raise DataError(f"row has neither 'messages' nor 'conversations': keys {sorted(row)}")
+    if not isinstance(raw, list) or not all(isinstance(turn, dict) for turn in raw):
+        raise DataError("'messages' / 'conversations' must be a list of turns ({role, content} objects)")
     out = []
     for turn in raw:
         role = turn.get("role") or turn.get("from")
-        content = turn.get("content") if "content" in turn else turn.get("value")
-        if role is None or content is None:
-            raise DataError(f"turn {turn!r} lacks a role/content (or from/value) pair")
+        # Rows of both styles in one file give every turn all four keys (None where absent).
+        content = turn.get("content") if turn.get("content") is not None else turn.get("value")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise DataError(f"turn {turn!r} lacks a role/content (or from/value) pair of strings")
         out.append({"role": ROLE_ALIASES.get(role, role), "content": content})
     return out
 
@@ -101,23 +205,52 @@ def has_anchor(loss_mask: Sequence[int]) -> bool:
     return any(a and b for a, b in pairwise(loss_mask))
 
 
+def _row_error(rows, index: int, problem: str) -> DataError:
+    return DataError(f"row {index + 1} of {rows.info.description or 'the data'}: {problem}")
+
+
+def _check_columns(rows) -> None:
+    names = set(rows.column_names)
+    if not ({"messages", "conversations"} & names or {"input_ids", "loss_mask"} <= names):
+        raise DataError(f"{rows.info.description or 'the data'}: rows have keys {sorted(names)}; each row needs "
+                        "'messages' (OpenAI style), 'conversations' (ShareGPT style), or pre-tokenized "
+                        "'input_ids' + 'loss_mask'")
+
+
+def _pretokenized(rows, row: dict, index: int, max_length: int) -> dict:
+    ids, mask = row["input_ids"], row["loss_mask"]
+    if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+        raise _row_error(rows, index, "input_ids and loss_mask must be lists of the same length")
+    if any(m not in (0, 1) for m in mask) or any(not isinstance(t, int) or t < 0 for t in ids):
+        raise _row_error(rows, index, "input_ids must be token ids (ints >= 0) and loss_mask 0s and 1s")
+    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
+
+
+def _conversation(rows, tokenizer, row: dict, index: int, max_length: int) -> dict:
+    try:
+        return tokenize_conversation(tokenizer, normalise_messages(row), max_length)
+    except DataError as exc:
+        raise _row_error(rows, index, str(exc)) from exc
+
+
 def tokenize_dataset(rows, tokenizer, max_length: int, num_proc: int | None = None):
     """Dataset with `input_ids` and `loss_mask`; rows without a trainable position are dropped."""
+    _check_columns(rows)
     if "input_ids" in rows.column_names and "loss_mask" in rows.column_names:
-        ds = rows.map(
-            lambda r: {"input_ids": r["input_ids"][:max_length], "loss_mask": r["loss_mask"][:max_length]},
-            num_proc=num_proc,
-        )
+        ds = rows.map(lambda r, i: _pretokenized(rows, r, i, max_length), with_indices=True, num_proc=num_proc)
     else:
         ds = rows.map(
-            lambda r: tokenize_conversation(tokenizer, normalise_messages(r), max_length),
+            lambda r, i: _conversation(rows, tokenizer, r, i, max_length),
+            with_indices=True,
             remove_columns=rows.column_names,
             num_proc=num_proc,
             desc="tokenizing",
         )
     ds = ds.filter(lambda r: has_anchor(r["loss_mask"]), num_proc=num_proc)
     if len(ds) == 0:
-        raise DataError("no sample has two consecutive assistant tokens: nothing to train on")
+        raise DataError(f"no usable rows in {rows.info.description or 'the data'}: none of its {len(rows)} rows "
+                        f"has two consecutive assistant tokens within data.max_length = {max_length}, so "
+                        "nothing can be trained; give rows with assistant answers (or raise data.max_length)")
     return ds.select_columns(["input_ids", "loss_mask"])
 
 
@@ -137,12 +270,11 @@ class Batch:
     index: int  # global micro-batch index (data position)
 
     def to(self, device) -> Batch:
-        return Batch(
-            self.input_ids.to(device, non_blocking=True),
-            self.loss_mask.to(device, non_blocking=True),
-            self.attention_mask.to(device, non_blocking=True),
-            self.index,
-        )
+        # From pinned memory the copies are asynchronous; from pageable memory they would first wait for
+        # every kernel queued on the GPU, and the train loop runs a step ahead of it.
+        pin = torch.device(device).type == "cuda"
+        tensors = [t.pin_memory() if pin else t for t in (self.input_ids, self.loss_mask, self.attention_mask)]
+        return Batch(*(t.to(device, non_blocking=True) for t in tensors), self.index)
 
 
 def collate(rows: list[dict], buckets: Sequence[int], pad_id: int, index: int) -> Batch:
@@ -187,7 +319,3 @@ class MicroBatches:
         order = self._epoch_order(epoch)
         rows = [self.dataset[j] for j in order[k * self.batch_size : (k + 1) * self.batch_size]]
         return collate(rows, self.buckets, self.pad_id, index)
-
-    def iterate(self, indices: Iterator[int]) -> Iterator[Batch]:
-        for i in indices:
-            yield self.batch(i)

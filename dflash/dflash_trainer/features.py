@@ -56,4 +56,7 @@ class FeatureShards:
                                     f"{shard_path(self.root, missing[0]).name}); the dump did not finish")
 
     def load(self, index: int, device) -> dict[str, torch.Tensor]:
-        return {k: v.to(device, non_blocking=True) for k, v in load_file(shard_path(self.root, index % self.count)).items()}
+        tensors = load_file(shard_path(self.root, index % self.count))
+        if torch.device(device).type == "cuda":  # a copy from pageable memory would wait for the GPU
+            tensors = {k: v.pin_memory() for k, v in tensors.items()}
+        return {k: v.to(device, non_blocking=True) for k, v in tensors.items()}

@@ -1,10 +1,10 @@
 """Model FLOPs of a drafter step, and MFU against the GPU's dense bf16 peak.
 
-Convention (shared/notes/performance.md): useful model FLOPs (2 per multiply-add; attention
+Convention (README, "Performance"): useful model FLOPs (2 per multiply-add; attention
 counted over the visible query-key pairs only, not the padded tiles), forward + backward, divided
 by the datasheet dense bf16 peak (989 TFLOP/s for H100/H200), the convention SpecForge's 43.5% uses.
 Backward: 2x forward for trained layers and attention; the frozen LM head and the fc input need
-only one of their two gradients.
+only one of their two gradients. The head runs on the B-1 scored slots of each block only.
 """
 
 from __future__ import annotations
@@ -41,5 +41,5 @@ def drafter_step_flops(config, batch: int, ctx_len: int, num_blocks: int, pairs:
     per_layer = 2 * (q_rows * h * nh * d + 2 * kv_rows * h * nkv * d + q_rows * nh * d * h + 3 * q_rows * h * inter)
     attention = 4 * pairs * d * nh  # QK^T and PV over the visible pairs
     fc = 2 * batch * ctx_len * k_feats * h * h
-    head = 2 * q_rows * h * vocab
+    head = 2 * batch * num_blocks * (config.block_size - 1) * h * vocab  # slot 0 (the anchor) has no head rows
     return 3 * (layers * (per_layer + attention)) + 2 * fc + 2 * head

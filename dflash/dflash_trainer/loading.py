@@ -10,7 +10,8 @@ from rich.console import Console
 from . import checkpoint as ckpt
 from . import parallel
 from .config import ConfigError, RunConfig
-from .data import MicroBatches, load_rows, tokenize_dataset
+from .data import MicroBatches, check_sources, load_rows, tokenize_dataset
+from .held_out import overlapping, split_by_prompt
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .target import FrozenTarget
 
@@ -19,10 +20,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def resolve_target(cfg: RunConfig, ctx: parallel.Context) -> RunConfig:
-    """The embedded default builds its own target and data under the run directory (rank 0 builds)."""
+    """The embedded default builds its own target and data under the run directory (rank 0 builds).
+    Data the config names is used as given: only empty data.train / data.eval get the embedded data."""
     if cfg.target.path != "embedded":
         return cfg
-    from .tiny import build_embedded
+    from .embedded import build_embedded
 
     where = Path(cfg.output_dir) / "embedded"
     if ctx.rank == 0:
@@ -31,15 +33,65 @@ def resolve_target(cfg: RunConfig, ctx: parallel.Context) -> RunConfig:
     ctx.barrier()
     assets = build_embedded(where)  # cached: reads assets.json
     cfg.target.path = assets["target"]
-    if not cfg.data.features_dir:
-        cfg.data.train, cfg.data.eval = [assets["train"]], [assets["eval"]]
+    if not cfg.data.features_dir and not cfg.data.train:
+        cfg.data.train = [assets["train"]]
+        cfg.data.eval = cfg.data.eval or [assets["eval"]]
     return cfg
+
+
+def check_target(path: str) -> None:
+    """target.path names a model directory, or a hub id while the hub is reachable (checked in seconds)."""
+    from . import hub
+
+    if path == "embedded":
+        return
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"target.path {path}: the directory has no config.json; give a Hugging Face model "
+                              "directory (config.json, tokenizer files, weights)")
+        return
+    if local.exists():
+        raise ConfigError(f"target.path {path} is a file; give the target model's directory")
+    if hub.looks_like_hub_id(path) and hub.cached_model(path):
+        return
+    if reason := hub.unavailable_reason(path):
+        raise ConfigError(f"target.path {path!r}: {reason}; give the target model's directory")
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Before anything loads: the target, the drafter to start from and the data files are there."""
+    check_target(cfg.target.path)
+    init = cfg.drafter.init_from
+    if init and not (Path(init) / "config.json").is_file():
+        raise ConfigError(f"drafter.init_from {init}: not a drafter directory (no config.json in "
+                          f"{Path(init).absolute()})")
+    features = cfg.data.features_dir
+    if features and not (Path(features) / "meta.json").is_file():
+        raise ConfigError(f"data.features_dir {features}: no meta.json in {Path(features).absolute()}; dump "
+                          f"features first with --dump-features {features}")
+    if not features:
+        check_sources(cfg.data.train)
+        check_sources(cfg.data.eval)
+
+
+def target_config(cfg: RunConfig):
+    """The target's config.json (no weights): enough for the drafter's shape."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.target.path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"target.path {cfg.target.path}: cannot read the model config ({exc})") from exc
 
 
 def load_tokenizer(cfg: RunConfig):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(cfg.target.path)
+    try:
+        return AutoTokenizer.from_pretrained(cfg.target.path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"target.path {cfg.target.path}: cannot load its tokenizer ({exc})") from exc
 
 
 def mask_token_id(cfg: RunConfig, tokenizer) -> int:
@@ -51,18 +103,34 @@ def mask_token_id(cfg: RunConfig, tokenizer) -> int:
                       "target embedding (Qwen3: 151669)")
 
 
-def new_drafter(cfg: RunConfig, target_config, tokenizer) -> DFlashDrafter:
-    """The initial drafter: the same weights on every rank and in every run with the same seed."""
+def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
+    """The drafter's config (a Qwen3Config in the published format) without building the drafter:
+    target ranks need only its target_layer_ids."""
     d = cfg.drafter
     if d.init_from:
-        return DFlashDrafter.from_pretrained(d.init_from)
-    dconf = drafter_config(target_config, DrafterShape(
-        num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_token_id(cfg, tokenizer),
-        target_layer_ids=tuple(d.target_layer_ids) if d.target_layer_ids else None,
-        intermediate_size=d.intermediate_size,
-    ))
-    torch.manual_seed(cfg.train.seed)
-    return DFlashDrafter(dconf)  # built on the CPU: identical across devices
+        from transformers import Qwen3Config
+
+        return Qwen3Config.from_pretrained(d.init_from)
+    try:
+        return drafter_config(target_config, DrafterShape(
+            num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_token_id(cfg, tokenizer),
+            target_layer_ids=tuple(d.target_layer_ids) if d.target_layer_ids else None,
+            intermediate_size=d.intermediate_size,
+        ))
+    except ValueError as exc:  # layer ids or mask token outside the target
+        raise ConfigError(f"drafter: {exc}") from exc
+
+
+def new_drafter(cfg: RunConfig, target_config, tokenizer, device="cpu", initialise: bool = True) -> DFlashDrafter:
+    """The initial drafter, built on `device`: the same weights on every rank (DDP also broadcasts rank
+    0's) and in every run with the same seed on the same kind of device. initialise=False: allocated
+    only, for a run that loads a checkpoint next."""
+    if cfg.drafter.init_from:
+        return DFlashDrafter.from_pretrained(cfg.drafter.init_from).to(device)
+    config = drafter_config_for(cfg, target_config, tokenizer)
+    if not initialise:
+        return DFlashDrafter.empty(config, device)
+    return DFlashDrafter.initialised(config, device, cfg.train.seed)
 
 
 def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:
@@ -74,7 +142,9 @@ def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:
     if not sys.stderr.isatty():  # a log file or journald: no carriage-return progress bars
         hf_logging.disable_progress_bar()
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype]).to(device)
+    # SDPA: its flash / cuDNN kernels for the features (target.py), and what evaluation has always used.
+    model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype],
+                                                 attn_implementation="sdpa").to(device)
     return FrozenTarget(model, layer_ids)
 
 
@@ -83,9 +153,13 @@ def load_data(cfg: RunConfig, tokenizer) -> tuple[MicroBatches, MicroBatches | N
     train_ds = tokenize_dataset(load_rows(cfg.data.train), tokenizer, cfg.data.max_length, cfg.data.num_proc)
     if cfg.data.eval:
         eval_ds = tokenize_dataset(load_rows(cfg.data.eval), tokenizer, cfg.data.max_length, cfg.data.num_proc)
-    else:  # hold out a few samples from the training data
-        split = train_ds.train_test_split(test_size=min(len(train_ds) // 10 or 1, 64), seed=cfg.train.seed)
-        train_ds, eval_ds = split["train"], split["test"]
+        if shared := overlapping(train_ds, eval_ds):
+            console.print(f"[yellow]warning:[/] {shared} of {len(eval_ds)} data.eval rows have a prompt that data.train "
+                          "also has: tau on them is not held out. Remove them from one of the two")
+    else:  # hold out a few distinct prompts from the training data
+        train_ds, eval_ds, distinct, dropped = split_by_prompt(train_ds, cfg.train.seed)
+        console.print(f"held out {len(eval_ds)} of {distinct} distinct training prompts for evaluation"
+                      + (f" (and {dropped} repeated rows of them)" if dropped else ""))
     stream = MicroBatches(train_ds, cfg.train.micro_batch, cfg.data.context_buckets, pad, cfg.train.seed)
     eval_stream = MicroBatches(eval_ds, min(cfg.train.micro_batch, len(eval_ds)), cfg.data.context_buckets, pad,
                                cfg.train.seed)
@@ -105,9 +179,8 @@ def attention_backend(cfg: RunConfig, device: torch.device) -> str:
 
 
 def resume_step(cfg: RunConfig, resume: bool) -> tuple[int, Path | None]:
+    """The step to start from and the checkpoint holding it (its directory name says the step)."""
     latest = ckpt.latest_checkpoint(Path(cfg.output_dir) / "checkpoints") if resume else None
     if latest is None:
         return 0, None
-    return int(ckpt.load_train_state(latest)["step"]), latest
-
-
+    return ckpt.step_of(latest), latest

@@ -9,7 +9,7 @@ incoming scalar. Against activation checkpointing this saves recomputing the hea
 a third of the head's GEMM work, the largest GEMM of the step.
 
 The elementwise part (log-softmax, CE, softmax - one-hot, argmax) runs as one compiled kernel on
-GPUs (`CE_AND_GRAD`, compiled in the serialized warm-up like flex_attention) and eagerly on CPUs.
+GPUs (`CE_AND_GRAD`, compiled in the serialized compile step like flex_attention) and eagerly on CPUs.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def ce_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
 
 
 # One compiled object per process: dynamic=False (the chunk shapes are fixed by micro_batch, num_anchors
-# and chunk_rows), compiled in the warm-up, so a new shape after it is a RecompileError, not a slow path.
+# and chunk_rows), compiled in the compile step, so a new shape after it is a RecompileError, not a slow path.
 CE_AND_GRAD = torch.compile(ce_and_grad, dynamic=False, fullgraph=True)
 
 
@@ -52,7 +52,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad):
-        # No-grad passes (evaluation) run eagerly: they come after warm-up, where a new variant is an error.
+        # No-grad passes (evaluation) run eagerly: they come after the compile step, where a new variant is an error.
         kernel = CE_AND_GRAD if hidden.is_cuda and with_grad else ce_and_grad
         total = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.zeros(block_size, device=hidden.device)
@@ -83,17 +83,23 @@ def chunked_block_loss(
     hidden: torch.Tensor,  # [b, N*B, H] drafter output (normalised)
     head_weight: torch.Tensor,  # [V, H] frozen target LM head
     labels: torch.Tensor,  # [b, N*B]
-    weights: torch.Tensor,  # [b, N*B]
+    weights: torch.Tensor,  # [b, N*B]; slot 0 of each block must be 0 (it is ignored)
     block_size: int,
     chunk_rows: int = 2048,
 ) -> LossSums:
     if head_weight.requires_grad:
         raise ValueError("the LM head is the target's and must be frozen (requires_grad=False): DFlash does "
                          "not train it, and the loss computes gradients for the drafter's hidden states only")
-    h = hidden.reshape(-1, hidden.shape[-1])
-    slots = torch.arange(h.shape[0], device=h.device) % block_size
+    # Slot 0 of every block is the anchor itself: it never carries loss (anchors.build_blocks), so its
+    # rows skip the head's two GEMMs and the CE kernel (1/B of the largest GEMMs of the step).
+    b, rows = hidden.shape[:2]
+
+    def scored(t: torch.Tensor) -> torch.Tensor:  # [b, N*B, ...] -> [b*N*(B-1), ...], slot 0 dropped
+        return t.reshape(b, rows // block_size, block_size, *t.shape[2:])[:, :, 1:].reshape(-1, *t.shape[2:])
+
+    h = scored(hidden)
+    slots = torch.arange(1, block_size, device=h.device).repeat(h.shape[0] // (block_size - 1))
     with_grad = torch.is_grad_enabled() and h.requires_grad
     total, correct, count = _HeadCrossEntropy.apply(
-        h, head_weight, labels.reshape(-1), weights.reshape(-1).to(torch.float32), slots, block_size, chunk_rows,
-        with_grad)
+        h, head_weight, scored(labels), scored(weights).to(torch.float32), slots, block_size, chunk_rows, with_grad)
     return LossSums(total, correct, count)

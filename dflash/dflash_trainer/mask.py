@@ -9,7 +9,7 @@ see nothing. The same predicate builds the flex_attention BlockMask and the dens
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 TILE = 128  # flex_attention's default sparse block size
 
@@ -29,18 +29,6 @@ def dflash_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, block_size: int, 
         return in_range & keep[b, j] & (sees_context | sees_own_block)
 
     return mask_mod
-
-
-def reference_block_mask(
-    anchors: torch.Tensor, keep: torch.Tensor, block_size: int, ctx_len: int, builder=create_block_mask
-) -> BlockMask:
-    """The same BlockMask through create_block_mask (mask_mod evaluated over the whole grid): the
-    reference dflash_block_mask is tested against. H=None: one mask shared by all heads."""
-    b, n = anchors.shape
-    q_len, kv_len = n * block_size, ctx_len + n * block_size
-    return builder(
-        dflash_mask_mod(anchors, keep, block_size, ctx_len), b, None, q_len, kv_len, device=anchors.device
-    )
 
 
 def dflash_block_mask(anchors: torch.Tensor, keep: torch.Tensor, block_size: int, ctx_len: int,

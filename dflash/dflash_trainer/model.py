@@ -171,15 +171,20 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, Qwen3RMSNorm):
                 nn.init.ones_(module.weight)
 
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[b, S, K*H] target features -> [b, S, H] context: per token, so decoding fuses each token once."""
+        return self.hidden_norm(self.fc(features))
+
     def forward(
         self,
-        features: torch.Tensor,  # [b, S, K*H] target features of the context
+        features: torch.Tensor | None,  # [b, S, K*H] target features of the context
         block_embeds: torch.Tensor,  # [b, Q, H] target embedding of the block tokens
         position_ids: torch.Tensor,  # [b, S + Q] context positions, then block positions
         attention: AttentionFn,
         layer_fn: Callable | None = None,  # (layer, x, context, cos, sin, attention) -> x, e.g. compiled
+        context: torch.Tensor | None = None,  # fuse(features), when the caller keeps it (decoding)
     ) -> torch.Tensor:
-        context = self.hidden_norm(self.fc(features))
+        context = self.fuse(features) if context is None else context
         cos, sin = self.rotary_emb(block_embeds, position_ids)
         x = block_embeds
         for layer in self.layers:
@@ -206,12 +211,33 @@ class DFlashDrafter(nn.Module):
         raw = json.loads(config_path.read_text())
         if ARCHITECTURE not in raw.get("architectures", []):
             raise ValueError(f"{config_path}: architectures {raw.get('architectures')} lacks {ARCHITECTURE}")
-        model = cls(Qwen3Config.from_pretrained(directory))
+        config = Qwen3Config.from_pretrained(directory)
+        with torch.device("meta"):
+            model = cls(config)
         state = load_file(directory / "model.safetensors")
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"{directory}: checkpoint keys do not match (missing {missing}, unexpected {unexpected})")
-        return model.to(dtype) if dtype is not None else model
+        model.rotary_emb = Qwen3RotaryEmbedding(config)
+        return model.to(dtype if dtype is not None else torch.get_default_dtype())
+
+    @classmethod
+    def initialised(cls, config: Qwen3Config, device, seed: int) -> DFlashDrafter:
+        """A new drafter built straight on `device` (no CPU copy of 1 B parameters to fill and move):
+        the same seed gives the same weights on the same kind of device."""
+        model = cls.empty(config, device)
+        torch.manual_seed(seed)
+        model.reset_parameters()
+        return model
+
+    @classmethod
+    def empty(cls, config: Qwen3Config, device) -> DFlashDrafter:
+        """Allocated on `device`, weights uninitialised (they are about to be loaded)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device=device)
+        model.rotary_emb = Qwen3RotaryEmbedding(config).to(device)  # its buffers are computed, not loaded
+        return model
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -37,7 +37,7 @@ def adamw_one_pass_(param, grad, master, exp_avg, exp_avg_sq, step, lr, coef,
 
 
 # One compiled object per process over flattened tensors (dynamic sizes: one graph for all of them),
-# compiled in the serialized warm-up (MasterWeightAdamW.warm) like the drafter's graphs.
+# compiled in the serialized compile step (MasterWeightAdamW.precompile) like the drafter's graphs.
 ONE_PASS_UPDATE = torch.compile(adamw_one_pass_, dynamic=True, fullgraph=True)
 
 
@@ -71,18 +71,18 @@ class MasterWeightAdamW:
         self.one_pass = eligible and (self.fused if one_pass is None else one_pass)
         self._lr = torch.zeros((), device=self.master[0].device) if self.one_pass else None
         self._kernel = ONE_PASS_UPDATE if self.fused else adamw_one_pass_  # CPUs: the same update, eagerly
-        self._warmed = False
+        self._compiled = False
 
-    def warm(self) -> None:
+    def precompile(self) -> None:
         """Compile the one-pass update now, on scratch tensors (the serialized compile step calls it;
         once is enough, since one graph serves every tensor)."""
-        if not self.one_pass or self._warmed:
+        if not self.one_pass or self._compiled:
             return
-        self._warmed = True
+        self._compiled = True
         device, low = self.master[0].device, self.params[0].dtype
         # As large as the largest parameter: Inductor times its candidate kernel configs on this first
         # call, and on a few thousand elements the choice is noise (the update took 7.3 ms in one H200
-        # run and 10.9 ms in another with the same code, warmed on 4,096 elements).
+        # run and 10.9 ms in another with the same code, compiled on 4,096 elements).
         size = max(p.numel() for p in self.params)
         scratch = [torch.zeros(size, device=device, dtype=dt) for dt in (low, low, torch.float32, torch.float32,
                                                                           torch.float32)]

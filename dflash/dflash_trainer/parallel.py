@@ -9,14 +9,15 @@ runs on a laptop or one GPU.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from .compile_guard import isolate_local_gpu
 from .transport import Roles, TransportGroups, setup_transport
-from .warmup import isolate_local_gpu
 
 
 @dataclass
@@ -108,3 +109,76 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (timing, hand-offs); a no-op on CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# ---- the T:D split: how many target ranks feed how many drafter ranks ------------------------------
+
+def suggest_split(target_s: float, drafter_s: float, gpus: int) -> tuple[int, int]:
+    """The split of `gpus` into T target and D drafter ranks that moves the most micro-batches per
+    second: max over T of min(T / target_s, D / drafter_s), where target_s and drafter_s are one
+    micro-batch's time on one GPU of each role. Ties go to fewer target ranks."""
+    if gpus < 2:
+        raise ValueError(f"a split needs at least 2 GPUs (one target rank, one drafter rank), got {gpus}")
+    return max(((t, gpus - t) for t in range(1, gpus)),
+               key=lambda td: (min(td[0] / target_s, td[1] / drafter_s), -td[0]))
+
+
+def split_advice(target_s: float, drafter_s: float, targets: int, drafters: int) -> str:
+    """One line: who waits for whom at this split, and the split suggest_split gives for this GPU count."""
+    supply, demand = targets / target_s, drafters / drafter_s  # micro-batches per second
+    ratio = supply / demand
+    if ratio >= 1:
+        state = f"targets idle {1 - 1 / ratio:.0%}"
+    else:
+        state = f"drafters wait {1 - ratio:.0%} of the time for features"
+    gpus = targets + drafters
+    best = suggest_split(target_s, drafter_s, gpus)
+    head = (f"{state} (supply/demand {ratio:.2f}: {target_s * 1e3:.0f} ms per micro-batch on a target rank, "
+            f"{drafter_s * 1e3:.0f} ms on a drafter rank)")
+    if best == (targets, drafters):
+        return f"{head}; {targets}:{drafters} is the best split for {gpus} GPUs"
+    now = min(supply, demand)
+    then = min(best[0] / target_s, best[1] / drafter_s)
+    return (f"{head}: for {gpus} GPUs try --target-gpus {best[0]} --drafter-gpus {best[1]} "
+            f"({then / now - 1:+.0%} micro-batches/s)")
+
+
+class SplitWindow:
+    """When to measure the split: over a window of micro-batches after the pipeline has filled (the
+    first `prefetch` + 2 are start-up), once."""
+
+    def __init__(self, prefetch: int, length: int = 16):
+        self.start, self.end = prefetch + 2, prefetch + 2 + length
+        self.t0: float | None = None
+        self.done = False
+
+    def due(self, count: int) -> bool:
+        if count == self.start:
+            self.t0 = time.perf_counter()
+        return not self.done and count == self.end
+
+    def advice(self, intervals, targets: int, drafters: int, now: float | None = None) -> str:
+        """The target side's view: its own time per micro-batch, and the drafters' from how fast they
+        took the batches (a target that waits sends at the drafters' pace: wall = drafter_s * T / D)."""
+        self.done = True
+        n = self.end - self.start
+        wall = ((time.perf_counter() if now is None else now) - self.t0) / n
+        target_s = sum(w.seconds() for w in intervals[self.start:self.end]) / n
+        if target_s >= 0.9 * wall:  # busy: the targets bound the run; the drafter side measures its own need
+            return (f"targets busy {target_s / wall:.0%} of the time ({target_s * 1e3:.0f} ms per micro-batch): "
+                    "the target ranks bound the run (the lead drafter rank reports how long it waits)")
+        return split_advice(target_s, wall * drafters / targets, targets, drafters)
+
+
+def drafter_side_advice(seconds: list[float], stalls: list[float], grad_accum: int, targets: int,
+                        drafters: int) -> str:
+    """The lead drafter's view over a window of steps: its own time per micro-batch, and the targets'
+    from how fast the features came when it had to wait (a drafter that waits takes batches at the
+    targets' pace: wall = target_s * D / T)."""
+    n = len(seconds) * grad_accum
+    wall, stall = sum(seconds) / n, sum(stalls) / n
+    drafter_s = wall - stall
+    if stall <= 0.1 * wall:
+        return (f"drafters wait {stall / wall:.0%} of the time for features ({drafter_s * 1e3:.0f} ms per "
+                "micro-batch): the drafter ranks bound the run (the first target rank reports its idle time)")
+    return split_advice(wall * targets / drafters, drafter_s, targets, drafters)

@@ -30,7 +30,7 @@ class Replicated:
     """A full drafter per rank; DDP over the drafter group when there is more than one."""
 
     name = "ddp"
-    serial_warmup = True  # ranks can take turns compiling: the bare drafter's forward needs no peer
+    serial_compile = True  # ranks can take turns compiling: the bare drafter's forward needs no peer
     compiled_layers = True
 
     def __init__(self, drafter: DFlashDrafter, device, dtype, group=None, num_ranks: int = 1):
@@ -65,10 +65,10 @@ class Sharded:
     """FSDP2: fully_shard per decoder layer and at the root, fp32 sharded masters, compute in `dtype`."""
 
     name = "fsdp"
-    # The forward all-gathers parameters from every drafter rank: the ranks must warm up together (no
+    # The forward all-gathers parameters from every drafter rank: the ranks must compile together (no
     # turn-taking lock), and a layer compiled whole would have to trace FSDP's hooks, so the layers run
     # eagerly around the compiled flex_attention.
-    serial_warmup = False
+    serial_compile = False
     compiled_layers = False
 
     def __init__(self, drafter: DFlashDrafter, device, dtype, group=None, num_ranks: int = 1):

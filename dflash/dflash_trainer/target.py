@@ -1,19 +1,66 @@
 """The frozen target: any Hugging Face causal LM, run without grad, tapped at K decoder layers.
 
 The feature of layer l is the *output* of decoder layer l (HF `hidden_states[l + 1]`), the
-convention z-lab, SGLang and vLLM use when they feed a DFlash drafter. Forward hooks capture the
-K outputs and stop the forward after the last tapped layer: the layers above it, the final norm
-and the LM head (3.8 TFLOP per 3,072-token sample on Qwen3-8B) are never run for training.
+convention z-lab, SGLang and vLLM use when they feed a DFlash drafter. The forward stops after the
+last tapped layer: the layers above it, the final norm and the LM head (3.8 TFLOP per 3,072-token
+sample on Qwen3-8B) are never run for training.
+
+Two ways to run it, same features:
+- the tapped forward (Llama-family backbones: embed_tokens, rotary_emb, layers, all full attention,
+  SDPA): embeddings, rotary, then the decoder layers up to the last tapped one, each through one
+  compiled function (`COMPILED_TARGET_LAYER`, compiled per context bucket like the drafter's graphs,
+  on GPUs), with no attention mask: the training batches are right-padded, so a causal mask alone is
+  exact for every real token, and SDPA then takes its flash/cuDNN kernels.
+- otherwise, the model's own forward with hooks that capture the K outputs and stop it after the last.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from contextlib import contextmanager, nullcontext
+
 import torch
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 
 class _StopForward(Exception):
     pass
+
+
+def call_target_layer(layer, hidden, position_embeddings, position_ids):
+    out = layer(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=position_ids)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@contextmanager
+def hooks_suspended(module: nn.Module):
+    """Run `module` without its forward hooks. transformers installs output-capturing hooks on a model's
+    submodules at its first forward; outside a capturing forward they do nothing, but they read a
+    ContextVar, which torch.compile cannot trace. Suspended on every compiled call alike, so the
+    compiled graph's guards always see the same (empty) hooks."""
+    saved = [(m, m._forward_hooks) for m in module.modules() if m._forward_hooks]
+    for m, _ in saved:
+        m._forward_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        for m, hooks in saved:
+            m._forward_hooks = hooks
+
+
+# One compiled object per process, like the drafter's (objective.COMPILED_LAYER): the decoder layers
+# share its graph (their parameters are graph inputs); one graph per context bucket.
+COMPILED_TARGET_LAYER = torch.compile(call_target_layer, dynamic=False, fullgraph=True)
+
+
+def tapped_forward_supported(model: nn.Module, backbone: nn.Module) -> bool:
+    """The backbone can be run layer by layer with only a causal mask (no sliding windows, SDPA)."""
+    config = model.config
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return (all(hasattr(backbone, name) for name in ("embed_tokens", "rotary_emb", "layers"))
+            and types == {"full_attention"} and getattr(config, "_attn_implementation", None) == "sdpa"
+            and not getattr(config, "use_sliding_window", False))
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -29,7 +76,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 class FrozenTarget:
-    def __init__(self, model: nn.Module, layer_ids: list[int]):
+    def __init__(self, model: nn.Module, layer_ids: list[int], compile_layers: bool | None = None,
+                 sdpa_backends: list | None = None):
+        """compile_layers: run the tapped forward's layers compiled (default: on CUDA, where supported).
+        sdpa_backends: SDPA kernels to prefer, in order, for the tapped forward (torch.nn.attention
+        SDPBackend; None: torch's own choice)."""
         self.model = model.eval().requires_grad_(False)
         self.layers = decoder_layers(model)
         # Run the backbone (no LM head); get_decoder() is the HF accessor for it.
@@ -37,13 +88,10 @@ class FrozenTarget:
         if any(not 0 <= i < len(self.layers) for i in layer_ids):
             raise ValueError(f"target layer ids {layer_ids} outside the target's {len(self.layers)} layers")
         self.layer_ids = list(layer_ids)
-
-    @classmethod
-    def from_pretrained(cls, path: str, layer_ids: list[int], dtype=torch.bfloat16, device="cpu"):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        return cls(model, layer_ids)
+        self.tapped = tapped_forward_supported(model, self.backbone)
+        on_cuda = next(model.parameters()).is_cuda
+        self.compile_layers = self.tapped and (on_cuda if compile_layers is None else compile_layers)
+        self.sdpa_backends = sdpa_backends
 
     @property
     def config(self):
@@ -59,7 +107,30 @@ class FrozenTarget:
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[b, S, K*H]: the outputs of the tapped layers, concatenated in layer-id order."""
+        """[b, S, K*H]: the outputs of the tapped layers, concatenated in layer-id order.
+
+        attention_mask marks real tokens; they must come first in each row (right padding), as
+        data.collate pads them, for the tapped forward (it uses the causal mask alone)."""
+        if self.tapped:
+            return self._tapped_features(input_ids)
+        return self._hooked_features(input_ids, attention_mask)
+
+    def _tapped_features(self, input_ids: torch.Tensor) -> torch.Tensor:
+        backbone, last = self.backbone, max(self.layer_ids)
+        hidden = backbone.embed_tokens(input_ids)
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        position_embeddings = backbone.rotary_emb(hidden, position_ids)
+        call = COMPILED_TARGET_LAYER if self.compile_layers else call_target_layer
+        captured = {}
+        with sdpa_kernel(self.sdpa_backends, set_priority=True) if self.sdpa_backends else nullcontext():
+            for i in range(last + 1):
+                with hooks_suspended(self.layers[i]) if self.compile_layers else nullcontext():
+                    hidden = call(self.layers[i], hidden, position_embeddings, position_ids)
+                if i in self.layer_ids:
+                    captured[i] = hidden
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+
+    def _hooked_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         captured: dict[int, torch.Tensor] = {}
         last = max(self.layer_ids)
 
@@ -109,9 +180,10 @@ def load_embed_and_head(path: str, device, dtype) -> tuple[torch.Tensor, torch.T
         for key in candidates:
             file = root / (weight_map.get(key, "") if weight_map else "model.safetensors")
             if file.is_file():
-                with safe_open(str(file), "pt") as f:
+                # Straight to the device: no pageable CPU copy of a 1.2 GB embedding to move.
+                with safe_open(str(file), "pt", device=str(torch.device(device))) as f:
                     if key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                        return f.get_tensor(key).to(device=device, dtype=dtype)
+                        return f.get_tensor(key).to(dtype=dtype)
         if name == head_name and getattr(config, "tie_word_embeddings", False):
             return read(embed_name)
         raise KeyError(f"{path}: no tensor {name!r} in its safetensors files")

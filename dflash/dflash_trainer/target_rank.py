@@ -12,10 +12,22 @@ import torch
 from tqdm import tqdm
 
 from . import parallel
+from .compile_guard import leave_run_phase
+from .compile_step import compile_target_step
 from .config import RunConfig
 from .evaluate import evaluate_saved
 from .features import write_meta, write_shard
-from .loading import console, load_data, load_target, load_tokenizer, new_drafter, resolve_target, resume_step
+from .loading import (
+    console,
+    drafter_config_for,
+    load_data,
+    load_target,
+    load_tokenizer,
+    resolve_target,
+    resume_step,
+)
+from .parallel import SplitWindow
+from .sources import Wait
 from .summary import print_summary, write_summary
 
 
@@ -25,44 +37,56 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | No
 
     from .transport import FeatureSender
 
-    c, device = cfg, ctx.device
+    device = ctx.device
     # A stop request ends a target rank at once: the drafters write the checkpoint, and a send that
     # waits for a drafter that has stopped would otherwise hold this process until the timeout.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    tokenizer = load_tokenizer(c)
-    layer_ids = new_drafter(c, AutoConfig.from_pretrained(c.target.path), tokenizer).target_layer_ids
-    target = load_target(c, layer_ids, device)
-    stream, eval_stream, prompts = load_data(c, tokenizer)
-    A, D = c.train.grad_accum, ctx.num_drafters
-    num_batches = c.train.steps * A * D
-    start_step, _ = resume_step(c, resume)
-    sender = FeatureSender(ctx.roles, ctx.rank, ctx.groups, c.parallel.prefetch, start=start_step * A * D)
-    busy = send_wait = 0.0
-    tokens = 0
+    tokenizer = load_tokenizer(cfg)
+    layer_ids = drafter_config_for(cfg, AutoConfig.from_pretrained(cfg.target.path), tokenizer).dflash_config[
+        "target_layer_ids"]
+    target = load_target(cfg, layer_ids, device)
+    stream, eval_stream, prompts = load_data(cfg, tokenizer)
+    compile_target_step(target, cfg.data.context_buckets, cfg.train.micro_batch,
+                        Path(cfg.train.compile_cache_dir or Path(cfg.output_dir) / "compile-cache"), console.print,
+                        label=ctx.label)
+    batches_per_step = cfg.train.grad_accum * ctx.num_drafters
+    num_batches = cfg.train.steps * batches_per_step
+    start_step, _ = resume_step(cfg, resume)
+    first_batch = start_step * batches_per_step
+    sender = FeatureSender(ctx.roles, ctx.rank, ctx.groups, cfg.parallel.prefetch, start=first_batch)
+    intervals: list[Wait] = []  # the target's GPU time per micro-batch, read without a sync per batch
+    send_wait, tokens = 0.0, 0
     t_start = time.perf_counter()
-    for i in ctx.roles.batches_for_target(ctx.roles.target_index(ctx.rank), num_batches, start_step * A * D):
-        t0 = time.perf_counter()
-        batch = stream.batch(i).to(device)
+    window = SplitWindow(cfg.parallel.prefetch)
+    for i in ctx.roles.batches_for_target(ctx.roles.target_index(ctx.rank), num_batches, first_batch):
+        batch = stream.batch(i)
+        tokens += int(batch.attention_mask.sum())  # on the host: no device sync
+        batch = batch.to(device)
+        busy = Wait.interval(device)
         feats = target.features(batch.input_ids, batch.attention_mask)
-        tokens += int(batch.attention_mask.sum())
+        intervals.append(busy.stop())
         t1 = time.perf_counter()
         sender.send({"features": feats, "input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
                      "attention_mask": batch.attention_mask})
-        busy += t1 - t0
         send_wait += time.perf_counter() - t1
+        if ctx.roles.target_index(ctx.rank) == 0 and window.due(len(intervals)):
+            parallel.synchronize(device)
+            console.print(ctx.label + window.advice(intervals, ctx.roles.num_targets, ctx.roles.num_drafters))
     sender.close(num_batches)
     wall = time.perf_counter() - t_start
-    console.print(f"{ctx.label}target done: {tokens / max(wall, 1e-9):,.0f} tok/s; target compute {busy:.1f}s, "
+    busy_s = sum(w.seconds() for w in intervals)
+    console.print(f"{ctx.label}target done: {tokens / max(wall, 1e-9):,.0f} tok/s; target compute {busy_s:.1f}s, "
                   f"waiting on drafters {send_wait:.1f}s of {wall:.1f}s"
                   + (" (drafters bound the run)" if send_wait > 0.2 * wall else " (target supply bounds the run)"))
     ctx.barrier()  # the lead drafter has written the final drafter and the summary
     if ctx.rank != 0:
         return None
-    out = Path(c.output_dir)
-    before, after = evaluate_saved(c, target, tokenizer, eval_stream, prompts, out / "drafter", device)
+    out = Path(cfg.output_dir)
+    leave_run_phase()  # evaluation shapes differ from the training batches'
+    before, after = evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, out / "drafter", device)
     summary = json.loads((out / "summary.json").read_text())
     summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"],
-                   target_ranks=ctx.roles.num_targets, target_busy_s=busy, target_wait_s=send_wait)
+                   target_ranks=ctx.roles.num_targets, target_busy_s=busy_s, target_wait_s=send_wait)
     write_summary(out, summary)
     print_summary(summary)
     return summary
@@ -72,7 +96,7 @@ def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
     """Run the target over the training stream once; rank r of W writes micro-batches i = r mod W."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if world > 1:  # one GPU per process, chosen before the driver reads CUDA_VISIBLE_DEVICES
-        from .warmup import isolate_local_gpu
+        from .compile_guard import isolate_local_gpu
 
         isolate_local_gpu(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,7 +105,8 @@ def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
     from transformers import AutoConfig
 
     tokenizer = load_tokenizer(cfg)
-    layer_ids = new_drafter(cfg, AutoConfig.from_pretrained(cfg.target.path), tokenizer).target_layer_ids
+    layer_ids = drafter_config_for(cfg, AutoConfig.from_pretrained(cfg.target.path), tokenizer).dflash_config[
+        "target_layer_ids"]
     target = load_target(cfg, layer_ids, device)
     stream, _, _ = load_data(cfg, tokenizer)
     count = num_batches or stream.per_epoch

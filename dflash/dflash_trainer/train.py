@@ -6,289 +6,380 @@
     torchrun --nproc-per-node 2 -m dflash_trainer.train --config run.toml --set data.features_dir=feats/ \\
         --target-gpus 0 --drafter-gpus 2                                   # ... train many epochs on it
 
-The drafter loop reads top to bottom: features (from the local target, a target rank, or disk) ->
-random anchors -> blocks -> drafter loss -> step; the compile step runs before step 1.
+A drafter rank reads top to bottom: setup (drafter, sharding, optimizer, feature source, the one
+drafter step of step.py) -> resume -> the compile step -> the loop (step, log, checkpoint, stop) ->
+finish (the published drafter, tau, the summary).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 from tqdm import tqdm
 
 from . import checkpoint as ckpt
-from . import parallel
-from .compile_step import check_dense_fits, warm_drafter
+from . import parallel, run_dir, storage
+from .compile_guard import CompileReport, leave_run_phase
+from .compile_step import check_dense_fits, compile_drafter_step
 from .config import ConfigError, RunConfig, load_config
-from .data import DataError
-from .evaluate import evaluate, evaluate_saved
+from .data import DataError, MicroBatches
+from .evaluate import evaluate, evaluate_saved, record_eval_prompts
 from .features import FeatureShards
-from .flops import drafter_step_flops, peak_flops
+from .flops import peak_flops
 from .loading import (
     DTYPES,
     attention_backend,
+    check_inputs,
     console,
+    drafter_config_for,
     load_data,
     load_target,
     load_tokenizer,
     new_drafter,
     resolve_target,
     resume_step,
+    target_config,
 )
 from .metrics import Metrics
-from .objective import drafter_loss, prepare_micro_batch
+from .model import DFlashDrafter
 from .optim import MasterWeightAdamW, warmup_cosine
-from .parallel import synchronize as _sync
-from .sharding import shard_drafter
-from .sources import disk_source, local_source, remote_source
-from .summary import print_summary, write_summary
-from .target import load_embed_and_head
+from .parallel import drafter_side_advice
+from .sharding import Replicated, Sharded, shard_drafter
+from .sources import FeatureBatch, disk_source, local_source, remote_source
+from .step import DrafterStep, StepClock, StepFigures
+from .stop import StopRequest
+from .summary import Startup, print_summary, write_summary
+from .target import FrozenTarget, load_embed_and_head
 from .target_rank import dump_features, run_target
 
-PROCESS_START = time.perf_counter()  # for time-to-first-step (imports included)
+# ---- a drafter rank: setup, resume, compile, loop, finish -----------------------------------------
+
+@dataclass
+class DrafterRun:
+    """What a drafter rank holds for the whole run."""
+
+    cfg: RunConfig
+    ctx: parallel.Context
+    drafter: DFlashDrafter
+    shard: Replicated | Sharded  # how the drafter ranks hold it (DDP or FSDP)
+    optimizer: MasterWeightAdamW
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    step: DrafterStep
+    source: Iterator[FeatureBatch]
+    wait_kind: str  # where features come from: "target" (this process), "transfer" or "disk"
+    start_step: int
+    latest: Path | None  # the checkpoint to resume from
+    target: FrozenTarget | None = None  # colocated runs only: the target, and what evaluation needs
+    tokenizer: object = None
+    eval_stream: MicroBatches | None = None
+    prompts: list[list[int]] = field(default_factory=list)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+    @property
+    def lead(self) -> bool:
+        return self.ctx.leads_drafters
+
+    def log(self, *args, **kwargs) -> None:
+        if self.lead:
+            console.print(*args, **kwargs)
 
 
-# ---- the drafter loop ----------------------------------------------------------------------------
+@dataclass
+class History:
+    """What the loop measured, for the summary."""
 
-class StopRequest:
-    """SIGTERM / SIGINT: finish the step in progress, write a checkpoint, exit cleanly.
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    flops: float = 0.0
+    train_s: float = 0.0
+    wait_s: float = 0.0
+    drafter_s: float = 0.0
+    stopped_at: int | None = None
 
-    `make train-stop` and `systemctl stop` send SIGTERM (to torchrun, which forwards it to every
-    worker). Drafter ranks agree on the step to stop at (one tiny all-reduce per step), the lead
-    writes the checkpoint, and `--resume` continues from exactly there.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _on_signal(self, signum, _frame) -> None:
-        if self.requested:  # a second signal: stop now, without the checkpoint
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
-        self.requested = True
-        console.print(f"{signal.Signals(signum).name}: stopping after this step's checkpoint "
-                      "(send it again to stop at once)")
-
-    def agreed(self, ctx: parallel.Context, device) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        return bool(parallel.all_reduce_sum(ctx, flag).item() > 0)
+    def record(self, step: int, figures: StepFigures, seconds: float) -> None:
+        if not math.isfinite(figures.loss):
+            raise FloatingPointError(f"loss is {figures.loss} at step {step}; lower train.lr or check the data")
+        self.losses.append(figures.loss)
+        self.tokens += figures.tokens
+        self.flops += figures.flops
+        self.train_s += seconds
+        self.wait_s += figures.wait_s
+        self.drafter_s += seconds - figures.step_wait_s
 
 
-def run_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | None:
-    c, out, device = cfg, Path(cfg.output_dir), ctx.device
-    lead = ctx.leads_drafters
-    log = console.print if lead else (lambda *a, **k: None)
-    tokenizer = load_tokenizer(c)
-    from transformers import AutoConfig
+def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool, startup: Startup) -> DrafterRun:
+    """Drafter, sharding, optimizer, schedule, the feature source and the one drafter step."""
+    device, train = ctx.device, cfg.train
+    # Drafter ranks fed by target ranks or disk need the tokenizer only to look up a mask token.
+    needs_tokenizer = ctx.colocated or (cfg.drafter.mask_token_id is None and not cfg.drafter.init_from)
+    tokenizer = load_tokenizer(cfg) if needs_tokenizer else None
+    start_step, latest = resume_step(cfg, resume)
+    drafter = new_drafter(cfg, target_config(cfg), tokenizer, device=device,
+                          initialise=latest is None)  # a resumed run loads its weights next
+    startup.mark("drafter")
+    num_drafters = ctx.num_drafters
+    shard = shard_drafter(cfg.parallel.drafter_sharding, drafter, device, DTYPES[train.dtype],
+                          ctx.groups.drafters if ctx.groups is not None else None, num_drafters)
+    first_batch = start_step * train.grad_accum * num_drafters
+    # Micro-batch i goes to drafter rank i % D.
+    my_batches = range(ctx.drafter_index + first_batch, train.steps * train.grad_accum * num_drafters, num_drafters)
 
-    drafter = new_drafter(c, AutoConfig.from_pretrained(c.target.path), tokenizer)
-    dtype = DTYPES[c.train.dtype]
-    dc, A, D = drafter.config, c.train.grad_accum, ctx.num_drafters
-    shard = shard_drafter(c.parallel.drafter_sharding, drafter, device, dtype,
-                          ctx.groups.drafters if ctx.groups is not None else None, D)
-    num_batches = c.train.steps * A * D
-    start_step, latest = resume_step(c, resume)
-    if resume and latest is None:
-        log(f"--resume: no checkpoint under {out / 'checkpoints'}; starting from step 0")
-    start = start_step * A * D
-    my_batches = range(ctx.drafter_index + start, num_batches, D)  # micro-batch i goes to drafter i % D
-
-    target = stream = eval_stream = prompts = None
+    target = stream = eval_stream = None
+    prompts: list[list[int]] = []
     if ctx.colocated:
-        target = load_target(c, drafter.target_layer_ids, device)
+        target = load_target(cfg, drafter.target_layer_ids, device)
+        startup.mark("target")
         embed, head = target.embed_weight, target.head_weight
-        stream, eval_stream, prompts = load_data(c, tokenizer)
-        source = local_source(stream, target, my_batches, dtype, device)
-        wait_kind, samples = "target", len(stream.dataset)
+        stream, eval_stream, prompts = load_data(cfg, tokenizer)
+        startup.mark("data")
+        source, wait_kind, samples = local_source(stream, target, my_batches, DTYPES[train.dtype], device), \
+            "target", len(stream.dataset)
     else:
-        embed, head = load_embed_and_head(c.target.path, device, DTYPES[c.target.dtype])
+        embed, head = load_embed_and_head(cfg.target.path, device, DTYPES[cfg.target.dtype])
+        startup.mark("embedding + head")
         if ctx.roles.offline:
-            shards = FeatureShards(c.data.features_dir, drafter.target_layer_ids)
-            source, wait_kind, samples = disk_source(shards, my_batches, dtype, device), "disk", shards.count
+            shards = FeatureShards(cfg.data.features_dir, drafter.target_layer_ids)
+            source, wait_kind, samples = disk_source(shards, my_batches, DTYPES[train.dtype], device), "disk", \
+                shards.count
         else:
             from .transport import FeatureReceiver
 
-            receiver = FeatureReceiver(ctx.roles, ctx.rank, ctx.groups, device, c.parallel.prefetch, start=start)
-            source, wait_kind, samples = remote_source(receiver, dtype), "transfer", None
-    log(f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, block {dc.block_size}, target layers "
-        f"{drafter.target_layer_ids}, {drafter.num_params() / 1e6:.2f}M params; "
-        + (f"{samples} training samples; " if samples else "")
-        + f"{D} drafter rank(s) ({shard.name}); attention {attention_backend(c, device)} on {device}")
+            receiver = FeatureReceiver(ctx.roles, ctx.rank, ctx.groups, device, cfg.parallel.prefetch,
+                                       start=first_batch)
+            source, wait_kind, samples = remote_source(receiver, DTYPES[train.dtype]), "transfer", None
 
-    model = shard.module  # what runs the forward: the drafter, its DDP wrapper, or the FSDP-sharded drafter
-    opt = MasterWeightAdamW(drafter.parameters(), lr=c.train.lr, weight_decay=c.train.weight_decay,
-                            max_grad_norm=c.train.max_grad_norm)
-    sched = warmup_cosine(opt.opt, c.train.steps, int(c.train.warmup_ratio * c.train.steps), c.train.min_lr_ratio)
-    if latest is not None:
-        state = ckpt.load_train_state(latest)
-        shard.load(latest, state["optimizer"], opt)
-        sched.load_state_dict(state["scheduler"])
-        ckpt.set_rng_state(state["rng"])
-        log(f"resumed from {latest} at step {start_step}")
+    optimizer = MasterWeightAdamW(drafter.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+                                  max_grad_norm=train.max_grad_norm)
+    scheduler = warmup_cosine(optimizer.opt, train.steps, int(train.warmup_ratio * train.steps), train.min_lr_ratio)
+    startup.mark("optimizer")
+    backend = attention_backend(cfg, device)
+    step = DrafterStep(drafter, embed, head, optimizer, num_anchors=train.num_anchors, gamma=cfg.drafter.gamma,
+                       chunk_rows=train.loss_chunk_rows, backend=backend,
+                       compiled_layers=backend == "flex" and train.compile_layers and shard.compiled_layers,
+                       vocab_size=drafter.config.vocab_size, model=shard.module,
+                       gradient_sync=shard.gradient_sync, scheduler=scheduler)
+    run = DrafterRun(cfg, ctx, drafter, shard, optimizer, scheduler, step, source, wait_kind, start_step, latest,
+                     target, tokenizer, eval_stream, prompts)
+    config = drafter.config
+    run.log(f"drafter: {config.num_hidden_layers} layers, hidden {config.hidden_size}, block {config.block_size}, "
+            f"target layers {drafter.target_layer_ids}, {drafter.num_params() / 1e6:.2f}M params; "
+            + (f"{samples} training samples; " if samples else "")
+            + f"{num_drafters} drafter rank(s) ({shard.name}); attention {backend} on {device}")
+    return run
 
-    backend = attention_backend(c, device)
-    before = None
-    if ctx.colocated and start_step == 0:
-        before = evaluate(c, drafter, target, tokenizer, eval_stream, prompts, "before training")
-    warmup_report = None
-    compiled_layers = backend == "flex" and c.train.compile_layers and shard.compiled_layers
-    if backend == "flex":
-        cache = Path(c.train.compile_cache_dir or out / "compile-cache")
-        t0 = time.perf_counter()
-        warmup_report = warm_drafter(drafter, embed, head, c.data.context_buckets, c.train.micro_batch,
-                                     c.train.num_anchors, c.drafter.gamma, c.train.loss_chunk_rows,
-                                     cache, console.print, label=ctx.label, compiled_layers=compiled_layers,
-                                     serialized=shard.serial_warmup, optimizer=opt)
-        warmup_s = time.perf_counter() - t0
-    else:
-        check_dense_fits(c, drafter, device)
-        warmup_s = 0.0
 
-    metrics = Metrics(out / "tb", c.to_dict(), c.train.wandb_project, out.name, log) if lead else None
-    peak = peak_flops(device)
-    losses: list[float] = []
-    tokens_total, flops_total, train_time, t_wait, t_drafter = 0, 0.0, 0.0, 0.0, 0.0
-    first_step_at = None
-    bar = tqdm(range(start_step, c.train.steps), initial=start_step, total=c.train.steps, desc="train",
-               dynamic_ncols=True, disable=None if lead else True)
-    def save_checkpoint(done: int) -> Path | None:
-        """Every drafter rank calls it (FSDP gathers the state from all of them); the lead writes."""
-        weights, opt_state = shard.full_state(opt, lead)
-        if not lead:
-            return None
-        state = {"optimizer": opt_state, "scheduler": sched.state_dict(), "rng": ckpt.rng_state(),
-                 "step": done, "data_position": done * A * D, "config": c.to_dict()}
-        return ckpt.save_checkpoint(out / "checkpoints", done, lambda d: drafter.save_pretrained(d, weights), state,
-                                    max(1, c.train.keep_last))
-
-    stop = StopRequest()
-    stop.install()  # restored right after the loop
-    stopped_at = None
-    drafter.train()
+def restore(run: DrafterRun) -> None:
+    """Weights, optimizer, schedule and RNG from the checkpoint (the data position is start_step)."""
     try:
-        for step in bar:
-            t0 = time.perf_counter()
-            ce_sum = torch.zeros((), device=device)
-            weight_sum = torch.zeros((), device=device)
-            correct = torch.zeros(dc.block_size, device=device)
-            count = torch.zeros(dc.block_size, device=device)
-            step_tokens, step_flops, step_wait = 0, 0.0, 0.0
-            for micro in range(A):
-                fb = next(source)
-                step_wait += fb.wait_s
-                mb = prepare_micro_batch(fb.input_ids, fb.loss_mask, c.train.num_anchors, dc, drafter.mask_token_id,
-                                         c.drafter.gamma, backend, anchor_generator(c, device, fb.index))
-                with shard.gradient_sync(micro == A - 1):  # one gradient reduction per step
-                    sums = drafter_loss(drafter, embed, head, fb.features, mb.blocks, mb.attention,
-                                        c.train.loss_chunk_rows, model, compiled_layers=compiled_layers)
-                    sums.weighted_ce.backward()
-                ce_sum += sums.weighted_ce.detach()
-                weight_sum += mb.blocks.total_weight
-                correct += sums.slot_correct
-                count += sums.slot_count
-                step_tokens += fb.tokens
-                # A device tensor: a float() here would wait for the GPU in the middle of the step.
-                step_flops += drafter_step_flops(dc, fb.features.shape[0], fb.features.shape[1], c.train.num_anchors,
-                                                 mb.visible_pairs, dc.vocab_size)
-            # The loss is normalised by the total weight of the whole step: every micro-batch, every rank.
-            # DDP averages gradients over the D ranks, hence D / total.
-            totals = parallel.all_reduce_sum(ctx, torch.stack([ce_sum, weight_sum, torch.tensor(
-                float(step_tokens), device=device)]))
-            total = totals[1].clamp(min=1e-6)
-            grad_norm = opt.step(D / total)
-            sched.step()
-            opt.zero_grad()
-            _sync(device)
-            dt = time.perf_counter() - t0
-            step_flops = float(step_flops)
-            first_step_at = first_step_at or time.perf_counter()
-            loss = float(totals[0] / total)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step + 1}; lower train.lr or check the data")
-            losses.append(loss)
-            tokens_total += int(totals[2])
-            flops_total += step_flops
-            train_time += dt
-            t_wait += step_wait
-            t_drafter += dt - step_wait
-            if lead and ((step + 1) % c.train.log_every == 0 or step + 1 == c.train.steps):
-                acc = (correct[1:] / count[1:].clamp(min=1)).mean().item()
-                mfu = step_flops / dt / peak if peak else None
-                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}", tok_s=f"{int(totals[2]) / dt:,.0f}",
-                                **({"mfu": f"{mfu:.1%}"} if mfu else {}))
-                scalars = {"loss": loss, "acc": acc, "grad_norm": float(grad_norm), "lr": sched.get_last_lr()[0],
-                           "tokens_per_s": int(totals[2]) / dt, f"{wait_kind}_s": step_wait, "step_s": dt}
-                if mfu:
-                    scalars["mfu"] = mfu
-                slot_acc = (correct / count.clamp(min=1)).tolist()
-                metrics.scalars({**{f"train/{k}": v for k, v in scalars.items()},  # slot k: the token k after the anchor
-                                 **{f"slot_acc/{k:02d}": slot_acc[k] for k in range(1, dc.block_size)}}, step + 1)
-            every = c.train.checkpoint_every  # 0: no checkpoints (benchmarks); the final drafter is still saved
-            if every and ((step + 1) % every == 0 or step + 1 == c.train.steps):
-                save_checkpoint(step + 1)
-            if step + 1 < c.train.steps and stop.agreed(ctx, device):
-                stopped_at = step + 1
-                path = save_checkpoint(step + 1)
-                if lead:
-                    console.print(f"stopped at step {step + 1}: checkpoint {path}; continue with --resume")
-                break
-    finally:
-        stop.restore()
-    bar.close()
-    if stopped_at is not None:
-        if metrics:
-            metrics.close()
-        return {"stopped_at": stopped_at}
-    weights, _ = shard.full_state(None, lead)
-    if not lead:
-        return None
+        state = ckpt.load_train_state(run.latest)
+        run.shard.load(run.latest, state["optimizer"], run.optimizer)
+    except Exception as exc:
+        if (error := ckpt.damaged(run.latest, exc)) is None:
+            raise
+        raise error from exc
+    run.scheduler.load_state_dict(state["scheduler"])
+    ckpt.set_rng_state(state["rng"])
+    run.log(f"resumed from {run.latest} at step {run.start_step}")
 
-    final_dir = drafter.save_pretrained(out / "drafter", weights)
+
+def compile_or_check(run: DrafterRun) -> tuple[CompileReport | None, float]:
+    """flex: the serialized compile step; sdpa (CPU): refuse shapes whose dense scores cannot fit."""
+    if run.step.backend != "flex":
+        check_dense_fits(run.cfg, run.drafter, run.ctx.device)
+        return None, 0.0
+    cache = Path(run.cfg.train.compile_cache_dir or run.out / "compile-cache")
+    t0 = time.perf_counter()
+    report = compile_drafter_step(run.step, run.cfg.data.context_buckets, run.cfg.train.micro_batch, cache,
+                                  console.print, label=run.ctx.label, serialized=run.shard.serial_compile,
+                                  target=run.target)
+    return report, time.perf_counter() - t0
+
+
+def save_checkpoint(run: DrafterRun, done: int) -> Path | None:
+    """Every drafter rank calls it (FSDP gathers the state from all of them); the lead writes."""
+    weights, optimizer_state = run.shard.full_state(run.optimizer, run.lead)
+    if not run.lead:
+        return None
+    train, root = run.cfg.train, run.out / "checkpoints"
+    state = {"optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(), "rng": ckpt.rng_state(),
+             "step": done, "data_position": done * train.grad_accum * run.ctx.num_drafters,
+             "config": run.cfg.to_dict()}
+    previous = ckpt.latest_checkpoint(root)
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    with storage.explained(f"saving checkpoint step {done} in {root}", root,
+                           f"Nothing was half-written ({kept}): free space, then --resume continues from it."):
+        return ckpt.save_checkpoint(root, done, lambda d: run.drafter.save_pretrained(d, weights), state,
+                                    max(1, train.keep_last))
+
+
+def log_step(run: DrafterRun, bar, metrics: Metrics, step: int, figures: StepFigures, seconds: float,
+             peak: float | None) -> None:
+    """The progress bar's figures and the TensorBoard / W&B scalars (the lead drafter rank only)."""
+    slot_acc = figures.slot_accuracy  # slot k: the token k after the anchor
+    acc = sum(slot_acc[1:]) / max(1, len(slot_acc) - 1)
+    tokens_per_s = figures.tokens / seconds
+    mfu = figures.flops / seconds / peak if peak else None
+    bar.set_postfix(loss=f"{figures.loss:.3f}", acc=f"{acc:.2f}", tok_s=f"{tokens_per_s:,.0f}",
+                    **({"mfu": f"{mfu:.1%}"} if mfu else {}))
+    scalars = {"loss": figures.loss, "acc": acc, "grad_norm": figures.grad_norm,
+               "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s,
+               f"{run.wait_kind}_s": figures.wait_s, "step_s": seconds}
+    if mfu:
+        scalars["mfu"] = mfu
+    metrics.scalars({**{f"train/{k}": v for k, v in scalars.items()},
+                     **{f"slot_acc/{k:02d}": slot_acc[k] for k in range(1, len(slot_acc))}}, step)
+
+
+def train_loop(run: DrafterRun, metrics: Metrics | None, startup: Startup) -> History:
+    """Steps start_step+1 .. train.steps; checkpoints every train.checkpoint_every steps; a graceful stop
+    (SIGTERM / SIGINT) writes a checkpoint at the step it ends on.
+
+    The host runs a step ahead of the GPU: step k is launched before step k-1's figures are read (they
+    were copied to the host behind step k-1's work), so the GPU never idles while the host waits.
+    Before a checkpoint the pending figures are read first (a diverged loss is never saved).
+    """
+    cfg, ctx, device = run.cfg, run.ctx, run.ctx.device
+    train = cfg.train
+    peak = peak_flops(device)
+    history = History()
+    clock = StepClock(device)
+    bar = tqdm(range(run.start_step, train.steps), initial=run.start_step, total=train.steps, desc="train",
+               dynamic_ncols=True, disable=None if run.lead else True)
+
+    # The T:D split is judged over steps 3-12 of this run (past start-up), when target ranks feed it.
+    advise = run.wait_kind == "transfer" and run.lead
+    window = range(run.start_step + 3, min(run.start_step + 12, train.steps) + 1)
+    seen: list[tuple[float, float]] = []
+
+    def read(done: int, result, lap) -> float:
+        figures, seconds = result.read(), clock.seconds(lap)
+        history.record(done, figures, seconds)
+        if done == run.start_step + 1:
+            startup.mark("step 1")
+            run.log(ctx.label + startup.line())
+        if run.lead and (done % train.log_every == 0 or done == train.steps):
+            log_step(run, bar, metrics, done, figures, seconds, peak)
+        if advise and done in window:
+            seen.append((seconds, figures.step_wait_s))
+            if done == window[-1]:
+                run.log(ctx.label + drafter_side_advice([t for t, _ in seen], [w for _, w in seen], train.grad_accum,
+                                                        ctx.roles.num_targets, ctx.num_drafters))
+        return figures.stop_votes
+
+    run.drafter.train()
+    pending, votes = None, 0.0
+    with StopRequest() as stop:
+        for step in bar:
+            done = step + 1
+            result = run.step.run(run.source, train.grad_accum, lambda index: anchor_generator(cfg, device, index),
+                                  lambda totals: parallel.all_reduce_sum(ctx, totals), ctx.num_drafters,
+                                  stop_vote=stop.requested)
+            lap = clock.lap()
+            if pending is not None:
+                votes = read(*pending)
+            pending = (done, result, lap)
+            # One drafter rank stops on its own signal; several stop on the votes all of them read.
+            stop_now = done < train.steps and (stop.requested if ctx.num_drafters == 1 else votes > 0)
+            every = train.checkpoint_every  # 0: no checkpoints (benchmarks); the final drafter is still saved
+            due = bool(every) and (done % every == 0 or done == train.steps)
+            if due or stop_now or done == train.steps:
+                read(*pending)
+                pending = None
+            if due or stop_now:
+                path = save_checkpoint(run, done)
+            if stop_now:
+                history.stopped_at = done
+                run.log(f"stopped at step {done}: checkpoint {path}; continue with --resume")
+                break
+        if pending is not None:
+            read(*pending)
+    bar.close()
+    return history
+
+
+def finish(run: DrafterRun, history: History, before: dict | None, report: CompileReport | None,
+           compile_s: float, metrics: Metrics | None, startup: Startup) -> dict | None:
+    """The published drafter directory, tau before and after (colocated), summary.json (the lead)."""
+    weights, _ = run.shard.full_state(None, run.lead)  # collective under FSDP
+    if not run.lead:
+        return None
+    cfg, device, out = run.cfg, run.ctx.device, run.out
+    peak = peak_flops(device)
+    with storage.explained(f"publishing the drafter to {out / 'drafter'}", out,
+                           "The checkpoints are intact: free space, then --resume publishes it."):
+        final_dir = storage.publish_dir(out / "drafter", lambda d: run.drafter.save_pretrained(d, weights))
     summary = {
-        "steps": c.train.steps,
-        "first_loss": losses[0] if losses else None,
-        "final_loss": losses[-1] if losses else None,
-        "tokens_per_s": tokens_total / train_time if train_time else None,
-        "mfu": flops_total / train_time / peak if peak and train_time else None,
-        "time_split_s": {wait_kind: t_wait, "drafter": t_drafter},
-        "compile_s": warmup_s,
-        "time_to_first_step_s": (first_step_at - PROCESS_START) if first_step_at else None,
-        "compile_cache_hits": warmup_report.cache_hits if warmup_report else None,
+        "steps": cfg.train.steps,
+        "first_loss": history.losses[0] if history.losses else None,
+        "final_loss": history.losses[-1] if history.losses else None,
+        "tokens_per_s": history.tokens / history.train_s if history.train_s else None,
+        "mfu": history.flops / history.train_s / peak if peak and history.train_s else None,
+        "time_split_s": {run.wait_kind: history.wait_s, "drafter": history.drafter_s},
+        "compile_s": compile_s,
+        "time_to_first_step_s": startup.total() if history.losses else None,
+        "startup_s": startup.phases(),
+        "compile_cache_hits": report.cache_hits if report else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "drafter_ranks": D,
+        "drafter_ranks": run.ctx.num_drafters,
         "drafter_dir": str(final_dir),
         "checkpoints": str(out / "checkpoints"),
-        "losses": losses,
+        "losses": history.losses,
     }
-    if ctx.colocated:
+    if run.ctx.colocated:
+        leave_run_phase()  # evaluation shapes (batch sizes) differ from the training step's
         if before is None:  # resumed: rebuild the initial drafter for the comparison
-            before, after = evaluate_saved(c, target, tokenizer, eval_stream, prompts, final_dir, device)
+            before, after = evaluate_saved(cfg, run.target, run.tokenizer, run.eval_stream, run.prompts, final_dir,
+                                           device)
         else:
-            after = evaluate(c, drafter, target, tokenizer, eval_stream, prompts, "after training")
+            after = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
+                             "after training")
         summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"])
-    write_summary(out, summary)
+    with storage.explained(f"writing {out / 'summary.json'}", out, "The drafter is published; free space."):
+        if run.ctx.colocated:  # what `dflash-eval --run` reads
+            summary["eval_prompts"] = str(record_eval_prompts(out, run.prompts))
+        write_summary(out, summary)
     metrics.summary(summary)
     metrics.close()
     return summary
+
+
+def run_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart,
+                startup: Startup | None = None) -> dict | None:
+    startup = startup or Startup()
+    run = setup_drafter(cfg, ctx, start.resume, startup)
+    if run.latest is not None:
+        restore(run)
+        startup.mark("restore")
+    if run.lead:  # everything loaded: only now does the run take the directory over
+        run_dir.commit(start, cfg)
+    before = None
+    if ctx.colocated and run.start_step == 0:
+        before = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
+                          "before training")
+        startup.mark("evaluation before training")
+    report, compile_s = compile_or_check(run)
+    startup.mark("compile step")
+    metrics = Metrics(run.out / "tb", cfg.to_dict(), cfg.train.wandb_project, run.out.name, run.log) \
+        if run.lead else None
+    history = train_loop(run, metrics, startup)
+    if history.stopped_at is not None:
+        if metrics:
+            metrics.close()
+        return {"stopped_at": history.stopped_at}
+    return finish(run, history, before, report, compile_s, metrics, startup)
 
 
 def anchor_generator(cfg: RunConfig, device, index: int) -> torch.Generator:
@@ -298,26 +389,47 @@ def anchor_generator(cfg: RunConfig, device, index: int) -> torch.Generator:
 
 # ---- entry points --------------------------------------------------------------------------------
 
-def run(cfg: RunConfig, resume: bool = False) -> dict | None:
+def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict | None:
+    cfg.output_dir = str(Path(cfg.output_dir).absolute())
+    check_inputs(cfg)  # before anything loads or starts
+    start = run_dir.prepare(cfg, resume, overwrite)
     p = cfg.parallel
-    ctx = parallel.init(p.target_ranks, p.drafter_ranks, offline=bool(cfg.data.features_dir),
-                        isolate_gpus=p.isolate_gpus)
+    try:
+        ctx = parallel.init(p.target_ranks, p.drafter_ranks, offline=bool(cfg.data.features_dir),
+                            isolate_gpus=p.isolate_gpus)
+    except ValueError as exc:  # the role split does not fit the world
+        raise ConfigError(str(exc)) from exc
     # After a failure, no graceful teardown: destroy_process_group can wait forever on a peer still
     # blocked in a send to this rank (NCCL), and the traceback would only print after it. The error
     # propagates at once; torchrun sees the failed rank and stops the others (torchtitan does the same).
-    summary = _run_rank(cfg, ctx, resume)
+    summary = _run_rank(cfg, ctx, start)
     parallel.shutdown(ctx)
     return summary
 
 
-def _run_rank(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | None:
-    cfg = resolve_target(cfg, ctx)
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+def _accept(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart) -> None:
+    """Every rank checks a resumed drafter against its checkpoint; rank 0 then cleans the checkpoints."""
+    if start.resume_from is not None:
+        needs_tokenizer = cfg.drafter.mask_token_id is None and not cfg.drafter.init_from  # for the mask token
+        tokenizer = load_tokenizer(cfg) if needs_tokenizer else None
+        run_dir.check_model(start, cfg, drafter_config_for(cfg, target_config(cfg), tokenizer))
     if ctx.rank == 0:
-        (Path(cfg.output_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        for note in start.notes + run_dir.clean(start):
+            console.print(escape(note), soft_wrap=True)
+    ctx.barrier()  # the others read the checkpoints once they are clean
+
+
+def _run_rank(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart) -> dict | None:
+    startup = Startup()
+    startup.mark("start-up and imports")
+    embedded = cfg.target.path == "embedded"
+    cfg = resolve_target(cfg, ctx)
+    if embedded:
+        startup.mark("embedded default's assets")
+    _accept(cfg, ctx, start)
     if ctx.is_target:
-        return run_target(cfg, ctx, resume)
-    summary = run_drafter(cfg, ctx, resume)
+        return run_target(cfg, ctx, start.resume)
+    summary = run_drafter(cfg, ctx, start, startup)
     if summary is not None and "stopped_at" in summary:
         if not ctx.colocated:  # the target ranks stop on the same signal; nobody waits for them
             os._exit(0)
@@ -328,16 +440,34 @@ def _run_rank(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | Non
     return summary
 
 
+# Exit 2: the input (config, data, run directory) needs a change; exit 1: a fault while running.
+USAGE_ERRORS = (ConfigError, DataError, run_dir.RunDirError)
+
+
+def explain(exc: BaseException) -> tuple[int, str]:
+    """(exit code, the one message) for an error that ends the run."""
+    if isinstance(exc, USAGE_ERRORS):
+        return 2, str(exc)
+    if isinstance(exc, (storage.StorageError, ckpt.DamagedCheckpoint, FloatingPointError)):
+        return 1, str(exc)
+    if (error := storage.os_error_in(exc)) is not None:
+        where = Path(error.filename) if error.filename else Path.cwd()
+        return 1, f"{error.filename or type(exc).__name__}: {storage.describe(error, where)}"
+    return 1, f"{type(exc).__name__}: {exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash-train", description="Train a DFlash drafter.")
     p.add_argument("--config", default="embedded", help="a TOML file, or a bundled config name (embedded)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a field")
     p.add_argument("--output-dir", help="where checkpoints, logs and the drafter go (overrides output_dir)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
+    p.add_argument("--overwrite", action="store_true", help="replace the run the output dir holds")
     p.add_argument("--target-gpus", type=int, help="target ranks T (parallel.target_ranks)")
     p.add_argument("--drafter-gpus", type=int, help="drafter ranks D (parallel.drafter_ranks)")
     p.add_argument("--dump-features", metavar="DIR", help="offline mode: write target features to DIR and exit")
     p.add_argument("--dump-batches", type=int, help="micro-batches to dump (default: one epoch)")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an error (or DFLASH_DEBUG=1)")
     args = p.parse_args(argv)
     try:
         overrides = list(args.set) + ([f"output_dir={args.output_dir}"] if args.output_dir else [])
@@ -345,12 +475,21 @@ def main(argv: list[str] | None = None) -> int:
         overrides += [f"parallel.drafter_ranks={args.drafter_gpus}"] if args.drafter_gpus is not None else []
         cfg = load_config(args.config, overrides)
         if args.dump_features:
+            check_inputs(cfg)
             dump_features(cfg, Path(args.dump_features), args.dump_batches)
         else:
-            run(cfg, resume=args.resume)
-    except (ConfigError, DataError, ValueError, FileNotFoundError) as exc:
-        console.print(f"[red]error:[/] {exc}")
-        return 2
+            run(cfg, resume=args.resume, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/] (a second signal): the last checkpoint is intact; --resume continues")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every error ends as one message (a traceback with --debug)
+        code, message = explain(exc)
+        debug = args.debug or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
+        if debug:
+            traceback.print_exception(exc)
+        hint = "" if debug or code == 2 else " (--debug or DFLASH_DEBUG=1 prints the traceback)"
+        console.print(f"[red]error:[/] {escape(message)}{hint}", soft_wrap=True)
+        return code
     return 0
 
 

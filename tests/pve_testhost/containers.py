@@ -15,7 +15,6 @@ import re
 import shutil
 import stat
 import subprocess
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +25,27 @@ from . import pveconf, schema
 CREATE_DEFAULTS = {"arch": "amd64", "memory": "512", "swap": "512"}
 UNPRIV_MAP = (100000, 65536)  # lxc.idmap base and size PVE uses for unprivileged CTs
 BRIDGES = {"vmbr0"}  # the bridges this node has (net[n] bridge= must name one)
-# Changes that a running CT takes at once; everything else becomes pending (PVE hotplug rules).
-HOTPLUG = {"memory", "swap", "cores", "cpulimit", "cpuunits", "hostname", "description", "onboot",
-           "tags", "protection", "startup", "nameserver", "searchdomain", "timezone", "lock"}
-# Keys that cannot be changed after creation.
-READ_ONLY = {"unprivileged", "ostemplate", "arch"}
+# Changes that a running CT takes at once; everything else becomes pending until the next start
+# (pve-container LXC/Config.pm: $LXC_FASTPLUG_OPTIONS, and the cgroup limits vmconfig_hotplug_pending
+# changes in place). PVE also hot-plugs net[n], new mp[n] and new dev[n]; the test host leaves those
+# pending (README, Known limits).
+HOTPLUG = {"description", "onboot", "startup", "protection", "hostname", "hookscript", "cores", "tags", "lock",
+           "memory", "swap", "cpulimit", "cpuunits"}
+# update_pct_config: 'unprivileged' cannot change after creation, these three cannot be deleted.
+READ_ONLY = {"unprivileged"}
+REQUIRED = {"memory", "rootfs", "ostype"}
+
+
+# pve-storage: Plugin.pm parse_volume_id, parse_volname; Storage.pm $VZTMPL_EXT_RE_1, $ISO_EXT_RE_0
+VOLUME_ID_RE = re.compile(r"([a-z][a-z0-9\-_.]*[a-z0-9]):(.+)", re.IGNORECASE)
+TEMPLATE_FILE_RE = re.compile(r"[^/]+\.(?:(tar)(?!\.)|tar\.(gz|xz|zst|bz2))")  # groups: the format
+VOLNAME_RE = {
+    "images": r"\d+/((?:base|vm)-\d+-\S+\.(?:raw|qcow2|vmdk|subvol))",
+    "iso": r"iso/([^/]+\.(?i:iso|img))",
+    "vztmpl": rf"vztmpl/({TEMPLATE_FILE_RE.pattern})",
+    "backup": r"backup/([^/]+\.(?:tgz|(?:tar|vma)(?:\.(?:gz|lzo|zst|bz2|xz))?))",
+    "snippets": r"snippets/([^/]+)",
+}
 
 
 class PveError(Exception):
@@ -57,6 +72,24 @@ class NodePaths:
 
     def images(self, vmid: int) -> Path:
         return self.storage / "images" / str(vmid)
+
+
+def parse_size(text: str | None) -> int:
+    """pve-common JSONSchema.pm parse_size: '8G' -> bytes (0 when there is no size)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT](?:iB)?)?", text or "")
+    if not m:
+        return 0
+    return int(float(m[1]) * 1024 ** ("BKMGT".index(m[2][0]) if m[2] else 0))
+
+
+def process_uptime(pid: int) -> int:
+    """Seconds since pid started, as vmstatus computes it from /proc/uptime and /proc/<pid>/stat."""
+    try:
+        started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return max(0, int(uptime - started / os.sysconf("SC_CLK_TCK")))
 
 
 def cgroup_layout() -> str:
@@ -123,14 +156,35 @@ class Node:
             raise PveError(f"storage '{storage}' does not exist")
         return self.paths.storage / "images" / name
 
-    def template_path(self, volid: str) -> Path:
-        storage, _, name = volid.partition(":")
+    def volume_type(self, volid: str) -> tuple[str, str]:
+        """(content type, file name) of a volume id of our storage (pve-storage Plugin.pm parse_volname)."""
+        storage, _, volname = volid.partition(":")
         if storage != self.storage_id:
             raise PveError(f"storage '{storage}' does not exist")
-        if not name.startswith("vztmpl/"):
-            raise PveError(f"volume '{volid}' does not exist")
-        path = self.paths.template_dir() / name.removeprefix("vztmpl/")
-        if not path.is_file():
+        for vtype, rx in VOLNAME_RE.items():
+            if m := re.fullmatch(rx, volname):
+                return vtype, m[1]
+        raise PveError(f"unable to parse directory volume name '{volname}'")
+
+    def check_volume_access(self, volid: str, user: str, content: str) -> None:
+        """What PVE checks before a create task starts (pve-storage Storage.pm check_volume_access)."""
+        if not VOLUME_ID_RE.fullmatch(volid):
+            if user != "root@pam":
+                raise PveError("Only root can pass arbitrary filesystem paths.")
+            return
+        vtype, _ = self.volume_type(volid)
+        if vtype != content:
+            raise PveError(f"unable to use volume {volid} - content type needs to be '{content}'")
+
+    def template_path(self, volid: str) -> Path:
+        """The file of a template, as the create task finds it (Storage.pm abs_filesystem_path)."""
+        if not VOLUME_ID_RE.fullmatch(volid):
+            if not Path(volid).is_file():
+                raise PveError(f"can't find file '{volid}'")
+            return Path(volid).resolve()
+        vtype, name = self.volume_type(volid)
+        path = self.paths.template_dir() / name if vtype == "vztmpl" else self.paths.storage / volid.partition(":")[2]
+        if not path.exists():  # Plugin.pm activate_volume
             raise PveError(f"volume '{volid}' does not exist")
         return path
 
@@ -188,18 +242,22 @@ class Node:
 
     # --- create --------------------------------------------------------------------------------------
     def create(self, vmid: int, params: dict, user: str, log) -> None:
-        """The vzcreate task: unpack the template into the rootfs and write the PVE config."""
-        template = self.template_path(params["ostemplate"])
+        """The vzcreate task: unpack the template into the rootfs and write the PVE config.
+
+        Errors come without PVE's "unable to create CT <vmid> - " prefix; the API's task adds it.
+        """
         unpriv = bool(int(params.get("unprivileged", 1)))
         values: dict[str, str] = dict(CREATE_DEFAULTS)
         skip = {"node", "vmid", "ostemplate", "password", "ssh-public-keys", "storage", "start", "force",
-                "restore", "unique", "ignore-unpack-errors", "bwlimit", "pool", "ha-managed"}
+                "restore", "unique", "ignore-unpack-errors", "bwlimit", "pool", "ha-managed", "description",
+                "unprivileged"}
         for k, v in params.items():
             if k not in skip:
                 values[k] = str(v)
-        values["unprivileged"] = "1" if unpriv else "0"
+        if unpriv:  # create_vm writes the key only for unprivileged CTs
+            values["unprivileged"] = "1"
         values.setdefault("hostname", f"CT{vmid}")
-        conf = pveconf.CtConfig(values=values)
+        conf = pveconf.CtConfig(values=values, description=str(params.get("description", "")))
         storage = params.get("storage", self.storage_id)
         conf.values["rootfs"] = self.normalise_mountpoint(
             vmid, "rootfs", str(params.get("rootfs", f"{storage}:4")), 0)
@@ -213,6 +271,11 @@ class Node:
         rootfs = self.volume_path(schema.parse_config_value("rootfs", conf.values["rootfs"])["volume"])
         base = UNPRIV_MAP[0] if unpriv else 0
         os.chown(rootfs, base, base)
+        try:
+            template = self.template_path(params["ostemplate"])
+        except PveError as exc:
+            log(str(exc))  # LXC/Create.pm archive_is_oci_format warns it, restore_archive dies with it
+            raise
         log(f"extracting archive '{template}'")
         cmd = ["tar", "xpf", str(template), "--totals", "--one-file-system", "--numeric-owner",
                "-C", str(rootfs), "--skip-old-files", "--anchored", "--exclude", "./dev/*"]
@@ -224,8 +287,7 @@ class Node:
             log(line)
         if res.returncode != 0 and not params.get("ignore-unpack-errors"):
             shutil.rmtree(self.paths.images(vmid), ignore_errors=True)
-            raise PveError(f"unable to create CT {vmid} - command '{' '.join(cmd[-12:-10])}' failed: "
-                           f"exit code {res.returncode}")
+            raise PveError(f"command '{' '.join(cmd)}' failed: exit code {res.returncode}")
         ostype = self.detect_ostype(rootfs)
         log(f"Detected OS distribution as '{ostype}'")
         conf.values.setdefault("ostype", ostype)
@@ -268,28 +330,40 @@ class Node:
         data = schema.parse_config_value("dev0", value)
         path = data.get("path")
         if not path:
-            raise PveError("no path specified for device passthrough")
+            raise PveError("Path is not defined")
         try:
             st = os.stat(path)
         except FileNotFoundError:
             raise PveError(f"Device {path} does not exist") from None
         if not (stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)):
-            raise PveError(f"Path {path} is not a device")
+            raise PveError(f"{path} is not a device")  # LXC/Tools.pm get_device_mode_and_rdev
         return st
 
     # --- config updates (PUT config, pct set) --------------------------------------------------------
     def update_config(self, vmid: int, new: dict[str, str], delete: list[str], user: str,
-                      digest: str | None = None, revert: list[str] = ()) -> None:
+                      digest: str | None = None, revert: list[str] = (), log=None) -> None:
+        """PUT config / pct set (pve-container API2/LXC/Config.pm update_vm, LXC/Config.pm update_pct_config)."""
         with self.locked(vmid):
             conf = self.read(vmid)
+            if conf.values.get("lock"):
+                raise PveError(f"CT is locked ({conf.values['lock']})")
             if digest and digest != conf.digest:
                 raise PveError("detected modified configuration - file changed by other user? Try again.")
-            for key in list(new) + list(delete):
+            self.check_modify_perm(user, conf, new, delete, conf.values.get("unprivileged") == "1")
+            unset = [k for k in delete if k not in conf.values and k not in conf.pending
+                     and not (k == "description" and conf.description)]
+            for key in unset:  # PVE warns (to its log, not to the caller) and goes on
+                if log is not None:
+                    log(f"cannot delete '{key}' - not set in current configuration!")
+            delete = [k for k in delete if k not in unset]
+            for key in delete:
+                if key in REQUIRED:
+                    raise PveError(f"unable to delete required option '{key}'")
+                if key in READ_ONLY:
+                    raise PveError(f"unable to delete read-only option: '{key}'")
+            for key in new:
                 if key in READ_ONLY:
                     raise PveError(f"unable to modify read-only option: '{key}'")
-            if conf.values.get("lock") and "lock" not in new:
-                raise PveError(f"CT is locked ({conf.values['lock']})")
-            self.check_modify_perm(user, conf, new, delete, conf.values.get("unprivileged") == "1")
             running = self.status(vmid) == "running"
             for key in revert:
                 conf.pending.pop(key, None)
@@ -303,12 +377,16 @@ class Node:
                     value = self.normalise_net(value)
                 elif re.fullmatch(r"dev\d+", key):
                     self.check_dev(value)
-                if running and key not in HOTPLUG:
+                if key == "description":
+                    conf.description = value  # a comment block, fast-plugged
+                elif running and key not in HOTPLUG:
                     conf.pending[key] = value
                 else:
                     conf.values[key] = value
             for key in delete:
-                if running and key not in HOTPLUG:
+                if key == "description":
+                    conf.description = ""
+                elif running and key not in HOTPLUG:
                     if key not in conf.pending_delete:
                         conf.pending_delete.append(key)
                 else:
@@ -417,11 +495,14 @@ class Node:
         return "\n".join(lines) + "\n"
 
     def start(self, vmid: int, log) -> None:
+        """The vzstart task (pve-container API2/LXC/Status.pm vm_start, LXC.pm vm_start)."""
         with self.locked(vmid):
             if self.status(vmid) == "running":
                 raise PveError(f"CT {vmid} already running")
             conf = self.read(vmid)
-            if conf.values.get("lock"):
+            if conf.values.get("template") == "1":
+                raise PveError("you can't start a CT if it's a template")
+            if conf.values.get("lock") and conf.values["lock"] != "mounted":
                 raise PveError(f"CT is locked ({conf.values['lock']})")
             if conf.pending or conf.pending_delete:
                 pveconf.apply_pending(conf)
@@ -439,43 +520,54 @@ class Node:
                     log(line)
                 raise PveError(f"startup for container '{vmid}' failed")
 
-    def stop(self, vmid: int, log, *, timeout: int | None = None, force: bool = True) -> None:
-        """timeout=None: hard stop (vzstop). Otherwise a clean shutdown, killed after timeout if force."""
-        with self.locked(vmid):
-            self.read(vmid)
-            if self.status(vmid) != "running":
-                raise PveError(f"CT {vmid} not running")
-            base = ["lxc-stop", "-n", str(vmid), "-P", str(self.paths.lxcpath)]
-            if timeout is None:
-                res = subprocess.run(base + ["-k"], capture_output=True, text=True, check=False)
-            else:
-                res = subprocess.run(base + ["-t", str(timeout)], capture_output=True, text=True, check=False)
-                if res.returncode != 0 and force:
-                    log("clean shutdown failed, stopping container")
-                    res = subprocess.run(base + ["-k"], capture_output=True, text=True, check=False)
-                elif res.returncode != 0:
-                    raise PveError(f"shutdown of CT {vmid} timed out - failed to shut down")
-            if res.returncode != 0 and self.status(vmid) == "running":
-                raise PveError(f"stopping CT {vmid} failed: {res.stderr.strip()}")
-
-    def destroy(self, vmid: int, log, *, force: bool = False) -> None:
+    def stop(self, vmid: int, log, *, timeout: int | None = None, force: bool = True,
+             check_lock: bool = False) -> None:
+        """timeout=None: hard stop (vzstop). Otherwise a clean shutdown, killed after timeout if force
+        (pve-container LXC.pm vm_stop: lxc-stop --kill, or [--nokill] --timeout N)."""
         with self.locked(vmid):
             conf = self.read(vmid)
+            if check_lock and conf.values.get("lock"):
+                raise PveError(f"CT is locked ({conf.values['lock']})")
+            if self.status(vmid) != "running":
+                return  # vm_stop returns quietly for a CT that is not running
+            cmd = ["lxc-stop", "-n", str(vmid)]
+            if timeout is None:
+                cmd.append("--kill")
+            else:
+                cmd += ([] if force else ["--nokill"]) + ["--timeout", str(timeout)]
+            res = subprocess.run(cmd[:3] + ["-P", str(self.paths.lxcpath)] + cmd[3:], capture_output=True,
+                                 text=True, check=False)
+            if res.returncode != 0:
+                log(f"command '{' '.join(cmd)}' failed: exit code {res.returncode}")
             if self.status(vmid) == "running":
-                if not force:
-                    raise PveError(f"CT {vmid} is running - destroy failed")
-                subprocess.run(["lxc-stop", "-n", str(vmid), "-P", str(self.paths.lxcpath), "-k"],
-                               capture_output=True, check=False)
-            if conf.values.get("protection") == "1":
-                raise PveError("can't remove CT - protection mode enabled")
-            for key, value in conf.values.items():
-                if key == "rootfs" or re.fullmatch(r"(mp|unused)\d+", key):
-                    vol = schema.parse_config_value(key, value).get("volume", "") if key != "unused0" else value
-                    if schema.mountpoint_type(vol) == "volume":
-                        log(f"Removing volume '{vol}'")
-            shutil.rmtree(self.paths.images(vmid), ignore_errors=True)
-            shutil.rmtree(self.lxc_dir(vmid), ignore_errors=True)
-            self.paths.conf(vmid).unlink()
+                raise PveError("container did not stop")
+
+    def check_destroy(self, vmid: int, conf: pveconf.CtConfig, force: bool) -> None:
+        """destroy_vm's early checks (pve-container API2/LXC.pm): protection, lock, running."""
+        if conf.values.get("protection") == "1":
+            raise PveError(f"can't remove CT {vmid} - protection mode enabled")
+        if conf.values.get("lock"):
+            raise PveError(f"CT is locked ({conf.values['lock']})")
+        if not force and self.status(vmid) == "running":
+            raise PveError(f"unable to destroy CT {vmid} - container is running")
+
+    def destroy(self, vmid: int, log, *, force: bool = False) -> None:
+        """The vzdestroy task."""
+        with self.locked(vmid):
+            conf = self.read(vmid)
+            self.check_destroy(vmid, conf, force)
+            if self.status(vmid) == "running":
+                log(f"forced to stop CT {vmid} before destroying!")
+            self.remove(vmid)
+
+    def remove(self, vmid: int) -> None:
+        """Stop and delete a CT with no checks (the test host's own cleanup)."""
+        if self.status(vmid) == "running":
+            subprocess.run(["lxc-stop", "-n", str(vmid), "-P", str(self.paths.lxcpath), "--kill"],
+                           capture_output=True, check=False)
+        shutil.rmtree(self.paths.images(vmid), ignore_errors=True)
+        shutil.rmtree(self.lxc_dir(vmid), ignore_errors=True)
+        self.paths.conf(vmid).unlink(missing_ok=True)
 
     def exec(self, vmid: int, argv: list[str], *, input: bytes | None = None, timeout: float = 120):
         if self.status(vmid) != "running":
@@ -486,21 +578,45 @@ class Node:
                               input=input, capture_output=True, timeout=timeout, check=False)
 
     def status_current(self, vmid: int) -> dict:
+        """One CT's entry of pve-container LXC.pm vmstatus (GET status/current, GET /nodes/{node}/lxc)."""
         conf = self.read(vmid)
-        running = self.status(vmid) == "running"
-        d = {"vmid": vmid, "name": conf.values.get("hostname", f"CT{vmid}"),
-             "status": "running" if running else "stopped", "type": "lxc",
-             "maxmem": int(conf.values.get("memory", 512)) * 1024 * 1024,
-             "maxswap": int(conf.values.get("swap", 512)) * 1024 * 1024,
-             "cpus": float(conf.values.get("cores", os.cpu_count() or 1)),
-             "cpu": 0, "mem": 0, "disk": 0, "maxdisk": 4 * 1024 ** 3, "netin": 0, "netout": 0,
-             "diskread": 0, "diskwrite": 0, "uptime": 0, "ha": {"managed": 0},
-             "template": int(conf.values.get("template", 0))}
-        if running and (pid := self.pid(vmid)):
+        v = conf.values
+        pid = self.pid(vmid) if self.status(vmid) == "running" else None
+        rootfs = schema.parse_config_value("rootfs", v["rootfs"]) if v.get("rootfs") else {}
+        d = {"vmid": vmid, "type": "lxc", "status": "running" if pid else "stopped",
+             "name": re.sub(r"\s", "", v.get("hostname") or f"CT{vmid}"),
+             "cpus": int(v["cores"]) if v.get("cores") else float(v["cpulimit"]) if v.get("cpulimit")
+             else os.cpu_count() or 1,
+             # a stopped CT reports its rootfs size (4 GiB when it has none); a running one its
+             # filesystem as df sees it, which for our directory-backed rootfs is the size as well
+             "disk": 0, "maxdisk": parse_size(rootfs.get("size")) or 4 * 1024 ** 3,
+             "mem": 0, "swap": 0, "maxmem": int(v.get("memory") or 512) * 1024 * 1024,
+             "maxswap": int(v.get("swap") or 0) * 1024 * 1024,
+             "uptime": 0, "cpu": 0, "netout": 0, "netin": 0, "diskread": 0, "diskwrite": 0}
+        if v.get("tags"):
+            d["tags"] = v["tags"]
+        if v.get("template") == "1":
+            d["template"] = 1
+        if v.get("lock"):
+            d["lock"] = v["lock"]
+        if pid:
             d["pid"] = pid
-            d["uptime"] = max(0, int(time.time() - os.stat(f"/proc/{pid}").st_mtime))
-        if conf.values.get("lock"):
-            d["lock"] = conf.values["lock"]
-        if conf.values.get("tags"):
-            d["tags"] = conf.values["tags"]
+            d["uptime"] = process_uptime(pid)
+            d["mem"], d["swap"] = self.memory_use(vmid)
         return d
+
+    def memory_use(self, vmid: int) -> tuple[int, int]:
+        """(mem, swap) as PVE's CGroup::get_memory_stat reads them: memory.current less page cache."""
+        def read(key: str) -> str:
+            res = subprocess.run(["lxc-cgroup", "-n", str(vmid), "-P", str(self.paths.lxcpath), key],
+                                 capture_output=True, text=True, check=False)
+            return res.stdout if res.returncode == 0 else ""
+        if cgroup_layout() == "unified":
+            current, swap, stat_text = read("memory.current"), read("memory.swap.current"), read("memory.stat")
+            file_bytes = "file"
+        else:
+            current, swap, stat_text = read("memory.usage_in_bytes"), "", read("memory.stat")
+            file_bytes = "total_cache"
+        stat_values = dict(line.split()[:2] for line in stat_text.splitlines() if len(line.split()) >= 2)
+        mem = int(current) - int(stat_values.get(file_bytes, 0)) if current.strip().isdigit() else 0
+        return max(mem, 0), int(swap) if swap.strip().isdigit() else 0

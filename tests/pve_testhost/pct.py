@@ -23,9 +23,8 @@ def _print_config(node: Node, vmid: int, current: bool) -> None:
         for k in conf.pending_delete:
             values.pop(k, None)
         values.update(conf.pending)
-    if conf.description:
-        for line in conf.description.split("\n"):
-            print(f"description: {line}")
+    if conf.description:  # pve-container CLI/pct.pm config: the description on one line, encoded
+        values["description"] = pveconf.encode_text(conf.description)
     for k in sorted(values):
         print(f"{k}: {values[k]}")
     for k, v in conf.lxc:
@@ -114,14 +113,17 @@ def main(argv: list[str]) -> int:
             return 0
         if cmd == "start":
             node.start(vmid, log)
-        elif cmd == "stop":
-            node.stop(vmid, log)
-        elif cmd == "shutdown":
-            timeout = int(rest[rest.index("--timeout") + 1]) if "--timeout" in rest else 60
-            node.stop(vmid, log, timeout=timeout, force="--forceStop" in rest)
-        elif cmd == "reboot":
-            node.stop(vmid, log, timeout=60, force=True)
-            node.start(vmid, log)
+        elif cmd in ("stop", "shutdown", "reboot"):
+            if not node.exists(vmid) or node.status(vmid) != "running":
+                raise PveError(f"{'VM' if cmd == 'reboot' else 'CT'} {vmid} not running")
+            if cmd == "stop":
+                node.stop(vmid, log, check_lock=True)
+            elif cmd == "shutdown":
+                timeout = int(rest[rest.index("--timeout") + 1]) if "--timeout" in rest else 60
+                node.stop(vmid, log, timeout=timeout, force="--forceStop" in rest, check_lock=True)
+            else:
+                node.stop(vmid, log, timeout=60, force=True)
+                node.start(vmid, log)
         elif cmd == "status":
             print(f"status: {node.status(vmid) if node.exists(vmid) else 'unknown'}")
             if not node.exists(vmid):
@@ -130,7 +132,7 @@ def main(argv: list[str]) -> int:
             _print_config(node, vmid, "--current" in rest or "-current" in rest)
         elif cmd == "set":
             new, delete, revert = _parse_set_options(vmid, rest)
-            node.update_config(vmid, new, delete, "root@pam", revert=revert)
+            node.update_config(vmid, new, delete, "root@pam", revert=revert, log=log)
         elif cmd == "destroy":
             node.destroy(vmid, log, force="--force" in rest)
         else:
@@ -151,4 +153,3 @@ def main(argv: list[str]) -> int:
         return 255
 
 
-_ = pveconf  # the config format pct prints is pveconf's

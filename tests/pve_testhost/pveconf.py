@@ -6,6 +6,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 # Lines PVE's parse_pct_config understands.
 RAW_LXC_LINE = re.compile(r"^(lxc\.[a-z0-9_\-.]+)(?::|\s*=)\s*(.*?)\s*$")
@@ -14,13 +15,23 @@ SECTION_LINE = re.compile(r"^\[([a-z0-9_\-:]+)\]\s*$", re.IGNORECASE)
 
 # Keys the config never shows (PVE computes them).
 _HIDDEN = {"digest", "description", "lxc"}
+# pve-common ParseUtils::encode_text: every byte but printable ASCII, and ':' and '%', is %-escaped.
+_SAFE_TEXT = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) not in ":%")
+
+
+def encode_text(text: str) -> str:
+    return quote(text, safe=_SAFE_TEXT)
+
+
+def decode_text(data: str) -> str:
+    return unquote(data)
 
 
 @dataclass
 class CtConfig:
     values: dict[str, str] = field(default_factory=dict)
     lxc: list[tuple[str, str]] = field(default_factory=list)  # raw lxc.* lines, in order
-    description: str = ""
+    description: str = ""  # as GET config returns it: one "...\n" per comment line
     pending: dict[str, str] = field(default_factory=dict)
     pending_delete: list[str] = field(default_factory=list)
     other_sections: list[str] = field(default_factory=list)  # snapshots etc., kept verbatim
@@ -48,7 +59,7 @@ def parse(text: str) -> CtConfig:
             continue
         if line.startswith("#"):
             if section is None:
-                desc.append(line[1:])
+                desc.append(decode_text(line[1:]) + "\n")
             continue
         m = RAW_LXC_LINE.match(line)
         if m:
@@ -56,7 +67,9 @@ def parse(text: str) -> CtConfig:
                 conf.lxc.append((m[1], m[2]))
             continue
         m = KEY_LINE.match(line)
-        if m:
+        if m and m[1] == "description" and section is None:  # a 'description:' line counts too
+            desc.append(decode_text(m[2]))
+        elif m:
             if section == "pve:pending":
                 if m[1] == "delete":
                     conf.pending_delete = [k for k in re.split(r"[,;\s]+", m[2]) if k]
@@ -64,12 +77,13 @@ def parse(text: str) -> CtConfig:
                     conf.pending[m[1]] = m[2]
             else:
                 conf.values[m[1]] = m[2]
-    conf.description = "\n".join(desc)
+    conf.description = "".join(desc)
     return conf
 
 
 def render(conf: CtConfig) -> str:
-    out = [f"#{line}" for line in conf.description.split("\n")] if conf.description else []
+    # pve-container write_pct_config: the description as '#' comment lines at the top
+    out = [f"#{encode_text(line)}" for line in conf.description.rstrip("\n").split("\n")] if conf.description else []
     for key in sorted(conf.values):
         if key not in _HIDDEN:
             out.append(f"{key}: {conf.values[key]}")

@@ -9,7 +9,6 @@ import secrets
 import signal
 import socket
 import ssl
-import subprocess
 import threading
 from pathlib import Path
 
@@ -56,9 +55,8 @@ def load_or_make_secrets(state: Path) -> dict:
 def stop_leftovers(node: Node, log) -> None:
     """Stop and remove every container this host made (also those of a run that died)."""
     for vmid in node.vmids():
-        subprocess.run(["lxc-stop", "-n", str(vmid), "-P", str(node.paths.lxcpath), "-k"], capture_output=True, check=False)
         try:
-            node.destroy(vmid, log, force=True)
+            node.remove(vmid)
         except Exception as exc:  # noqa: BLE001 - keep going: one stuck CT must not keep the others alive
             log(f"cleanup of CT {vmid} failed: {exc}")
 

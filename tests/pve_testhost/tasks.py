@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 import traceback
@@ -26,12 +27,25 @@ def make_upid(node: str, pid: int, pstart: int, starttime: int, dtype: str, vmid
     return f"UPID:{node}:{pid:08X}:{pstart:08X}:{starttime:08X}:{dtype}:{vmid}:{user}:"
 
 
+# pve-common src/PVE/UPID.pm decode
+UPID_RE = re.compile(r"UPID:([a-zA-Z0-9]([a-zA-Z0-9\-]*[a-zA-Z0-9])?):([0-9A-Fa-f]{8}):([0-9A-Fa-f]{8,9}):"
+                     r"([0-9A-Fa-f]{8}):([^:\s/]+):([^:\s/]*):([^:\s/]+):")
+# pve-access-control AccessControl.pm: a token id is <user>@<realm>!<token name>
+TOKEN_ID_RE = re.compile(r"([^\s:/]+@[A-Za-z][A-Za-z0-9.\-_]+)!([A-Za-z][A-Za-z0-9.\-_]+)")
+
+
 def parse_upid(upid: str) -> dict:
-    parts = upid.split(":")
-    if len(parts) != 9 or parts[0] != "UPID" or parts[8] != "":
+    m = UPID_RE.fullmatch(upid)
+    if not m:
         raise ValueError(f"unable to parse worker upid '{upid}'")
-    return {"node": parts[1], "pid": int(parts[2], 16), "pstart": int(parts[3], 16),
-            "starttime": int(parts[4], 16), "type": parts[5], "id": parts[6], "user": parts[7]}
+    return {"node": m[1], "pid": int(m[3], 16), "pstart": int(m[4], 16), "starttime": int(m[5], 16),
+            "type": m[6], "id": m[7], "user": m[8]}
+
+
+def split_token_user(user: str) -> dict:
+    """pve-manager API2/Tasks.pm convert_token_task: 'root@pam!ci' -> user root@pam, tokenid ci."""
+    m = TOKEN_ID_RE.fullmatch(user)
+    return {"user": m[1], "tokenid": m[2]} if m else {"user": user}
 
 
 @dataclass
@@ -60,11 +74,24 @@ class Task:
         self.log(TaskWarning(f"WARN: {msg}"))
 
     def status_dict(self) -> dict:
+        """GET tasks/{upid}/status (pve-manager API2/Tasks.pm read_task_status): the decoded UPID with
+        a token's user split into user and tokenid, plus status and, once stopped, exitstatus."""
         d = {"upid": self.upid, "node": self.node, "pid": self.pid, "pstart": self.pstart,
-             "starttime": self.starttime, "type": self.type, "id": self.id, "user": self.user,
+             "starttime": self.starttime, "type": self.type, "id": self.id, **split_token_user(self.user),
              "status": self.status}
         if self.status == "stopped":
             d["exitstatus"] = self.exitstatus
+        return d
+
+    def list_entry(self) -> dict:
+        """An entry of GET nodes/{node}/tasks (node_tasks): the same fields, endtime and the status
+        text of the task index ('OK', 'WARNINGS: n', the error) once it ended, 'RUNNING' before."""
+        d = {k: v for k, v in self.status_dict().items() if k != "exitstatus"}
+        if self.status == "stopped":
+            d["endtime"] = self.endtime
+            d["status"] = self.exitstatus
+        else:
+            d["status"] = "RUNNING"
         return d
 
 
@@ -116,7 +143,8 @@ class TaskManager:
                 raise RuntimeError(injected)
             work(task)
         except Exception as exc:  # noqa: BLE001 - the task's error text is what PVE reports as exitstatus
-            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            # RESTEnvironment::fork_worker: chomp, then every newline becomes a blank
+            msg = str(exc).rstrip("\n").replace("\n", " ") or type(exc).__name__
             logging.getLogger("pve_testhost").info("task %s failed:\n%s", task.upid, traceback.format_exc())
             task.log(f"TASK ERROR: {msg}")
             task.exitstatus = msg

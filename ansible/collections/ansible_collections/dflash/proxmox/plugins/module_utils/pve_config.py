@@ -10,9 +10,10 @@ AUTO_FILLED = {"net": {"hwaddr", "type"}}
 DEFAULTS = {"memory": "512", "swap": "512", "onboot": "0", "unprivileged": "0", "protection": "0"}
 # Only settable at creation; a different value on an existing container is an error, not an update.
 CREATE_ONLY = ("unprivileged", "ostype", "arch")
-# Changes PVE applies to a running container at once; anything else waits as a pending change.
+# Changes PVE applies to a running container at once; anything else waits as a pending change
+# (pve-container $LXC_FASTPLUG_OPTIONS and the cgroup limits; nameserver, searchdomain, timezone wait).
 HOTPLUG = {"memory", "swap", "cores", "cpulimit", "cpuunits", "onboot", "startup", "tags",
-           "description", "protection", "nameserver", "searchdomain", "hostname", "timezone"}
+           "description", "protection", "hostname"}
 # Keys whose indexed families we own completely: extra netN / devN entries are deleted.
 OWNED_FAMILIES = ("net", "dev")
 BOOL_KEYS = {"onboot", "unprivileged", "protection"}

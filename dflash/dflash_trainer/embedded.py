@@ -16,7 +16,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from .data import normalise_messages
-from .regenerate import regenerate
+from .held_out import distinct_prompts
+from .regenerate import regenerate_rows
+from .regenerate.engine_hf import HFEngine
+from .regenerate.sampling import Sampling
 
 CORPUS = Path(__file__).parent / "assets" / "tiny_chat.jsonl"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
@@ -74,7 +77,7 @@ def build_embedded(out_dir: Path, pretrain_steps: int = 150, seed: int = 0, max_
     target_dir, data_dir = out_dir / "target", out_dir / "data"
     done = out_dir / "assets.json"
     if done.is_file():
-        return json.loads(done.read_text())
+        return _resolved(json.loads(done.read_text()), out_dir)
     conversations = read_corpus()
     torch.manual_seed(seed)
     tokenizer = build_tokenizer([m["content"] for c in conversations for m in c])
@@ -84,17 +87,29 @@ def build_embedded(out_dir: Path, pretrain_steps: int = 150, seed: int = 0, max_
     _pretrain(model, tokenizer, conversations, pretrain_steps, seed)
     model.save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
-    rows = regenerate(model, tokenizer, conversations, max_new_tokens=max_new_tokens, stop_token="<|im_end|>")
+    # One row per distinct prompt (the corpus repeats some): the eval rows are then held out for real.
+    distinct = distinct_prompts(conversations)
+    sampling = Sampling(max_new_tokens=max_new_tokens)
+    engine = HFEngine(model, tokenizer, sampling, stop_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    answered = regenerate_rows(engine, [{"messages": c} for c in distinct], tokenizer, sampling)
+    rows = [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in answered]
     data_dir.mkdir(parents=True, exist_ok=True)
     held_out = len(rows) // 10
     for name, part in (("eval", rows[:held_out]), ("train", rows[held_out:])):
         with open(data_dir / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in part)
-    assets = {
-        "target": str(target_dir),
-        "train": str(data_dir / "train.jsonl"),
-        "eval": str(data_dir / "eval.jsonl"),
+    assets = {  # relative to out_dir: the run can be resumed from any directory, or moved
+        "target": "target",
+        "train": "data/train.jsonl",
+        "eval": "data/eval.jsonl",
         "mask_token_id": tokenizer.mask_token_id,
     }
     done.write_text(json.dumps(assets, indent=2))
-    return assets
+    return _resolved(assets, out_dir)
+
+
+def _resolved(assets: dict, out_dir: Path) -> dict:
+    """Paths under out_dir. Older assets.json files held them relative to the directory the run was
+    started from; the layout is fixed, so they resolve the same way."""
+    layout = {"target": "target", "train": "data/train.jsonl", "eval": "data/eval.jsonl"}
+    return {**assets, **{key: str(out_dir / rel) for key, rel in layout.items()}}

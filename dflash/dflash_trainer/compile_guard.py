@@ -1,20 +1,21 @@
-"""The serialized compile step: every rank compiles every variant before step 1, one rank at a time.
+"""The compile step's mechanics: every rank compiles every variant before step 1, one rank at a time.
 
-Why (shared/notes/compile-race.md): compiling lazily inside the step let several workers trace at once,
-which raced on torch's process-global FX flag, fell back to dense attention, or deadlocked. Here:
+Why (README, "How the compile step works"): compiling lazily inside the step let several workers trace
+at once, which raced on torch's process-global FX flag, fell back to dense attention, or deadlocked. Here:
 
-- every rank warms each (bucket x grad mode) variant, forward AND backward, in its main thread;
+- every rank compiles each (bucket x grad mode) variant, forward AND backward, in its main thread;
 - ranks on a host take turns through a file lock in the shared cache dir, so the first compile fills
   TORCHINDUCTOR_CACHE_DIR and the others load from it instead of compiling again;
-- afterwards the compiler stance is fail_on_recompile: a shape warm-up missed raises, never runs eager.
+- afterwards the compiler stance is fail_on_recompile: a shape the compile step missed raises, never
+  runs eager.
 
 No lock wraps the run-phase calls: with activation checkpointing the autograd thread's recompute calls
-flex again, and a per-call lock deadlocks against it (measured on an H200, see the notes).
+flex again, and a per-call lock deadlocks against it (measured on an H200).
+compile_step.py says what a DFlash drafter step runs; this file knows nothing about DFlash.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 import time
@@ -25,26 +26,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 
 __all__ = [
-    "GraphBreakError",
-    "WarmupReport",
-    "assert_no_graph_breaks",
+    "CompileReport",
     "compile_cache_env",
     "compile_counters",
     "compile_lock",
+    "compile_variants",
     "isolate_local_gpu",
     "leave_run_phase",
-    "warm_up",
 ]
 
-LOCK_FILE_NAME = "compile.lock"
 # Room for recompiles we do not count as variants (e.g. the first call after a grad-mode switch).
 RECOMPILE_MARGIN = 4
-
-
-class GraphBreakError(RuntimeError):
-    """Warm-up saw a graph break: part of a compiled function would run eagerly."""
 
 
 def compile_cache_env(cache_dir: str | os.PathLike, environ: dict | None = None) -> dict[str, str]:
@@ -97,27 +92,22 @@ def isolate_local_gpu(local_rank: int, environ: dict | None = None) -> str:
 
 @contextmanager
 def compile_lock(lock_path: str | os.PathLike) -> Iterator[float]:
-    """Exclusive cross-process lock (flock) on lock_path; yields the seconds spent waiting for it.
+    """Exclusive cross-process lock on lock_path (filelock: flock on Linux); yields the seconds waited.
 
     flock is released by the kernel when the process dies, so a crashed rank never wedges the others.
     It needs a local filesystem (flock on NFS is not reliable): keep the cache dir on local disk.
     """
     path = Path(lock_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        start = time.monotonic()
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield time.monotonic() - start
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+    # thread_local=False: the lock belongs to the process, like the flock it wraps.
+    lock = FileLock(str(path), thread_local=False)
+    start = time.monotonic()
+    with lock:
+        yield time.monotonic() - start
 
 
 def compile_counters() -> dict[str, int]:
-    """A flat snapshot of the dynamo/inductor counters warm-up reports (cache hits, graphs, breaks)."""
+    """A flat snapshot of the dynamo/inductor counters the compile step reports (cache hits, graphs, breaks)."""
     from torch._dynamo.utils import counters
 
     return {
@@ -132,14 +122,14 @@ def compile_counters() -> dict[str, int]:
 
 
 @dataclass
-class WarmupReport:
-    """What one rank's warm-up did; `summary()` is one log line."""
+class CompileReport:
+    """What one rank's compile step did; `summary()` is one log line."""
 
     label: str
     lock_wait_s: float
     compile_s: float
     variant_s: dict[str, float] = field(default_factory=dict)
-    counters: dict[str, int] = field(default_factory=dict)  # deltas over the warm-up
+    counters: dict[str, int] = field(default_factory=dict)  # deltas over the compile step
     graph_break_reasons: list[str] = field(default_factory=list)
 
     @property
@@ -154,25 +144,10 @@ class WarmupReport:
         c = self.counters
         per_variant = ", ".join(f"{k} {v:.1f}s" for k, v in self.variant_s.items())
         return (
-            f"{self.label}warm-up {self.compile_s:.1f}s (waited {self.lock_wait_s:.1f}s for the lock); "
+            f"{self.label}compile step {self.compile_s:.1f}s (waited {self.lock_wait_s:.1f}s for the lock); "
             f"fx graph cache {c.get('fxgraph_cache_hit', 0)} hit / {c.get('fxgraph_cache_miss', 0)} miss, "
             f"autograd cache {c.get('autograd_cache_hit', 0)} hit / {c.get('autograd_cache_miss', 0)} miss, "
             f"{c.get('unique_graphs', 0)} graphs, {c.get('graph_breaks', 0)} graph breaks; {per_variant}"
-        )
-
-
-def assert_no_graph_breaks(report: WarmupReport | None = None) -> None:
-    """Raise GraphBreakError if warm-up (or, without a report, this process so far) saw a graph break."""
-    from torch._dynamo.utils import counters
-
-    if report is not None:
-        count, reasons = report.counters.get("graph_breaks", 0), report.graph_break_reasons
-    else:
-        count, reasons = sum(counters["graph_break"].values()), list(counters["graph_break"])
-    if count:
-        raise GraphBreakError(
-            f"{count} graph break(s) during compilation: {reasons[:5]}. Part of a compiled function would "
-            "run eagerly (for flex_attention: dense). Compile with fullgraph=True and fix the break."
         )
 
 
@@ -183,13 +158,13 @@ def _set_if_present(config_module: Any, name: str, value: Any) -> bool:
     return False
 
 
-def warm_up(
+def compile_variants(
     probe_fn: Callable[[Any], None],
     variants: Sequence[Any],
     lock_path: str | os.PathLike | None,
     log: Callable[[str], None] = print,
     label: str = "",
-) -> WarmupReport:
+) -> CompileReport:
     """Compile every variant inside the cross-process lock, then forbid compiling.
 
     probe_fn(variant) must run what the step runs for that variant: forward AND backward, same dtypes,
@@ -201,11 +176,11 @@ def warm_up(
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
-            "warm_up() must run in the main thread: compiling in a thread races on torch's FX-tracing "
-            "flag (see shared/notes/compile-race.md). Run it in each rank's main thread before step 1."
+            "compile_variants() must run in the main thread: compiling in a thread races on torch's "
+            "FX-tracing flag. Run it in each rank's main thread before step 1."
         )
     if not variants:
-        raise ValueError("warm_up() got no variants; pass every (bucket, grad mode) the run will use.")
+        raise ValueError("compile_variants() got no variants; pass every (bucket, grad mode) the run will use.")
     import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
     from torch._dynamo.utils import counters
@@ -226,8 +201,8 @@ def warm_up(
     breaks_before = set(counters["graph_break"])
     variant_s: dict[str, float] = {}
     with compile_lock(lock_path) if lock_path is not None else nullcontext(0.0) as waited:
-        log(f"{label}compile lock taken after {waited:.1f}s; warming {len(variants)} variant(s)" if lock_path
-            is not None else f"{label}warming {len(variants)} variant(s) together with the other ranks (no lock)")
+        log(f"{label}compile lock taken after {waited:.1f}s; compiling {len(variants)} variant(s)" if lock_path
+            is not None else f"{label}compiling {len(variants)} variant(s) together with the other ranks (no lock)")
         start = time.monotonic()
         for variant in variants:
             t0 = time.monotonic()
@@ -240,7 +215,7 @@ def warm_up(
     torch.compiler.set_stance("fail_on_recompile")  # process-wide: applies to every thread
     dynamo_config.fail_on_recompile_limit_hit = True  # past the limit: raise, not eager
     after = compile_counters()
-    report = WarmupReport(
+    report = CompileReport(
         label=label,
         lock_wait_s=waited,
         compile_s=compile_s,
@@ -253,7 +228,7 @@ def warm_up(
 
 
 def leave_run_phase() -> None:
-    """Back to the default compiler stance (tests, or a new warm-up for a new bucket set)."""
+    """Back to the default compiler stance (tests, or a new compile step for a new bucket set)."""
     import torch._dynamo.config as dynamo_config
 
     torch.compiler.set_stance("default")

@@ -1,4 +1,4 @@
-"""The serialized compile step: warm-up covers the variants, then a recompile raises; ranks take turns
+"""The serialized compile step: compile_variants covers the variants, then a recompile raises; ranks take turns
 through the file lock and the second one loads the first one's compiled graphs from the shared cache."""
 
 from __future__ import annotations
@@ -10,15 +10,12 @@ import unittest
 
 import pytest
 import torch
-from dflash_trainer.warmup import (
-    GraphBreakError,
-    WarmupReport,
-    assert_no_graph_breaks,
+from dflash_trainer.compile_guard import (
     compile_cache_env,
     compile_lock,
+    compile_variants,
     isolate_local_gpu,
     leave_run_phase,
-    warm_up,
 )
 
 
@@ -36,7 +33,7 @@ class WarmUpTest(unittest.TestCase):
         reset_compile_state()
         self.addCleanup(reset_compile_state)
 
-    def test_warm_two_variants_then_a_new_shape_raises(self):
+    def test_compile_two_variants_then_a_new_shape_raises(self):
         import torch._dynamo.config as dynamo_config
         import torch._functorch.config as functorch_config
 
@@ -54,28 +51,28 @@ class WarmUpTest(unittest.TestCase):
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            report = warm_up(probe, [4, 16], f"{tmp}/compile.lock", log=lines.append, label="[rank 0] ")
+            report = compile_variants(probe, [4, 16], f"{tmp}/compile.lock", log=lines.append, label="[rank 0] ")
         self.assertEqual(seen, [4, 16])
         self.assertEqual(list(report.variant_s), ["4", "16"])
         self.assertEqual(report.counters["unique_graphs"], 2)
         self.assertEqual(report.counters["graph_breaks"], 0)
-        assert_no_graph_breaks(report)
-        self.assertTrue(any(line.startswith("[rank 0] warm-up") for line in lines))
+        self.assertEqual(report.graph_break_reasons, [])
+        self.assertTrue(any(line.startswith("[rank 0] compile step") for line in lines))
         self.assertGreaterEqual(dynamo_config.recompile_limit, 2)
         self.assertTrue(dynamo_config.fail_on_recompile_limit_hit)
         if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
             self.assertTrue(functorch_config.force_non_lazy_backward_lowering)
 
-        step(torch.randn(16, 8), w).backward()  # a warmed variant still runs
+        step(torch.randn(16, 8), w).backward()  # a compiled variant still runs
         with self.assertRaisesRegex(RuntimeError, "fail_on_recompile"):
             step(torch.randn(32, 8), w)
 
-    def test_warm_up_refuses_a_thread_and_empty_variants(self):
+    def test_compile_variants_refuses_a_thread_and_empty_variants(self):
         errors = []
 
         def run():
             try:
-                warm_up(lambda v: None, [1], "/nonexistent/compile.lock", log=lambda _: None)
+                compile_variants(lambda v: None, [1], "/nonexistent/compile.lock", log=lambda _: None)
             except RuntimeError as err:
                 errors.append(str(err))
 
@@ -85,13 +82,7 @@ class WarmUpTest(unittest.TestCase):
         self.assertEqual(len(errors), 1)
         self.assertIn("main thread", errors[0])
         with self.assertRaisesRegex(ValueError, "no variants"):
-            warm_up(lambda v: None, [], "/nonexistent/compile.lock", log=lambda _: None)
-
-
-def test_graph_break_report_raises_with_reasons():
-    report = WarmupReport("", 0.0, 0.0, counters={"graph_breaks": 1}, graph_break_reasons=["print()"])
-    with pytest.raises(GraphBreakError, match="print"):
-        assert_no_graph_breaks(report)
+            compile_variants(lambda v: None, [], "/nonexistent/compile.lock", log=lambda _: None)
 
 
 def test_compile_cache_env_and_gpu_isolation(tmp_path):
@@ -118,7 +109,7 @@ def _rank_worker(cache_dir: str, queue) -> None:
         time.sleep(0.3)  # widen the window in which an unserialized peer would overlap
         spans.append((start, time.time()))
 
-    report = warm_up(probe, [4], f"{cache_dir}/compile.lock", log=lambda _: None)
+    report = compile_variants(probe, [4], f"{cache_dir}/compile.lock", log=lambda _: None)
     queue.put({"spans": spans, "hits": report.cache_hits, "misses": report.cache_misses})
 
 
@@ -134,7 +125,7 @@ def test_lock_serializes_two_processes_and_second_hits_the_cache(tmp_path):
         p.join(60)
         assert p.exitcode == 0
     first, second = sorted(results, key=lambda r: r["spans"][0][0])
-    assert first["spans"][-1][1] <= second["spans"][0][0], "the two warm-ups overlapped: the lock did not hold"
+    assert first["spans"][-1][1] <= second["spans"][0][0], "the two compile steps overlapped: the lock did not hold"
     assert first["misses"] > 0 and first["hits"] == 0
     assert second["hits"] > 0 and second["misses"] == 0, second
 

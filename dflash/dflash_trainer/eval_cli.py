@@ -1,0 +1,365 @@
+"""dflash-eval: judge a drafter the way it will be served: tau per prompt set, speedup, a figure.
+
+    dflash-eval --drafter DIR --target PATH --prompts FILE_OR_DATASET... --out DIR
+                [--max-new-tokens N] [--limit N] [--temperature 0] [--name NAME=SOURCE ...]
+    dflash-eval --run OUTPUT        # a training run: its drafter, target and held-out prompts
+
+Every prompt is decoded twice, greedily: by speculative decoding (speculative.py, the loop the trainer's
+tau uses) and by the target alone. The outputs must be equal token for token (greedy speculative
+decoding is lossless); a divergence is an error unless the target's two candidates were within
+rounding of each other (a near tie, reported). Inputs are all checked before anything runs, and
+nothing is written to --out unless the evaluation completes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from .data import DataError
+from .eval_report import SetResult, build_report, plot, table, write_json, write_requests
+from .loading import DTYPES, console
+from .prompt_sets import PromptSet, load_prompt_set, name_sources
+from .speculative import AcceptanceStats, greedy_generate, speculative_generate, stop_token_ids
+from .target import FrozenTarget
+
+# A divergence between speculative and target-only decoding is a near tie when the target's logits for the two
+# tokens differ by less than this share of the largest logit: the rounding a one-token forward and a block
+# forward can disagree by in that dtype (bf16 keeps 8 significant bits, and the error grows over the layers).
+TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+# z-lab drafter options this evaluation does not implement (dflash 0.1.0 reads them from the config).
+UNSUPPORTED = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+
+
+class EvalError(ValueError):
+    """Input dflash-eval cannot use, with what to change."""
+
+
+class OutputMismatch(RuntimeError):
+    """Speculative decoding produced something target-only greedy decoding did not."""
+
+
+@dataclass
+class Plan:
+    """What one evaluation runs on, every input checked."""
+
+    drafter_dir: Path
+    target_path: str
+    out: Path
+    device: torch.device
+    target_dtype: torch.dtype
+    drafter_dtype: torch.dtype
+    max_new_tokens: int
+    limit: int | None
+    tie_tolerance: float
+    drafter_config: dict
+    tokenizer: object
+    sets: list[PromptSet] = field(default_factory=list)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", help="the drafter directory (this trainer's OUTPUT/drafter, a checkpoint, z-lab's)")
+    p.add_argument("--target", help="the target model: a Hugging Face directory or hub id")
+    p.add_argument("--prompts", nargs="+", default=[], metavar="FILE_OR_DATASET",
+                   help="prompt sources, one prompt set each: JSONL files or hub datasets (owner/name[:config][@split])")
+    p.add_argument("--name", action="append", default=[], metavar="NAME=SOURCE",
+                   help="name a prompt set (the source is added when --prompts lacks it); default: the file name")
+    p.add_argument("--out", help="where eval.json, requests.jsonl and eval.png go (default with --run: OUTPUT/eval)")
+    p.add_argument("--run", metavar="OUTPUT", help="a training run's output dir: its drafter (or latest checkpoint), "
+                   "target, held-out prompts and eval settings are the defaults")
+    p.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default 256; --run: the run's)")
+    p.add_argument("--limit", type=int, help="the first N usable prompts of each set (default: all)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 only: greedy decoding")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                   help="target and drafter dtype (auto: bfloat16 on CUDA, float32 on CPU; --run: the run's)")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--tie-tolerance", type=float,
+                   help="near-tie threshold, a share of the largest logit (default by dtype: fp32 1e-4, bf16 3e-2)")
+    return p.parse_args(argv)
+
+
+# ---- checking the inputs (nothing is written) ------------------------------------------------------
+
+def run_defaults(run_dir: Path) -> dict:
+    """The drafter, target, prompts and settings of a training run's output directory."""
+    config_file = run_dir / "config.json"
+    if not config_file.is_file():
+        raise EvalError(f"--run {run_dir}: no config.json there, so it is not a training run's output directory "
+                        "(the trainer's --output-dir); give --drafter, --target and --prompts instead")
+    cfg = json.loads(config_file.read_text())
+    drafter = run_dir / "drafter"
+    if not (drafter / "config.json").is_file():
+        drafter = ckpt.latest_checkpoint(run_dir / "checkpoints")
+        if drafter is None:
+            raise EvalError(f"--run {run_dir}: no drafter yet (neither {run_dir / 'drafter'} nor a checkpoint under "
+                            f"{run_dir / 'checkpoints'}): wait for the first checkpoint, or give --drafter")
+    recorded = run_dir / "eval_prompts.jsonl"
+    defaults = {"drafter": str(drafter), "target": cfg["target"]["path"], "max_new_tokens": cfg["eval"]["max_new_tokens"],
+                "target_dtype": cfg["target"]["dtype"], "drafter_dtype": cfg["train"]["dtype"]}
+    if recorded.is_file():  # exactly the prompts the run's tau was measured on
+        defaults["names"] = [f"held-out={recorded}"]
+    elif cfg["data"]["eval"]:
+        defaults["names"] = [f"held-out={src}" for src in cfg["data"]["eval"][:1]]
+        defaults["limit"] = cfg["eval"]["prompts"]
+    return defaults
+
+
+def check_drafter_dir(path: Path) -> dict:
+    """The drafter's config.json, refused when it is not a DFlash drafter this evaluation implements."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise EvalError(f"--drafter {path}: no config.json. Point it at a drafter directory: a training run's "
+                        "OUTPUT/drafter, a checkpoint OUTPUT/checkpoints/step-N, or a z-lab drafter")
+    raw = json.loads(config_file.read_text())
+    dflash = raw.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise EvalError(f"{config_file} has no dflash_config (mask_token_id, target_layer_ids): not a DFlash drafter. "
+                        "Point --drafter at the drafter directory, not the target or the run directory")
+    if "DFlash2DraftModel" in (raw.get("architectures") or []):
+        raise EvalError(f"{path} is a DFlash 2 drafter (candidate selector, convolutions), which dflash-eval does "
+                        "not implement; evaluate it with z-lab's dflash benchmark")
+    missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash] + \
+        (["block_size"] if "block_size" not in raw else [])
+    if missing:
+        raise EvalError(f"{config_file} lacks {missing}: add them (dflash_config.mask_token_id, "
+                        "dflash_config.target_layer_ids and a top-level block_size, as z-lab's drafters have)")
+    layer_types = set(raw.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"} or raw.get("is_causal"):
+        raise EvalError(f"{path}: drafter layers {sorted(layer_types)} (sliding-window or causal drafter attention) "
+                        "are not implemented by dflash-eval, which drafts with full attention over the block")
+    for key, default in UNSUPPORTED.items():
+        value = dflash.get(key, raw.get(key, default))
+        if value not in (default, 0):
+            raise EvalError(f"{path}: {key} = {value} is not implemented by dflash-eval")
+    return raw
+
+
+def check_fits(raw: dict, drafter_dir: Path, target_config, target: str) -> None:
+    """The drafter was built for this target: hidden size, tapped layers, vocabulary, context."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    layers, ids = tc.num_hidden_layers, list(raw["dflash_config"]["target_layer_ids"])
+    fix = f"evaluate it against the target it was trained for (see {drafter_dir / 'config.json'})"
+    problems = []
+    if raw.get("hidden_size") != tc.hidden_size:
+        problems.append(f"its hidden size is {raw.get('hidden_size')}, the target's {tc.hidden_size}")
+    if raw.get("num_target_layers") not in (None, layers):
+        problems.append(f"it was trained for a target with {raw['num_target_layers']} layers, this one has {layers}")
+    if any(not 0 <= i < layers for i in ids):
+        problems.append(f"its target_layer_ids {ids} are not all layers of the target's {layers}")
+    if raw.get("vocab_size") not in (None, tc.vocab_size):
+        problems.append(f"its vocabulary has {raw['vocab_size']} tokens, the target's {tc.vocab_size}")
+    if not 0 <= raw["dflash_config"]["mask_token_id"] < tc.vocab_size:
+        problems.append(f"its mask_token_id {raw['dflash_config']['mask_token_id']} is not a row of the target's "
+                        f"embedding ({tc.vocab_size})")
+    if problems:
+        raise EvalError(f"drafter {drafter_dir} does not fit target {target}: " + "; ".join(problems) + f". {fix}")
+    context = getattr(tc, "max_position_embeddings", None)
+    if context is not None and raw["block_size"] > context:
+        raise EvalError(f"drafter {drafter_dir}: block size {raw['block_size']} is above target {target}'s context of "
+                        f"{context} tokens: no block fits. Use a drafter with a smaller block_size")
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def plan(args) -> Plan:
+    """Every input checked and every prompt tokenized, before any model weight is read."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    defaults = run_defaults(Path(args.run)) if args.run else {}
+    drafter = args.drafter or defaults.get("drafter")
+    target = args.target or defaults.get("target")
+    out = args.out or (str(Path(args.run) / "eval") if args.run else None)
+    missing = [flag for flag, v in (("--drafter", drafter), ("--target", target), ("--out", out)) if not v]
+    if missing:
+        raise EvalError(f"missing {', '.join(missing)}: give them, or --run OUTPUT for a training run's")
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else defaults.get("max_new_tokens", 256)
+    if max_new < 1:
+        raise EvalError(f"--max-new-tokens {max_new}: give at least 1 (tau needs generated tokens)")
+    own_prompts = bool(args.prompts or args.name)
+    limit = args.limit if args.limit is not None else (None if own_prompts else defaults.get("limit"))
+    if limit is not None and limit < 1:
+        raise EvalError(f"--limit {limit}: give at least 1, or leave it out for every prompt")
+    if args.temperature != 0:
+        raise EvalError(f"--temperature {args.temperature}: dflash-eval decodes greedily (0), where speculative "
+                        "decoding must reproduce the target's own output token for token")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"--out {out} is a file: give a directory")
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as exc:
+        raise EvalError(f"--device {args.device}: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EvalError(f"--device {device}: no CUDA GPU is visible; use --device cpu")
+    if args.dtype == "auto" and "target_dtype" in defaults:
+        target_dtype, drafter_dtype = DTYPES[defaults["target_dtype"]], DTYPES[defaults["drafter_dtype"]]
+    else:
+        target_dtype = drafter_dtype = _dtype(args.dtype, device)
+
+    drafter_dir = Path(drafter)
+    raw = check_drafter_dir(drafter_dir)
+    try:
+        target_config = AutoConfig.from_pretrained(target)
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError) as exc:
+        raise EvalError(f"--target {target}: cannot load its config and tokenizer ({exc}). Give the target's "
+                        "Hugging Face directory (config.json, tokenizer, weights) or a reachable hub id") from exc
+    check_fits(raw, drafter_dir, target_config, target)
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    context = getattr(tc, "max_position_embeddings", None) or 1 << 30
+    if max_new >= context:
+        raise EvalError(f"--max-new-tokens {max_new} leaves no room for a prompt in the target's context of "
+                        f"{context} tokens: lower it")
+    sources = name_sources(args.prompts, args.name if own_prompts else defaults.get("names", []))
+    sets = [load_prompt_set(name, source, tokenizer, target, limit, context - max_new, tc.vocab_size)
+            for name, source in sources]
+    tolerance = args.tie_tolerance if args.tie_tolerance is not None else TIE_TOLERANCE[target_dtype]
+    return Plan(drafter_dir, target, out, device, target_dtype, drafter_dtype, max_new, limit, tolerance, raw,
+                tokenizer, sets)
+
+
+def load_models(p: Plan):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from .model import DFlashDrafter
+
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    try:
+        drafter = DFlashDrafter.from_pretrained(p.drafter_dir)
+    except (ValueError, RuntimeError, OSError) as exc:  # key or shape mismatch, unreadable safetensors
+        raise EvalError(f"--drafter {p.drafter_dir}: cannot load its weights ({exc})") from exc
+    drafter = drafter.to(device=p.device, dtype=p.drafter_dtype).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p.target_path, dtype=p.target_dtype).to(p.device)
+    except (OSError, ValueError) as exc:  # no weights beside the config, a model class transformers lacks
+        raise EvalError(f"--target {p.target_path}: cannot load the model ({exc})") from exc
+    return drafter, FrozenTarget(model, drafter.target_layer_ids)
+
+
+# ---- decoding ------------------------------------------------------------------------------------
+
+def _timed(device: torch.device, fn, *args):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    result = fn(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def compare(target: FrozenTarget, prompt_len: int, spec: list[int], ref: list[int], tolerance: float) -> dict | None:
+    """None when equal; a near tie's description; OutputMismatch for any other divergence."""
+    if spec == ref:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(spec, ref, strict=False)) if a != b), min(len(spec), len(ref)))
+    if at >= min(len(spec), len(ref)):
+        raise OutputMismatch(f"speculative decoding stopped after {len(spec) - prompt_len} tokens, target-only "
+                             f"decoding after {len(ref) - prompt_len}, with the same tokens up to there")
+    device = target.embed_weight.device
+    logits = target.model(torch.tensor([ref[:at]], device=device), logits_to_keep=1).logits[0, -1].float()
+    gap = abs(float(logits[ref[at]] - logits[spec[at]]))
+    allowed = tolerance * float(logits.abs().max())
+    where = {"position": at - prompt_len, "target_only_token": ref[at], "speculative_token": spec[at],
+             "logit_gap": gap, "tolerance": allowed}
+    if gap > allowed:
+        raise OutputMismatch(f"generated token {at - prompt_len}: speculative decoding gave {spec[at]}, target-only "
+                             f"greedy decoding {ref[at]}, and the target prefers {ref[at]} by {gap:.4g} logits "
+                             f"(more than rounding, {allowed:.4g})")
+    return where
+
+
+def evaluate_set(p: Plan, drafter, target: FrozenTarget, prompts: PromptSet, stop: set[int],
+                 requests: list[dict]) -> SetResult:
+    from tqdm import tqdm
+
+    result = SetResult(prompts.name, prompts.source, len(prompts.prompts), prompts.skipped,
+                       AcceptanceStats(drafter.block_size))
+    for rid, prompt in tqdm(list(zip(prompts.ids, prompts.prompts, strict=True)), desc=prompts.name, leave=False,
+                        disable=None):
+        spec, spec_s = _timed(p.device, speculative_generate, drafter, target, prompt, p.max_new_tokens, stop)
+        ref, ref_s = _timed(p.device, greedy_generate, target, prompt, p.max_new_tokens, stop)
+        try:
+            tie = compare(target, len(prompt), spec.tokens, ref, p.tie_tolerance)
+        except OutputMismatch as exc:
+            raise OutputMismatch(f"prompt set {prompts.name!r}, request {rid}: {exc}. Greedy speculative decoding "
+                                 "must reproduce the target's own output; this is a bug in the decoding loop, or the "
+                                 "drafter and target disagree on the tokenizer (report it)") from None
+        new = len(spec.tokens) - len(prompt)
+        result.stats.add(spec.accept_lengths, new)
+        result.speculative_s += spec_s
+        result.target_only_s += ref_s
+        result.target_only_tokens += len(ref) - len(prompt)
+        if tie is None:
+            result.outputs_equal += 1
+        else:
+            result.near_ties.append({"id": rid, **tie})
+        requests.append({
+            "set": prompts.name, "id": rid, "prompt_tokens": len(prompt), "new_tokens": new,
+            "accept_lengths": spec.accept_lengths,
+            "tau": sum(spec.accept_lengths) / max(1, len(spec.accept_lengths)), "equal_to_target_only": tie is None,
+            "output_ids": spec.tokens[len(prompt):], "output": p.tokenizer.decode(spec.tokens[len(prompt):]),
+        })
+    return result
+
+
+def evaluate(p: Plan) -> tuple[dict, list[dict]]:
+    drafter, target = load_models(p)
+    stop = stop_token_ids(target.model, p.tokenizer)
+    # transformers 5.2x renames past_key_values to cache with a FutureWarning; both work.
+    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+    if p.device.type == "cuda":  # kernels, allocator and cuBLAS handles warm before anything is timed
+        first = p.sets[0].prompts[0]
+        speculative_generate(drafter, target, first, min(32, p.max_new_tokens), stop)
+        greedy_generate(target, first, min(32, p.max_new_tokens), stop)
+    requests: list[dict] = []
+    results = [evaluate_set(p, drafter, target, s, stop, requests) for s in p.sets]
+    meta = {
+        "drafter": str(p.drafter_dir), "target": p.target_path,
+        "device": torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu",
+        "dtype": str(p.target_dtype).removeprefix("torch."), "drafter_dtype": str(p.drafter_dtype).removeprefix("torch."),
+        "block_size": drafter.block_size, "max_new_tokens": p.max_new_tokens, "limit": p.limit, "temperature": 0.0,
+        "stop_token_ids": sorted(stop), "torch": torch.__version__,
+    }
+    return build_report(meta, results, drafter.block_size), requests
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        p = plan(args)
+        report, requests = evaluate(p)
+    except (EvalError, DataError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    except OutputMismatch as exc:
+        console.print(f"[red]error: speculative output differs from target-only greedy decoding:[/] {exc}")
+        return 1
+    p.out.mkdir(parents=True, exist_ok=True)
+    write_json(p.out / "eval.json", report)
+    write_requests(p.out / "requests.jsonl", requests)
+    plot(report, p.out / "eval.png")
+    console.print(table(report))
+    console.print(f"eval.json, requests.jsonl and eval.png in {p.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

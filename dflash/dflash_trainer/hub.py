@@ -1,0 +1,65 @@
+"""The Hugging Face hub, asked once and briefly: a name that is not a local path is only tried on the
+hub when the hub answers (its client would otherwise retry for a minute before saying it is offline)."""
+
+from __future__ import annotations
+
+import functools
+import re
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "gpt2" or "org/name"
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """Could be a hub repository id: at most one '/', no leading '.', '/' or '~'."""
+    return bool(_HUB_ID.match(name)) and ".." not in name
+
+
+def endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+@functools.cache
+def reachable(timeout_s: float = 3.0) -> bool:
+    """One TCP connection to the hub's endpoint, within timeout_s."""
+    if offline():
+        return False
+    url = urlparse(endpoint())
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def cached_model(repo_id: str) -> bool:
+    """The model's config.json is in the local hub cache (it loads without the network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except (ValueError, OSError):  # an id the cache cannot even hold
+        return False
+
+
+def unavailable_reason(name: str, noun: str = "directory") -> str:
+    """Why a missing local path cannot be a hub name either (empty when it may be one)."""
+    where = Path(name).expanduser().absolute()
+    if not looks_like_hub_id(name):
+        return f"no such {noun}: {where}"
+    if offline():
+        return f"no such {noun} ({where}), and the hub is switched off (HF_HUB_OFFLINE) for a hub id"
+    if not reachable():
+        return f"no such {noun} ({where}), and the hub ({endpoint()}) is not reachable for a hub id"
+    return ""

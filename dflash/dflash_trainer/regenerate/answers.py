@@ -1,0 +1,101 @@
+"""One answer (token ids, text, how it ended) and the training row a job's answers make.
+
+A row is exactly what data.train takes: `input_ids` (prompt rendered by the chat template + the answer
+tokens the target produced, its stop token included), `loss_mask` (1 on the answer tokens), plus the
+conversation with the new answers (`messages`), the source row's `id`, and `regen` (resume key and
+per-answer statistics for the summary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .plan import Job
+
+
+@dataclass
+class Request:
+    job: Job
+    turn: int  # which answer of the job (0: the first slot)
+    messages: list[dict]  # the conversation up to this answer (what an OpenAI server renders)
+    prompt: list[int]  # the same rendered locally with the target's chat template
+    seed: int
+
+
+@dataclass
+class Answer:
+    ids: list[int]  # the answer's token ids, its stop token included when it stopped
+    text: str  # the answer as text (the assistant turn's content)
+    truncated: bool  # ended at --max-new-tokens without a stop token
+    roundtrip: bool  # the target tokenizer turns `text` back into `ids` (stop token aside)
+    prompt_matches: bool = True  # False: the server says it rendered other prompt tokens than ours
+
+
+def answer_from_ids(tokenizer, ids: list[int], stop_ids: list[int]) -> Answer:
+    """An answer generated in-process: the ids are the truth, the text is their decoding."""
+    stopped = bool(ids) and ids[-1] in stop_ids
+    body = ids[:-1] if stopped else ids
+    text = tokenizer.decode(body, skip_special_tokens=False)
+    roundtrip = tokenizer(text, add_special_tokens=False)["input_ids"] == body
+    return Answer(list(ids), text, truncated=not stopped, roundtrip=roundtrip)
+
+
+def answer_from_text(tokenizer, text: str, finish_reason: str | None, stop_ids: list[int],
+                     server_ids: list[int] | None = None, prompt_matches: bool = True,
+                     completion_tokens: int | None = None) -> Answer:
+    """An answer a server returned: its token ids when it sent them, else the text re-tokenized (+ stop token).
+
+    A server that reaches max_tokens on the stop token itself may call it "length" (transformers serve
+    does); its usage count, one more than the text's tokens, shows the stop token was generated.
+    """
+    stopped = finish_reason != "length"
+    if server_ids is not None:
+        ids = list(server_ids)
+        if stopped and stop_ids and (not ids or ids[-1] not in stop_ids):
+            ids.append(stop_ids[0])
+        body = ids[:-1] if stopped and ids else ids
+        roundtrip = tokenizer.decode(body, skip_special_tokens=False) == text
+    else:
+        body = tokenizer(text, add_special_tokens=False)["input_ids"]
+        stopped = stopped or completion_tokens == len(body) + 1
+        roundtrip = tokenizer.decode(body, skip_special_tokens=False) == text
+        ids = body + ([stop_ids[0]] if stopped and stop_ids else [])
+    return Answer(ids, text, truncated=not stopped, roundtrip=roundtrip, prompt_matches=prompt_matches)
+
+
+def assemble_row(job: Job, conversation: list[dict], slots: list[int], prompts: list[list[int]],
+                 answers: list[Answer]) -> dict:
+    """The training row of a job whose first len(answers) slots are answered.
+
+    Earlier answers stay supervised when each later prompt starts with the tokens so far (the template
+    renders earlier turns as they were generated); otherwise the row restarts at that prompt, and the
+    earlier answers are context only (counted as all_turns_supervised = False).
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    all_supervised = True
+    for prompt, answer in zip(prompts, answers):
+        if ids and prompt[: len(ids)] == ids:
+            mask += [0] * (len(prompt) - len(ids))
+        else:
+            all_supervised = all_supervised and not ids
+            mask = [0] * len(prompt)
+        ids = list(prompt) + answer.ids
+        mask += [1] * len(answer.ids)
+    messages = [dict(m) for m in conversation[: slots[len(answers) - 1] + 1]]
+    for slot, answer in zip(slots, answers):
+        messages[slot] = {"role": "assistant", "content": answer.text}
+    return {
+        "id": job.source_id,
+        "messages": messages,
+        "input_ids": ids,
+        "loss_mask": mask,
+        "regen": {
+            "key": job.key,
+            "answer_tokens": [len(a.ids) for a in answers],
+            "truncated": [a.truncated for a in answers],
+            "roundtrip": [a.roundtrip for a in answers],
+            "prompt_matches": all(a.prompt_matches for a in answers),
+            "all_turns_supervised": all_supervised,
+        },
+    }

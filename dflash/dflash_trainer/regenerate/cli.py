@@ -1,0 +1,233 @@
+"""dflash-regenerate: the target writes the training answers, resumably.
+
+    dflash-regenerate --target PATH --data FILE_OR_DATASET... --out DIR            # engine hf, this machine
+    torchrun --nproc-per-node G -m dflash_trainer.regenerate --target ... --out DIR  # data-parallel, G GPUs
+    dflash-regenerate --engine openai --endpoint http://host:8000/v1 --model NAME --concurrency 128 \\
+        --target PATH --data ... --out DIR                                           # a serving engine
+
+The output, DIR/part-*.jsonl, is what data.train takes. Running the same command again skips what is
+answered and finishes the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from ..data import DataError, load_rows
+from ..prompts import check_chat_template
+from .driver import Stopped, World, run_chunks
+from .engine_openai import EndpointError
+from .plan import check_plan, make_plan
+from .sampling import Sampling
+from .shards import OutputDir
+from .summary import collect, print_table
+
+console = Console(stderr=True, soft_wrap=True)  # log lines stay whole in log files
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-regenerate", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--target", required=True, help="the target model directory (its tokenizer renders the prompts)")
+    p.add_argument("--data", required=True, nargs="+", metavar="FILE_OR_DATASET",
+                   help="what data.train takes: JSONL files or globs (messages / conversations / prompt rows), "
+                        "or one hub dataset name")
+    p.add_argument("--out", required=True, help="output directory: part-*.jsonl shards and summary.json")
+    p.add_argument("--engine", choices=("hf", "openai"), default="hf",
+                   help="hf: the target in this process (default); openai: an OpenAI-compatible server")
+    g = p.add_argument_group("sampling (part of every answer's resume key)")
+    g.add_argument("--max-new-tokens", type=int, default=2048)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0 samples, seeded")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--turns", choices=("last", "all"), default="last",
+                   help="last: answer the final user turn; all: every assistant turn, in order, each prompt "
+                        "holding the target's own earlier answers")
+    g.add_argument("--chat-template-kwargs", type=json_object, default={}, metavar="JSON",
+                   help='passed to the chat template, e.g. \'{"enable_thinking": false}\' for Qwen3 without thinking')
+    g.add_argument("--stop-token", action="append", metavar="TOKEN",
+                   help="a token that ends an answer (repeatable; default: the target's EOS tokens)")
+    d = p.add_argument_group("input and output")
+    d.add_argument("--limit", type=int, help="only the first N source rows")
+    d.add_argument("--split", default="train", help="dataset split (hub datasets)")
+    d.add_argument("--shard-size", type=int, default=1024,
+                   help="prompts per shard: a killed run loses at most the shard in progress")
+    h = p.add_argument_group("engine hf")
+    h.add_argument("--batch-size", type=int, default=256,
+                   help="most prompts per generate call (fewer when the KV cache would not fit)")
+    h.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="auto: bfloat16 on a GPU, float32 on the CPU")
+    h.add_argument("--no-compile", action="store_true", help="GPU: decode eagerly (no static-cache CUDA graphs)")
+    o = p.add_argument_group("engine openai")
+    o.add_argument("--endpoint", help="the server's base URL, e.g. http://localhost:8000/v1")
+    o.add_argument("--model", help="the served model name (default: the server's only model)")
+    o.add_argument("--concurrency", type=int, default=64, help="requests in flight")
+    o.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token (default: $OPENAI_API_KEY)")
+    o.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    o.add_argument("--retries", type=int, default=5, help="retries per request (connection errors, timeouts, 5xx)")
+    o.add_argument("--retry-backoff", type=float, default=1.0, help="first retry delay in s, doubling")
+    o.add_argument("--extra-body", type=json_object, default={}, metavar="JSON",
+                   help='extra request fields, e.g. \'{"return_token_ids": true}\' for vLLM')
+    return p
+
+
+def check_args(args) -> list[str]:
+    problems = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.turns).problems()
+    for name in ("shard_size", "batch_size", "concurrency"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if args.limit is not None and args.limit < 1:
+        problems.append("--limit must be >= 1")
+    if args.retries < 0:
+        problems.append("--retries must be >= 0")
+    if args.engine == "openai" and not args.endpoint:
+        problems.append("--engine openai needs --endpoint (the server's base URL, e.g. http://localhost:8000/v1)")
+    if args.engine == "hf" and args.endpoint:
+        problems.append("--endpoint is for --engine openai")
+    return problems
+
+
+def load_tokenizer(target: str):
+    from transformers import AutoTokenizer
+
+    if not Path(target).exists() and (target.startswith((".", "/")) or target.count("/") > 1):
+        raise DataError(f"--target {target}: no such directory; give the target model's directory")
+    try:
+        return AutoTokenizer.from_pretrained(target)
+    except Exception as exc:  # not a model directory, unreachable hub
+        raise DataError(f"--target {target}: cannot load its tokenizer ({exc.__class__.__name__}: {exc}); give the "
+                        "target model's directory (config.json, tokenizer files)") from exc
+
+
+def max_context(target: str) -> int | None:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(target).get_text_config(decoder=True)
+    except (OSError, ValueError):  # a tokenizer-only directory (engine openai): the server knows its own limit
+        return None
+    return getattr(config, "max_position_embeddings", None)
+
+
+def make_engine(args, tokenizer, sampling: Sampling, device, log):
+    if args.engine == "openai":
+        from .engine_hf import stop_ids_of
+        from .engine_openai import OpenAIEngine
+
+        stop = stop_ids_of(_generation_config_only(args.target), tokenizer, args.stop_token)
+        engine = OpenAIEngine(args.endpoint, args.model, tokenizer, sampling, stop, args.concurrency,
+                              args.request_timeout, args.retries, args.retry_backoff, args.api_key, args.extra_body,
+                              args.chat_template_kwargs)
+        log(f"engine openai: {engine.url}, model {engine.check()!r}, {args.concurrency} requests in flight")
+        return engine
+    from .engine_hf import HFEngine, load_target, stop_ids_of
+
+    model = load_target(args.target, device, args.dtype)
+    stop = stop_ids_of(model, tokenizer, args.stop_token)
+    if not stop:
+        log("[yellow]warning:[/] the target names no EOS token: every answer runs to --max-new-tokens "
+            "(give --stop-token)")
+    return HFEngine(model, tokenizer, sampling, stop, args.batch_size, compile=False if args.no_compile else None,
+                    log=log)
+
+
+def _generation_config_only(target: str):
+    """Something with the target's generation_config (its EOS ids), without loading its weights."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    try:
+        return SimpleNamespace(generation_config=GenerationConfig.from_pretrained(target))
+    except OSError:  # no generation_config.json: the tokenizer's EOS decides
+        return SimpleNamespace(generation_config=None)
+
+
+def run(args) -> dict | None:
+    problems = check_args(args)
+    if problems:
+        raise DataError("invalid arguments:\n  - " + "\n  - ".join(problems))
+    world = World.from_env()
+    if args.engine == "openai" and world.size > 1:
+        raise DataError("engine openai runs in one process (the server batches); raise --concurrency instead of "
+                        "starting it under torchrun")
+    device = world.start()
+    lead = world.rank == 0
+
+    def log(*parts):
+        if lead:
+            console.print(*parts)
+
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.turns)
+    tokenizer = load_tokenizer(args.target)
+    check_chat_template(tokenizer, args.target)
+    rows = load_rows(args.data, split=args.split)
+    context = max_context(args.target)
+    plan = make_plan(rows, tokenizer, sampling, args.chat_template_kwargs, args.limit, context)
+    check_plan(plan, args.data)
+    engine = make_engine(args, tokenizer, sampling, device, log)
+
+    out = OutputDir(args.out, world.rank)
+    target_id = str(Path(args.target).resolve()) if Path(args.target).exists() else args.target
+    manifest = {"target": target_id, "sampling": sampling.as_dict(), "chat_template_kwargs": args.chat_template_kwargs}
+    out.lock()
+    out.check_or_create(manifest)
+    if lead and out.clean_partial():
+        log("removed the half-written shard of an earlier run that was killed")
+    world.barrier()
+    done = out.done_keys()
+    answered = sum(j.key in done for j in plan.jobs)
+    log(f"{len(plan.jobs):,} prompts from {plan.rows_read:,} rows ({sum(plan.skipped.values()):,} skipped); "
+        f"{answered:,} already answered in {args.out}, {len(plan.jobs) - answered:,} to go"
+        + (f" over {world.size} processes" if world.size > 1 else ""))
+    stats = run_chunks(engine, rows, tokenizer, plan, out, world, sampling, args.chat_template_kwargs, context,
+                       args.shard_size, done, log)
+    world.barrier()
+    runs = world.gather(stats)
+    summary = None
+    if lead:
+        summary = collect(out, engine=args.engine, target=target_id, model=getattr(engine, "model", None)
+                          if args.engine == "openai" else None, sampling=sampling.as_dict(),
+                          chat_kwargs=args.chat_template_kwargs, plan_skipped=plan.skipped,
+                          rows_read=plan.rows_read, runs=runs, world=world.size)
+        out.write_summary(summary)
+        print_table(summary, args.out)
+    world.barrier()
+    world.stop()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        run(args)
+    except (DataError, EndpointError, ValueError, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
+        return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (driver.Stopped)
+        console.print("stopped: the answered shards are kept; run the same command to resume")
+        return 143 if isinstance(exc, Stopped) else 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""A regeneration run: this rank's chunks through the engine, turn by turn, into shards.
+
+Every rank plans the same sorted jobs, skips the chunks already answered (by key, from the shards on
+disk) and answers chunk i when i mod world == rank. A chunk's answers become its shard once every job
+in it is done; on an error or a stop the answered jobs of the chunk in progress are written first, so
+only work still in flight is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+from tqdm import tqdm
+
+from ..prompts import render_prompt, slot_indices
+from .answers import Request, assemble_row
+from .plan import TEMPLATE_ERRORS, Job, Plan, chunks, conversation_of
+from .sampling import Sampling, row_seed
+from .shards import OutputDir
+
+
+@dataclass
+class World:
+    """This process's place under torchrun (one process per GPU), or a world of one."""
+
+    size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> World:
+        return cls(int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")),
+                   int(os.environ.get("LOCAL_RANK", "0")))
+
+    def start(self) -> torch.device:
+        """The device this rank generates on, and (world > 1) a gloo group for barriers and the summary."""
+        if self.size > 1:
+            from ..compile_guard import isolate_local_gpu
+
+            isolate_local_gpu(self.local_rank)  # each rank sees its GPU as cuda:0: one compile cache for all
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", timeout=timedelta(hours=12))  # ranks finish chunks at their pace
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def gather(self, value) -> list:
+        if self.size == 1:
+            return [value]
+        import torch.distributed as dist
+
+        out = [None] * self.size
+        dist.all_gather_object(out, value)
+        return out
+
+    def stop(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+@dataclass
+class RunStats:
+    """What this rank did in this run."""
+
+    rows: int = 0
+    answers: int = 0
+    answer_tokens: int = 0
+    cut_short: int = 0  # multi-turn rows ended early: a later prompt too long or refused by the template
+    shards: int = 0
+    seconds: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Progress:
+    """Prompts answered and answer tokens/s (rank 0 shows the bar; every rank counts)."""
+
+    def __init__(self, total_rows: int, show: bool, label: str):
+        tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total_rows, desc=label, unit="prompt", disable=not show, dynamic_ncols=True,
+                        mininterval=0.5 if tty else 30.0, smoothing=0.05)
+        self.started = time.perf_counter()
+        self.tokens = 0
+
+    def answered(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def row_done(self) -> None:
+        rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@dataclass
+class _JobState:
+    job: Job
+    conversation: list[dict]
+    slots: list[int]
+    prompts: list[list[int]]
+    answers: list = field(default_factory=list)
+
+
+def answer_chunk(engine, rows, tokenizer, jobs: list[Job], sampling: Sampling, chat_kwargs: dict,
+                 max_context: int | None, progress: Progress | None, stats: RunStats, finished: list[dict]) -> None:
+    """Answer every slot of every job, turn by turn; appends each job's row to `finished` once complete."""
+    states = []
+    for job in jobs:
+        conversation = conversation_of(rows[job.index], sampling.turns)
+        states.append(_JobState(job, conversation, slot_indices(conversation), [list(job.first_prompt)]))
+    active, turn = states, 0
+    while active:
+        requests = []
+        for st in active:
+            messages = _filled(st, st.slots[turn])
+            if turn > 0:
+                try:
+                    prompt = render_prompt(tokenizer, messages, **chat_kwargs)
+                except TEMPLATE_ERRORS:  # the template refuses this turn: keep the answers so far
+                    prompt = None
+                if prompt is None or (max_context and len(prompt) + sampling.max_new_tokens > max_context):
+                    stats.cut_short += 1
+                    _finish(st, finished, progress, stats)
+                    continue
+                st.prompts.append(prompt)
+            requests.append(Request(st.job, turn, messages, st.prompts[turn], row_seed(sampling.seed, st.job.key, turn)))
+        by_key = {st.job.key: st for st in active}
+        still = []
+        for request, answer in engine.answer(requests):
+            st = by_key[request.job.key]
+            st.answers.append(answer)
+            stats.answers += 1
+            stats.answer_tokens += len(answer.ids)
+            if progress:
+                progress.answered(len(answer.ids))
+            if len(st.answers) == len(st.slots):
+                _finish(st, finished, progress, stats)
+            else:
+                still.append(st)
+        active, turn = still, turn + 1
+
+
+def _filled(st: _JobState, upto: int) -> list[dict]:
+    """The conversation before position `upto`, with the answers so far in their slots."""
+    messages = [dict(m) for m in st.conversation[:upto]]
+    for slot, answer in zip(st.slots, st.answers):
+        if slot < upto:
+            messages[slot] = {"role": "assistant", "content": answer.text}
+    return messages
+
+
+def _finish(st: _JobState, finished: list[dict], progress: Progress | None, stats: RunStats) -> None:
+    finished.append(assemble_row(st.job, st.conversation, st.slots, st.prompts, st.answers))
+    stats.rows += 1
+    if progress:
+        progress.row_done()
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM: stop like Ctrl-C (the answered part of the chunk in progress is written first)."""
+
+
+def _on_sigterm(signum, frame):
+    raise Stopped()
+
+
+def run_chunks(engine, rows, tokenizer, plan: Plan, out: OutputDir, world: World, sampling: Sampling,
+               chat_kwargs: dict, max_context: int | None, shard_size: int, done: set[str], log) -> RunStats:
+    """This rank's share of the plan; returns what it did."""
+    stats = RunStats()
+    mine = [(i, [j for j in chunk if j.key not in done]) for i, chunk in enumerate(chunks(plan.jobs, shard_size))
+            if i % world.size == world.rank]
+    mine = [(i, jobs) for i, jobs in mine if jobs]
+    label = "regenerating" if world.size == 1 else f"regenerating (rank 0 of {world.size})"
+    progress = Progress(sum(len(jobs) for _, jobs in mine), show=world.rank == 0, label=label)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if _main_thread() else None
+    try:
+        for index, jobs in mine:
+            finished: list[dict] = []
+            try:
+                answer_chunk(engine, rows, tokenizer, jobs, sampling, chat_kwargs, max_context, progress, stats,
+                             finished)
+            except BaseException:
+                if finished:  # keep what is answered: the next run skips it
+                    out.write_shard(index, _in_order(finished, jobs))
+                    stats.shards += 1
+                    log(f"wrote the {len(finished)} answered rows of the interrupted chunk {index}")
+                raise
+            out.write_shard(index, _in_order(finished, jobs))
+            stats.shards += 1
+    finally:
+        progress.close()
+        stats.seconds = time.perf_counter() - stats.started
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return stats
+
+
+def _in_order(finished: list[dict], jobs: list[Job]) -> list[dict]:
+    """Rows in the chunk's job order, whatever order the engine answered in (shards are reproducible)."""
+    position = {j.key: n for n, j in enumerate(jobs)}
+    return sorted(finished, key=lambda r: position[r["regen"]["key"]])
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def regenerate_rows(engine, rows, tokenizer, sampling: Sampling, chat_kwargs: dict | None = None) -> list[dict]:
+    """Answer source rows in memory (no output directory): one training row per source row, in source
+    order; a repeated prompt is answered once and its row repeated; rows without a user turn are left out."""
+    from .plan import make_plan
+
+    chat_kwargs = chat_kwargs or {}
+    plan = make_plan(rows, tokenizer, sampling, chat_kwargs)
+    finished: list[dict] = []
+    answer_chunk(engine, rows, tokenizer, plan.jobs, sampling, chat_kwargs, None, None, RunStats(), finished)
+    by_key = {r["regen"]["key"]: r for r in finished}
+    order = sorted([(j.index, j.key) for j in plan.jobs] + list(plan.duplicates.items()))
+    return [by_key[key] for _, key in order]

@@ -1,0 +1,154 @@
+"""Engine `openai`: any OpenAI-compatible server (vLLM, SGLang, TGI, `transformers serve`) with N requests
+in flight.
+
+The server runs in its own container or environment, never in the frozen training environment (README
+"DFlash recipe end to end"). Requests go to /v1/chat/completions with the conversation, so the server
+renders the prompt with its own copy of the chat template; a server that also returns token ids (vLLM with
+--extra-body '{"return_token_ids": true}') lets the rows keep exactly the tokens it generated. The
+stdlib's HTTP client is enough for JSON over keep-alive-less POSTs and adds no package to that environment.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+from .answers import Answer, Request, answer_from_text
+from .sampling import Sampling
+
+RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class EndpointError(RuntimeError):
+    """The server cannot be used: unreachable after the retries, refusing the request, or not serving --model."""
+
+
+def base_url(endpoint: str) -> str:
+    """http://host:port or http://host:port/v1 -> http://host:port/v1 (no trailing slash)."""
+    parsed = urllib.parse.urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise EndpointError(f"--endpoint {endpoint!r} is not an http(s) URL; give e.g. http://localhost:8000/v1")
+    path = parsed.path.rstrip("/") or "/v1"
+    return urllib.parse.urlunparse(parsed._replace(path=path, query="", fragment=""))
+
+
+class OpenAIEngine:
+    name = "openai"
+
+    def __init__(self, endpoint: str, model: str | None, tokenizer, sampling: Sampling, stop_ids: list[int],
+                 concurrency: int = 64, timeout: float = 600.0, retries: int = 5, backoff: float = 1.0,
+                 api_key: str | None = None, extra_body: dict | None = None, chat_template_kwargs: dict | None = None):
+        if sampling.ignore_eos:
+            raise EndpointError("ignore_eos is not an OpenAI request field; it is for the hf engine's benchmark")
+        self.url = base_url(endpoint)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.concurrency = concurrency
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.extra_body = extra_body or {}
+        self.chat_template_kwargs = chat_template_kwargs or {}
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        """One JSON call with bounded retries (exponential backoff) on connection errors, timeouts and 5xx/429."""
+        url = self.url + path
+        data = None if body is None else json.dumps(body).encode()
+        started, last = time.monotonic(), None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            request = urllib.request.Request(url, data=data, headers=self.headers, method=method)
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as exc:
+                detail = exc.read().decode(errors="replace")[:500]
+                if exc.code not in RETRY_STATUS:
+                    raise EndpointError(f"{url} refused the request: HTTP {exc.code}: {detail}") from None
+                last = f"HTTP {exc.code}: {detail}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
+                reason = getattr(exc, "reason", exc)
+                last = f"{type(reason).__name__}: {reason}"
+            except json.JSONDecodeError as exc:
+                raise EndpointError(f"{url} did not answer with JSON ({exc}); is --endpoint an OpenAI-compatible "
+                                    "server's base URL (e.g. http://host:8000/v1)?") from None
+        raise EndpointError(
+            f"{url} did not answer after {self.retries + 1} attempts over {time.monotonic() - started:.0f} s "
+            f"(last: {last}). Check that the server is running and reachable at --endpoint, or raise "
+            "--request-timeout / --retries; the shards already written are kept, run the same command to resume")
+
+    def check(self) -> str:
+        """The model to request: --model when the server lists it, else its only model; errors name the choices."""
+        listed = self._call("GET", "/models")
+        served = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
+        if self.model is None:
+            if len(served) != 1:
+                raise EndpointError(f"{self.url} serves {served or 'no models'}: pick one with --model")
+            self.model = served[0]
+        elif self.model not in served:
+            raise EndpointError(f"{self.url} does not serve --model {self.model!r}; it serves {served}. Pass one of "
+                                "those, or start the server with that model")
+        return self.model
+
+    # -- answers ---------------------------------------------------------------------------------
+    def request_body(self, request: Request) -> dict:
+        s = self.sampling
+        body = {"model": self.model, "messages": request.messages, "max_tokens": s.max_new_tokens,
+                "temperature": s.temperature, "stream": False}
+        if not s.greedy:
+            body["seed"] = request.seed
+            if s.top_p < 1:
+                body["top_p"] = s.top_p
+        if self.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
+        return {**body, **self.extra_body}
+
+    def answer_one(self, request: Request) -> Answer:
+        got = self._call("POST", "/chat/completions", self.request_body(request))
+        try:
+            choice = got["choices"][0]
+            text = choice["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            raise EndpointError(f"{self.url}/chat/completions answered without choices[0].message.content: "
+                                f"{json.dumps(got)[:300]}") from None
+        server_ids = choice.get("token_ids")
+        prompt_ids = got.get("prompt_token_ids") or choice.get("prompt_token_ids")
+        matches = prompt_ids is None or list(prompt_ids) == list(request.prompt)
+        usage = got.get("usage") or {}
+        return answer_from_text(self.tokenizer, text, choice.get("finish_reason"), self.stop_ids,
+                                server_ids if isinstance(server_ids, list) else None, matches,
+                                usage.get("completion_tokens"))
+
+    def answer(self, requests: list[Request]) -> Iterator[tuple[Request, Answer]]:
+        """Answers as they complete, `concurrency` requests in flight; the first failure cancels the rest."""
+        pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="regen-http")
+        pending = {}
+        todo = iter(requests)
+        try:
+            for request in todo:
+                pending[pool.submit(self.answer_one, request)] = request
+                if len(pending) >= self.concurrency:
+                    break
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    request = pending.pop(future)
+                    yield request, future.result()
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        pending[pool.submit(self.answer_one, nxt)] = nxt
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,177 @@
+"""The run's files on disk: what a failed write means in words, and writes that replace a file or a
+directory in one step (a reader sees the old one or the new one, never a mix)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class StorageError(RuntimeError):
+    """A write to the run's storage failed (disk full, read-only, no permission): says which, and where."""
+
+
+_WORDS = {
+    errno.ENOSPC: "disk full (no space left on device)",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied (read-only for this user)",
+    errno.EPERM: "operation not permitted",
+    errno.EFBIG: "file too large for this file system",
+}
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind exc: itself, its cause or context, or the errno that torch.save and safetensors
+    put in their own error types ("os error 28")."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc
+        match = re.search(r"os error (\d+)", str(exc))
+        if match:
+            code = int(match.group(1))
+            return OSError(code, os.strerror(code))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def describe(error: OSError, where: Path) -> str:
+    words = _WORDS.get(error.errno, error.strerror or str(error))
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            words += f", {shutil.disk_usage(_existing(where)).free / 2**20:,.1f} MiB free there"
+        except OSError:
+            pass
+    return words
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+@contextmanager
+def explained(doing: str, where: Path, fix: str) -> Iterator[None]:
+    """Turn a failed write into a StorageError: '<doing>: disk full (...). <fix>'."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as exc:
+        error = os_error_in(exc)
+        if error is None:
+            raise
+        raise StorageError(f"{doing}: {describe(error, Path(where))}. {fix}") from exc
+
+
+def check_writable(directory: Path) -> None:
+    """Create directory (and parents) and prove a file can be written in it; nothing is left behind."""
+    with explained(f"cannot write to the output directory {directory}", directory,
+                   "Give a writable --output-dir (or make this one writable)."):
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    # Files first, then the directories that name them: after a power loss the rename must not
+    # expose a directory whose entries or contents are still only in the page cache.
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath))
+
+
+def _umask() -> int:
+    try:  # read, not set: os.umask would change it for every thread for a moment
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"^Umask:\s*([0-7]+)", status, re.MULTILINE).group(1), 8)
+    except (OSError, AttributeError):
+        return 0o022
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # as open() would have made it (mkstemp makes 0600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Put directory `new` at `final` in one step; what `final` held before is removed after."""
+    if not (final.exists() or final.is_symlink()):
+        os.rename(new, final)
+    elif _exchange(new, final):
+        _remove(new)  # now the old contents
+    else:  # rename(2) cannot replace a non-empty directory: move the old one aside first
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        os.rename(final, old / final.name)
+        os.rename(new, final)
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_path(final.parent)
+
+
+def publish_dir(final: Path, write: Callable[[Path], None]) -> Path:
+    """write(tmp) fills a hidden directory beside `final`, which then replaces `final` whole."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        tmp.chmod(0o777 & ~_umask())  # as mkdir would have made it (mkdtemp makes 0700)
+        write(tmp)
+        fsync_tree(tmp)
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

@@ -1,0 +1,300 @@
+"""dflash-eval on CPU with a tiny target: the training run's tau, z-lab's dflash_generate, the outputs, bad input.
+
+The drafter is trained briefly on the target's own greedy answers to the evaluation prompts, so it
+accepts some blocks and not others: the acceptance lengths compared below vary from step to step.
+"""
+
+import json
+import struct
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from dflash_trainer.anchors import build_blocks, sample_anchors
+from dflash_trainer.config import load_config
+from dflash_trainer.eval_cli import main
+from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
+from dflash_trainer.objective import block_attention, drafter_loss
+from dflash_trainer.optim import MasterWeightAdamW
+from dflash_trainer.prompts import prompt_messages, render_prompt, row_messages
+from dflash_trainer.speculative import greedy_generate, stop_token_ids
+from dflash_trainer.target import FrozenTarget
+from dflash_trainer.train import run
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+BLOCK, PROMPTS, NEW = 8, 4, 24
+
+
+def eval_prompts(tiny_target, tokenizer) -> list[list[int]]:
+    rows = [json.loads(line) for line in Path(tiny_target["eval"]).read_text().splitlines()]
+    return [render_prompt(tokenizer, prompt_messages(row_messages(r))) for r in rows[:PROMPTS]]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_target):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target["target"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_target["target"], dtype=torch.float32)
+    return tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_target, models, tmp_path_factory):
+    """A drafter trained for a while on the target's greedy answers to the evaluation prompts."""
+    tokenizer, model = models
+    config = drafter_config(model.config, DrafterShape(num_layers=2, block_size=BLOCK,
+                                                       mask_token_id=tokenizer.mask_token_id))
+    target = FrozenTarget(model, config.dflash_config["target_layer_ids"])
+    stop = stop_token_ids(model, tokenizer)
+    samples = []
+    for prompt in eval_prompts(tiny_target, tokenizer):
+        full = greedy_generate(target, prompt, NEW, stop)
+        ids = torch.tensor([full])
+        mask = torch.zeros_like(ids, dtype=torch.uint8)
+        mask[0, len(prompt):] = 1
+        samples.append((ids, mask, target.features(ids)))
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config)
+    opt = MasterWeightAdamW(drafter.parameters(), lr=3e-3, max_grad_norm=1.0)
+    for step in range(120):  # partly learnt: some blocks accepted whole, others not
+        ids, mask, feats = samples[step % len(samples)]
+        anchors, keep = sample_anchors(mask, num_anchors=NEW, generator=torch.Generator().manual_seed(step))
+        blocks = build_blocks(ids, mask, anchors, keep, BLOCK, tokenizer.mask_token_id)
+        sums = drafter_loss(drafter, target.embed_weight, target.head_weight, feats, blocks,
+                            block_attention("sdpa", blocks, ids.shape[1], BLOCK, config))
+        sums.weighted_ce.backward()
+        opt.step(1.0 / blocks.total_weight)
+        opt.zero_grad()
+    out = tmp_path_factory.mktemp("drafter")
+    drafter.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def training_run(tiny_target, drafter_dir, tmp_path_factory):
+    """A training run that starts from that drafter (init_from) and reports tau at its end."""
+    out = tmp_path_factory.mktemp("run")
+    summary = run(load_config("embedded", [
+        f"target.path={tiny_target['target']}", f"data.train={json.dumps([tiny_target['train']])}",
+        f"data.eval={json.dumps([tiny_target['eval']])}", f"output_dir={out}", f"drafter.init_from={drafter_dir}",
+        "train.steps=2", "train.lr=1e-9", "train.micro_batch=4", "train.num_anchors=8", "train.checkpoint_every=0",
+        f"eval.prompts={PROMPTS}", f"eval.max_new_tokens={NEW}",
+    ]))
+    return out, summary
+
+
+@pytest.fixture(scope="module")
+def evaluated(training_run, tmp_path_factory):
+    out, _ = training_run
+    where = tmp_path_factory.mktemp("eval") / "eval"
+    assert main(["--run", str(out), "--out", str(where)]) == 0
+    report = json.loads((where / "eval.json").read_text())
+    requests = [json.loads(line) for line in (where / "requests.jsonl").read_text().splitlines()]
+    return where, report, requests
+
+
+def test_tau_equals_the_training_runs_tau(training_run, evaluated, tiny_target, tmp_path):
+    out, summary = training_run
+    _, report, _ = evaluated
+    held_out = report["sets"]["held-out"]
+    assert held_out["prompts"] == PROMPTS and report["max_new_tokens"] == NEW
+    assert held_out["tau"] == summary["tau_after"]
+    assert 1.2 < held_out["tau"] < BLOCK  # some blocks accepted, not all: the comparison means something
+    # The same prompts from the chat file itself (rendered by the chat template) give the same figure.
+    again = tmp_path / "again"
+    assert main(["--drafter", str(out / "drafter"), "--target", tiny_target["target"], "--prompts",
+                 tiny_target["eval"], "--limit", str(PROMPTS), "--max-new-tokens", str(NEW), "--dtype", "float32",
+                 "--out", str(again)]) == 0
+    assert json.loads((again / "eval.json").read_text())["sets"]["eval"]["tau"] == summary["tau_after"]
+
+
+def zlab_generate(drafter_path, model, tokenizer, prompts):
+    zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is installed by `make venv`")
+    theirs = zlab.DFlashDraftModel.from_pretrained(drafter_path, dtype=torch.float32).eval()
+    stop = sorted(stop_token_ids(model, tokenizer))
+    # return_stats (the acceptance lengths) also times the decode with torch.cuda.synchronize: on CPU, a plain clock.
+    with mock.patch.object(zlab, "_cuda_time", time.perf_counter):
+        runs = [zlab.dflash_generate(theirs, model, torch.tensor([p]), NEW, stop, return_stats=True) for p in prompts]
+    return [(r.output_ids[0].tolist(), r.acceptance_lengths) for r in runs]
+
+
+def test_same_tokens_and_acceptance_lengths_as_zlab_dflash_generate(evaluated, training_run, models):
+    out, _ = training_run
+    _, report, requests = evaluated
+    tokenizer, model = models
+    prompts = [json.loads(line)["prompt_ids"] for line in (out / "eval_prompts.jsonl").read_text().splitlines()]
+    theirs = zlab_generate(out / "drafter", model, tokenizer, prompts)
+    for prompt, request, (tokens, lengths) in zip(prompts, requests, theirs, strict=True):
+        assert request["output_ids"] == tokens[len(prompt):]
+        assert request["accept_lengths"] == lengths
+        assert request["new_tokens"] == len(tokens) - len(prompt)
+    flat = [n for _, lengths in theirs for n in lengths]
+    assert report["sets"]["held-out"]["tau"] == pytest.approx(sum(flat) / len(flat), abs=1e-12)
+    assert len(set(flat)) > 1  # acceptance lengths vary step to step
+
+
+def test_outputs_equal_target_only_decoding_token_for_token(evaluated, training_run, models):
+    out, _ = training_run
+    _, report, requests = evaluated
+    tokenizer, model = models
+    target = FrozenTarget(model, [0])
+    prompts = [json.loads(line)["prompt_ids"] for line in (out / "eval_prompts.jsonl").read_text().splitlines()]
+    stop = stop_token_ids(model, tokenizer)
+    theirs = zlab_generate(out / "drafter", model, tokenizer, prompts)
+    for prompt, request, (tokens, _) in zip(prompts, requests, theirs, strict=True):
+        assert greedy_generate(target, prompt, NEW, stop) == tokens  # z-lab's output is the target's greedy one
+        assert request["equal_to_target_only"]
+    assert report["sets"]["held-out"]["outputs_equal"] == PROMPTS
+    assert report["sets"]["held-out"]["near_tie_divergences"] == []
+
+
+def test_a_drafter_directory_written_by_zlabs_package_loads(drafter_dir, models, tiny_target, tmp_path):
+    """z-lab's DFlashDraftModel (a transformers PreTrainedModel) saves the directory; dflash-eval reads it and
+    decodes exactly as z-lab's dflash_generate does."""
+    zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is installed by `make venv`")
+    from transformers import Qwen3Config
+
+    tokenizer, model = models
+    ours = json.loads((drafter_dir / "config.json").read_text())
+    config = Qwen3Config(  # the published drafters' config.json fields, shrunk
+        architectures=["DFlashDraftModel"], auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+        block_size=BLOCK, num_target_layers=ours["num_target_layers"], dflash_config=ours["dflash_config"],
+        hidden_size=ours["hidden_size"], intermediate_size=ours["intermediate_size"], num_hidden_layers=2,
+        num_attention_heads=ours["num_attention_heads"], num_key_value_heads=ours["num_key_value_heads"],
+        head_dim=ours["head_dim"], vocab_size=ours["vocab_size"], max_position_embeddings=512,
+        rms_norm_eps=ours["rms_norm_eps"], tie_word_embeddings=False)
+    theirs = zlab.DFlashDraftModel(config)
+    from safetensors.torch import load_file
+
+    theirs.load_state_dict(load_file(drafter_dir / "model.safetensors"))  # strict: every key carries over
+    written = tmp_path / "zlab-drafter"
+    theirs.save_pretrained(written)
+    assert main(["--drafter", str(written), "--target", tiny_target["target"], "--prompts", tiny_target["eval"],
+                 "--limit", str(PROMPTS), "--max-new-tokens", str(NEW), "--out", str(tmp_path / "e")]) == 0
+    requests = [json.loads(line) for line in (tmp_path / "e" / "requests.jsonl").read_text().splitlines()]
+    expected = zlab_generate(written, model, tokenizer, eval_prompts(tiny_target, tokenizer))
+    assert [r["accept_lengths"] for r in requests] == [lengths for _, lengths in expected]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_eval_json_has_every_field_and_eval_png_is_a_readable_figure(evaluated):
+    where, report, requests = evaluated
+    for key in ("drafter", "target", "device", "dtype", "block_size", "max_new_tokens", "temperature",
+                "stop_token_ids", "sets", "overall", "definitions"):
+        assert key in report, key
+    s = report["sets"]["held-out"]
+    for key in ("tau", "tau_per_request_mean", "verify_steps", "tokens", "slot_acceptance",
+                "acceptance_length_histogram", "acceptance_length_counts", "speedup", "speculative_tokens_per_s",
+                "target_only_tokens_per_s", "outputs_equal", "near_tie_divergences"):
+        assert key in s, key
+    assert {"tau", "tau_per_request_mean", "slot_acceptance", "speedup"} <= set(report["definitions"])
+    assert len(s["slot_acceptance"]) == BLOCK - 1 and len(s["acceptance_length_histogram"]) == BLOCK + 1
+    assert sum(s["acceptance_length_counts"]) == s["verify_steps"] == sum(len(r["accept_lengths"]) for r in requests)
+    assert sum(n * c for n, c in enumerate(s["acceptance_length_counts"])) == s["tokens"] - PROMPTS  # + prefill token
+    assert s["slot_acceptance"] == sorted(s["slot_acceptance"], reverse=True)  # a later slot needs the earlier ones
+    per_request = [sum(r["accept_lengths"]) / len(r["accept_lengths"]) for r in requests]
+    assert s["tau_per_request_mean"] == pytest.approx(sum(per_request) / len(per_request))
+    assert s["speedup"] > 0 and s["speculative_tokens_per_s"] > 0 and s["target_only_tokens_per_s"] > 0
+    width, height = png_size(where / "eval.png")
+    assert 800 <= width <= 3000 and 300 <= height <= 2000
+    from PIL import Image
+
+    with Image.open(where / "eval.png") as im:
+        im.verify()
+
+
+# ---- bad input: a clear error naming the fix, nothing written ------------------------------------
+
+@pytest.fixture(scope="module")
+def bad_inputs(tiny_target, drafter_dir, tmp_path_factory):
+    """Drafter directories that do not fit the tiny target, and prompt files without a usable prompt."""
+    root = tmp_path_factory.mktemp("bad")
+    raw = json.loads((drafter_dir / "config.json").read_text())
+
+    def variant(name, **changes):
+        d = root / name
+        d.mkdir()
+        cfg = {**raw, **changes}
+        (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+        (d / "model.safetensors").write_bytes((drafter_dir / "model.safetensors").read_bytes())
+        return d
+
+    layers = raw["num_target_layers"]
+    (root / "no-prompt.jsonl").write_text(json.dumps({"text": "no prompt here"}) + "\n"
+                                          + json.dumps({"messages": [{"role": "system", "content": "s"}]}) + "\n")
+    return {
+        "no_dflash_config": variant("no-dflash", dflash_config=None),
+        "layer_ids": variant("layer-ids", dflash_config={**raw["dflash_config"], "target_layer_ids": [1, layers + 2]}),
+        "hidden": variant("hidden", hidden_size=raw["hidden_size"] * 2),
+        "block": variant("block", block_size=4096),
+        "no_prompt": root / "no-prompt.jsonl",
+    }
+
+
+@pytest.mark.parametrize("case, extra, message", [
+    ("no_dflash_config", [], "has no dflash_config"),
+    ("layer_ids", [], "target_layer_ids .* are not all layers of the target"),
+    ("hidden", [], "hidden size is 128, the target's 64.*trained for"),
+    ("block", [], "block size 4096 is above target .* context of 512"),
+    ("missing_prompts", [], "does not exist: fix the path"),
+    ("no_prompt", [], r"holds no usable prompt \(1 no prompt field, 1 no user turn\)"),
+    ("max_new_tokens", ["--max-new-tokens", "0"], "--max-new-tokens 0: give at least 1"),
+    ("temperature", ["--temperature", "0.7"], "decodes greedily"),
+])
+def test_bad_input_is_a_clear_error_and_writes_nothing(case, extra, message, bad_inputs, drafter_dir, tiny_target,
+                                                       tmp_path, capsys):
+    import re
+
+    drafter = bad_inputs.get(case, drafter_dir) if case != "no_prompt" else drafter_dir
+    prompts = {"missing_prompts": str(tmp_path / "nope.jsonl"), "no_prompt": str(bad_inputs["no_prompt"])}
+    out = tmp_path / "out"
+    argv = ["--drafter", str(drafter), "--target", tiny_target["target"], "--out", str(out),
+            "--prompts", prompts.get(case, tiny_target["eval"]), *extra]
+    assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert re.search(message, err), err
+    assert not out.exists()
+
+
+def test_prompt_sets_are_named_by_file_or_by_name(drafter_dir, tiny_target, tmp_path):
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(Path(tiny_target["eval"]).read_text())
+    questions = tmp_path / "math_questions.jsonl"
+    questions.write_text("".join(json.dumps({"question": q, "id": f"q{i}"}) + "\n"
+                                 for i, q in enumerate(["What is 2 plus 3?", "Count from 3 to 9."])))
+    out = tmp_path / "out"
+    assert main(["--drafter", str(drafter_dir), "--target", tiny_target["target"], "--prompts", str(chat),
+                 "--name", f"math={questions}", "--limit", "2", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert list(report["sets"]) == ["chat", "math"]
+    assert report["sets"]["math"]["prompts"] == 2 and report["overall"]["prompts"] == 4
+    ids = [json.loads(line)["id"] for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert ids[2:] == ["q0", "q1"]
+
+
+def test_a_divergence_is_an_error_unless_the_targets_two_tokens_tie_within_rounding(models, tiny_target):
+    from dflash_trainer.eval_cli import OutputMismatch, compare
+
+    tokenizer, model = models
+    target = FrozenTarget(model, [0])
+    prompt = eval_prompts(tiny_target, tokenizer)[0]
+    ref = greedy_generate(target, prompt, 6)
+    with torch.no_grad():
+        logits = model(torch.tensor([ref[:-1]])).logits[0, -1]
+    runner_up = int(logits.topk(2).indices[1])
+    gap = float(logits[ref[-1]] - logits[runner_up])
+    spec = ref[:-1] + [runner_up]
+    assert compare(target, len(prompt), ref, list(ref), 1e-4) is None
+    with pytest.raises(OutputMismatch, match=f"generated token 5: speculative decoding gave {runner_up}"):
+        compare(target, len(prompt), spec, ref, 1e-4)  # a real disagreement: the target prefers its token
+    scale = float(logits.abs().max())
+    tie = compare(target, len(prompt), spec, ref, 2 * gap / scale)  # a tolerance above the gap: a near tie
+    assert tie["position"] == 5 and tie["logit_gap"] == pytest.approx(gap, rel=1e-4)
+    with pytest.raises(OutputMismatch, match="stopped after 5 tokens, target-only decoding after 6"):
+        compare(target, len(prompt), ref[:-1], ref, 1.0)

@@ -1,0 +1,52 @@
+"""dflash-eval on a GPU at the Qwen3-8B shape: speculative vs target-only wall time per token at batch 1.
+
+The target is make bench's random-weight Qwen3-8B (bench --make-assets) and the drafter a random one of
+the bench preset's shape, so tau is about 1: the figure is the cost of the loop (a drafter forward and a
+16-token verify per token), not a speedup a trained drafter gives. Set DFLASH_EVAL_OUT to keep eval.json,
+requests.jsonl and eval.png, and DFLASH_BENCH_ASSETS to reuse assets made before.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_speculative_vs_target_only_wall_time_at_the_8b_shape(tmp_path):
+    from dflash_trainer.bench import PRESETS, make_assets
+    from dflash_trainer.embedded import read_corpus
+    from dflash_trainer.eval_cli import main
+    from dflash_trainer.held_out import distinct_prompts
+    from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
+    from transformers import AutoConfig
+
+    assets = Path(os.environ.get("DFLASH_BENCH_ASSETS") or tmp_path / "assets")
+    if not (assets / "target" / "config.json").is_file():
+        make_assets(assets, "qwen3-8b", seq=64, rows=1)
+    drafter_dir = assets / "drafter"
+    if not (drafter_dir / "config.json").is_file():
+        config = drafter_config(AutoConfig.from_pretrained(assets / "target"),
+                                DrafterShape(**PRESETS["qwen3-8b"]["drafter"]))
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            DFlashDrafter(config).to(torch.bfloat16).save_pretrained(drafter_dir)
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": c}) + "\n" for c in distinct_prompts(read_corpus())[:8]))
+    out = Path(os.environ.get("DFLASH_EVAL_OUT") or tmp_path / "eval")
+    assert main(["--drafter", str(drafter_dir), "--target", str(assets / "target"), "--prompts", str(prompts),
+                 "--max-new-tokens", "256", "--out", str(out)]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    s = report["sets"]["chat"]
+    print(json.dumps({"device": report["device"], "dtype": report["dtype"],
+                      **{k: s[k] for k in ("prompts", "tau", "verify_steps", "tokens", "speculative_s", "target_only_s",
+                                           "speculative_tokens_per_s", "target_only_tokens_per_s", "speedup",
+                                           "outputs_equal", "near_tie_divergences")},
+                      "ms_per_token_speculative": 1e3 / s["speculative_tokens_per_s"],
+                      "ms_per_token_target_only": 1e3 / s["target_only_tokens_per_s"]}, indent=2))
+    assert report["device"].startswith("NVIDIA") and report["dtype"] == "bfloat16"
+    assert s["outputs_equal"] + len(s["near_tie_divergences"]) == s["prompts"] == 8
+    assert s["speedup"] > 0 and 1.0 <= s["tau"] <= 16

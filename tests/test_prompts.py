@@ -1,0 +1,40 @@
+"""Prompts from chat rows and prompt/question rows, rendered with the target's chat template."""
+
+import pytest
+from dflash_trainer.data import DataError
+from dflash_trainer.prompts import (
+    check_chat_template,
+    prompt_messages,
+    render_prompt,
+    row_id,
+    row_messages,
+    user_turns,
+)
+from transformers import AutoTokenizer
+
+
+def test_chat_rows_prompt_rows_and_rows_without_either():
+    chat = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"},
+                              {"from": "human", "value": "and?"}, {"from": "gpt", "value": "so"}]}
+    messages = row_messages(chat)
+    assert user_turns(messages) == [0, 2]
+    assert prompt_messages(messages) == messages[:3]
+    assert row_messages({"question": "2+2?"}) == [{"role": "user", "content": "2+2?"}]
+    assert row_messages({"prompt": "Write a poem", "question": "ignored"})[0]["content"] == "Write a poem"
+    assert prompt_messages([{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]) is None
+    with pytest.raises(DataError, match="none of 'messages', 'conversations', 'prompt', 'question'"):
+        row_messages({"text": "x", "prompt": "  "})
+
+
+def test_row_ids():
+    assert row_id({"id": 7}, 3) == "7" and row_id({"question_id": "q1"}, 3) == "q1" and row_id({}, 3) == "3"
+
+
+def test_render_matches_the_chat_template_and_a_missing_template_is_named(tiny_target, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_target["target"])
+    ids = render_prompt(tok, [{"role": "user", "content": "What is 2 plus 3?"}])
+    assert tok.decode(ids) == "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
+    check_chat_template(tok, "t")
+    tok.chat_template = None
+    with pytest.raises(DataError, match="no chat template"):
+        check_chat_template(tok, tiny_target["target"])

@@ -1,0 +1,309 @@
+"""dflash-regenerate with engine hf on CPU: answers equal the target's own greedy `generate`, seeded sampling
+is reproducible, a killed run resumes to the same shards, two torchrun processes split the prompts, the
+shards train as they are, and bad input is refused with a clear error that loses no shard."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from itertools import pairwise
+
+import pytest
+import torch
+from dflash_trainer.data import DataError
+from dflash_trainer.prompts import answer_slots, prompt_messages, render_prompt, row_messages, slot_indices
+from dflash_trainer.regenerate import bench
+from dflash_trainer.regenerate.cli import main
+from dflash_trainer.regenerate.engine_hf import BUCKETS, HFEngine, bucket, stop_ids_of
+from dflash_trainer.regenerate.plan import DUPLICATE, NO_CHAT, NO_USER_TURN, check_plan, make_plan
+from dflash_trainer.regenerate.sampling import Sampling, draw, nucleus, row_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.helpers.regenerate import (
+    chat_target as build_chat_target,
+)
+from tests.helpers.regenerate import (
+    corpus_rows,
+    greedy_alone,
+    regenerate_cli,
+    shard_files,
+    shard_rows,
+    split_row,
+    write_jsonl,
+)
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="session")
+def chat_target(tmp_path_factory):
+    return build_chat_target(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """24 corpus chats plus rows regeneration must skip: no user turn, not a chat."""
+    rows = corpus_rows(24) + [{"messages": [{"role": "system", "content": "only a system turn"}]},
+                              {"text": "not a chat row"}]
+    return write_jsonl(tmp_path_factory.mktemp("source") / "chats.jsonl", rows)
+
+
+def args(target, data, out, *extra):
+    return ["--target", target, "--data", str(data), "--out", str(out), "--max-new-tokens", str(MAX_NEW), *extra]
+
+
+@pytest.fixture(scope="module")
+def greedy_run(chat_target, source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("greedy") / "regen"
+    assert main(args(chat_target["target"], source, out, "--batch-size", "5", "--shard-size", "6")) == 0
+    return out
+
+
+# ---- the parts, alone ------------------------------------------------------------------------------
+
+def test_answer_slots_last_and_all_turns():
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "A"}, {"role": "user", "content": "b"},
+            {"role": "assistant", "content": "B"}]
+    last = answer_slots(chat, "last")
+    assert last[:4] == chat[:4] and last[4] == {"role": "assistant", "content": None} and len(last) == 5
+    assert slot_indices(last) == [4]
+    every = answer_slots(chat, "all")
+    assert slot_indices(every) == [2, 4] and every[1] == chat[1] and every[3] == chat[3]
+    assert answer_slots([{"role": "system", "content": "s"}], "last") is None
+
+
+def test_plan_counts_skipped_rows_drops_repeats_and_keys_by_settings(chat_target):
+    tok = AutoTokenizer.from_pretrained(chat_target["target"])
+    chat = {"messages": [{"role": "user", "content": "What is 2 plus 3?"}]}
+    rows = [chat, {"messages": [{"role": "assistant", "content": "hi"}]}, {"text": "x"}, chat,
+            {"question": "What is 2 plus 3?"}]
+    plan = make_plan(rows, tok, Sampling(), {})
+    assert len(plan.jobs) == 1 and plan.skipped == Counter({DUPLICATE: 2, NO_USER_TURN: 1, NO_CHAT: 1})
+    assert plan.duplicates == {3: plan.jobs[0].key, 4: plan.jobs[0].key}  # a question row is the same prompt
+    other = make_plan(rows, tok, Sampling(temperature=0.7, seed=1), {})
+    assert other.jobs[0].key != plan.jobs[0].key  # sampling settings are part of the key
+    assert make_plan(rows, tok, Sampling(), {}).jobs[0].key == plan.jobs[0].key
+    with pytest.raises(DataError, match="no row of .* can be answered: 1 x no user turn"):
+        check_plan(make_plan(rows[1:2], tok, Sampling(), {}), ["f.jsonl"])
+
+
+def test_seeded_draws_follow_softmax_and_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 20000
+    seeds = torch.arange(n)
+    chosen = draw(logits.expand(n, -1), seeds, step=3, temperature=0.7, top_p=1.0)
+    freq = torch.bincount(chosen, minlength=6).float() / n
+    assert torch.allclose(freq, (logits / 0.7).softmax(-1), atol=0.015)  # sd of a frequency here <= 0.0035
+    kept = nucleus(logits[None], 0.8)[0]  # softmax mass 0.61, 0.22, 0.14, ...: the nucleus is 3 tokens
+    assert torch.isfinite(kept).tolist() == [True, True, True, False, False, False]
+    top = draw(logits.expand(n, -1), seeds, step=3, temperature=1.0, top_p=0.8)
+    assert set(top.tolist()) == {0, 1, 2}
+    again = draw(logits.expand(n, -1), seeds, step=3, temperature=0.7, top_p=1.0)
+    assert torch.equal(chosen, again)  # a function of (seed, step), nothing else
+    assert not torch.equal(chosen, draw(logits.expand(n, -1), seeds, step=4, temperature=0.7, top_p=1.0))
+    assert row_seed(1, "k", 0) == row_seed(1, "k", 0) != row_seed(1, "k", 1)
+
+
+def test_batches_share_a_bucket_and_fit_the_budget(chat_target):
+    tok = AutoTokenizer.from_pretrained(chat_target["target"])
+    model = AutoModelForCausalLM.from_pretrained(chat_target["target"], dtype=torch.float32)
+    engine = HFEngine(model, tok, Sampling(max_new_tokens=16), stop_ids_of(model, tok), batch_size=4)
+    assert bucket(17) == 24 and bucket(16) == 16 and all(b <= 1.5 * a for a, b in pairwise(BUCKETS))
+    prompts = [[1] * n for n in (30, 5, 17, 9, 40, 12, 3)]
+    batches = list(engine.batches(prompts))
+    assert [len(b) for b in batches] == [4, 3] and sorted(i for b in batches for i in b) == list(range(7))
+    assert [len(prompts[i]) for i in batches[0]] == [3, 5, 9, 12]  # shortest first
+    engine.kv_budget = 2 * (48 + 16) * engine.kv_per_token  # room for two rows at the 48-token bucket
+    assert engine.rows_for(48) == 2 and engine.rows_for(16) == 4
+    assert [len(b) for b in engine.batches(prompts)] == [4, 2, 1]
+
+
+# ---- engine hf end to end --------------------------------------------------------------------------
+
+def test_answers_equal_greedy_generate_of_each_prompt_alone(chat_target, greedy_run):
+    tok = AutoTokenizer.from_pretrained(chat_target["target"])
+    model = AutoModelForCausalLM.from_pretrained(chat_target["target"], dtype=torch.float32).eval()
+    stop = stop_ids_of(model, tok)
+    rows = shard_rows(greedy_run)
+    summary = json.loads((greedy_run / "summary.json").read_text())
+    assert summary["prompts"] == len(rows) == len({r["regen"]["key"] for r in rows})
+    assert summary["skipped_rows"][NO_USER_TURN] == 1 and summary["skipped_rows"][NO_CHAT] == 1
+    assert summary["source_rows"] == 26 and summary["shards"] == len(list(greedy_run.glob("part-*.jsonl"))) >= 3
+    source = corpus_rows(24)
+    stopped = 0
+    for row in rows:
+        prompt, answer = split_row(row)
+        assert answer == greedy_alone(model, prompt, MAX_NEW, stop), row["id"]
+        stopped += answer[-1] in stop
+        assert row["messages"][:-1] == prompt_messages(row_messages(source[int(row["id"])]))
+        assert row["messages"][-1] == {"role": "assistant", "content": tok.decode(answer[:-1])}
+    assert stopped >= len(rows) // 2  # the trained target ends its answers (the stop token path is exercised)
+    assert summary["truncated_fraction"] == pytest.approx(1 - stopped / len(rows))
+    assert summary["answer_tokens"] == sum(len(split_row(r)[1]) for r in rows)
+
+
+def test_multi_turn_rows_feed_the_targets_own_answers_back(chat_target, tmp_path):
+    tok = AutoTokenizer.from_pretrained(chat_target["target"])
+    model = AutoModelForCausalLM.from_pretrained(chat_target["target"], dtype=torch.float32).eval()
+    stop = stop_ids_of(model, tok)
+    chat = {"id": "mt", "messages": [
+        {"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "someone else's"},
+        {"role": "user", "content": "Count from 15 to 18."}, {"role": "assistant", "content": "old"}]}
+    out = tmp_path / "mt"
+    assert main(args(chat_target["target"], write_jsonl(tmp_path / "mt.jsonl", [chat]), out, "--turns", "all")) == 0
+    (row,) = shard_rows(out)
+    first = greedy_alone(model, render_prompt(tok, chat["messages"][:1]), MAX_NEW, stop)
+    assert row["messages"][1]["content"] == tok.decode(first[:-1]) != "someone else's"
+    second_prompt = render_prompt(tok, row["messages"][:3])
+    second = greedy_alone(model, second_prompt, MAX_NEW, stop)
+    assert row["input_ids"] == second_prompt + second and row["regen"]["all_turns_supervised"]
+    supervised = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+    assert supervised == first + second  # both answers, exactly the generated tokens
+    assert row["regen"]["answer_tokens"] == [len(first), len(second)]
+
+
+def test_seeded_sampling_is_reproducible(chat_target, source, greedy_run, tmp_path):
+    runs = {}
+    for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
+        out = tmp_path / name
+        assert main(args(chat_target["target"], source, out, "--limit", "10", "--temperature", "0.7",
+                         "--seed", seed, "--batch-size", "4")) == 0
+        runs[name] = shard_files(out)
+    assert runs["a"] == runs["b"]  # same seed: the same shards, byte for byte
+    by_id = {name: {r["id"]: r["input_ids"] for r in shard_rows(tmp_path / name)} for name in "ac"}
+    assert by_id["a"].keys() == by_id["c"].keys() and by_id["a"] != by_id["c"]  # another seed, other answers
+    greedy = {r["id"]: r["input_ids"] for r in shard_rows(greedy_run)}
+    sampled = {r["id"]: r["input_ids"] for r in shard_rows(tmp_path / "a")}
+    assert any(sampled[i] != greedy[i] for i in sampled)
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_to_the_same_shards(chat_target, source, greedy_run, tmp_path):
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "dflash_trainer.regenerate",
+           *args(chat_target["target"], source, out, "--batch-size", "5", "--shard-size", "2")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.monotonic() + 300
+    while len(list(out.glob("part-*.jsonl"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    before = shard_files(out)
+    total = len(shard_rows(greedy_run))
+    assert 2 <= sum(len(b.splitlines()) for b in before.values()) < total, "killed after some shards, before the end"
+    assert all(json.loads(line) for b in before.values() for line in b.splitlines())  # whole shards only
+    assert main(args(chat_target["target"], source, out, "--batch-size", "5", "--shard-size", "2")) == 0
+    after = shard_files(out)
+    assert all(after[name] == data for name, data in before.items())  # finished shards untouched
+    reference = tmp_path / "uninterrupted"
+    assert main(args(chat_target["target"], source, reference, "--batch-size", "5", "--shard-size", "2")) == 0
+    assert after == shard_files(reference)  # same names, same bytes
+    assert not list(out.glob(".*.tmp"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["prompts"] == total and summary["this_run"]["prompts"] == total - sum(
+        len(b.splitlines()) for b in before.values())
+    assert main(args(chat_target["target"], source, out, "--batch-size", "5", "--shard-size", "2")) == 0
+    assert shard_files(out) == after  # a finished directory: nothing to do
+    assert json.loads((out / "summary.json").read_text())["this_run"]["prompts"] == 0
+
+
+@pytest.mark.slow
+def test_two_torchrun_processes_split_the_prompts_into_the_same_shards(chat_target, source, tmp_path):
+    common = ["--batch-size", "5", "--shard-size", "4"]
+    one = regenerate_cli(args(chat_target["target"], source, tmp_path / "one", *common))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = regenerate_cli(args(chat_target["target"], source, tmp_path / "two", *common), torchrun=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "over 2 processes" in two.stderr
+    assert shard_files(tmp_path / "two") == shard_files(tmp_path / "one")
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["this_run"]["processes"] == 2 and summary["prompts"] == len(shard_rows(tmp_path / "one"))
+
+
+def test_make_train_takes_the_shards_as_they_are(chat_target, greedy_run, tmp_path):
+    from dflash_trainer.train import main as train_main
+
+    out = tmp_path / "train"
+    assert train_main(["--config", "embedded", "--output-dir", str(out),
+                       "--set", f"target.path={chat_target['target']}",
+                       "--set", f"data.train={json.dumps([str(greedy_run / 'part-*.jsonl')])}",
+                       "--set", "train.steps=4", "--set", "train.micro_batch=4", "--set", "train.num_anchors=8",
+                       "--set", "train.log_every=1", "--set", "eval.prompts=2", "--set", "eval.max_new_tokens=8"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["losses"]) == 4 and 1.0 <= summary["tau_before"] and 1.0 <= summary["tau_after"] <= 8
+
+
+# ---- bad input: a clear error, nothing lost ---------------------------------------------------------
+
+def test_bad_input_is_refused_clearly_and_loses_no_shard(chat_target, source, greedy_run, tmp_path, capsys):
+    def fails(argv, match):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert match in " ".join(err.split()), err
+
+    fails(args(chat_target["target"], tmp_path / "nope.jsonl", tmp_path / "o1"), "data files not found")
+    assert not (tmp_path / "o1").exists()
+    only_system = write_jsonl(tmp_path / "sys.jsonl", [{"messages": [{"role": "system", "content": "s"}]}])
+    fails(args(chat_target["target"], only_system, tmp_path / "o2"), "can be answered: 1 x no user turn")
+    no_template = tmp_path / "no-template"
+    shutil.copytree(chat_target["target"], no_template)
+    (no_template / "chat_template.jinja").unlink()
+    config = json.loads((no_template / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
+    fails(args(str(no_template), source, tmp_path / "o3"), "has no chat template")
+    fails(args(str(tmp_path / "missing-target"), source, tmp_path / "o4"), "no such directory")
+    fails(args(chat_target["target"], source, tmp_path / "o5", "--temperature", "-1", "--top-p", "0"),
+          "--temperature -1.0: use 0 (greedy)")
+    fails(args(chat_target["target"], source, tmp_path / "o6", "--engine", "openai"), "needs --endpoint")
+    before = shard_files(greedy_run)
+    changed = ["--target", chat_target["target"], "--data", str(source), "--out", str(greedy_run),
+               "--max-new-tokens", "8"]
+    fails(changed, "holds answers made differently (sampling:")
+    assert shard_files(greedy_run) == before
+
+
+# ---- the benchmark, as a CPU smoke run ------------------------------------------------------------------
+
+@pytest.mark.slow  # generate_batch's warm-up alone takes ~30 s on a CPU
+def test_bench_runs_every_contender_on_the_tiny_preset(tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--preset", "tiny", "--prompts", "6", "--prompt-tokens", "12", "--new-tokens", "5",
+                       "--batch-size", "4", "--baseline-batch", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    got = {r["contender"]: r for r in report["results"]}
+    assert set(got) == {"hf", "baseline", "generate_batch"}
+    for r in got.values():
+        assert r["generated_tokens"] == 6 * 5 and r["all_answers_full_length"] and r["tokens_per_s"] > 0
+    assert got["baseline"]["speedup_vs_baseline"] == 1.0 and got["hf"]["rows_per_batch"] == 4
+    assert got["hf"]["answers_equal_to_baseline"] == 1.0  # fp32 on the CPU: the same greedy answers
+
+
+def test_bench_needs_a_gpu_for_the_8b_shape(capsys, monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--preset", "qwen3-8b"]) == 2
+    assert "needs a CUDA GPU; use --preset tiny" in capsys.readouterr().err
+
+
+# ---- GPU: the compiled decode (static cache, CUDA graphs) gives the same answers ----------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_hf_engine_on_gpu_equals_greedy_generate(chat_target, source, tmp_path):
+    out = tmp_path / "gpu"
+    assert main(args(chat_target["target"], source, out, "--dtype", "float32", "--batch-size", "8")) == 0
+    tok = AutoTokenizer.from_pretrained(chat_target["target"])
+    model = AutoModelForCausalLM.from_pretrained(chat_target["target"], dtype=torch.float32).cuda().eval()
+    stop = stop_ids_of(model, tok)
+    rows = shard_rows(out)
+    same = 0
+    for row in rows:
+        prompt, answer = split_row(row)
+        same += answer == greedy_alone(model, prompt, MAX_NEW, stop)
+    assert same == len(rows), f"{same}/{len(rows)} equal"

@@ -1,0 +1,57 @@
+"""The frozen target's features: the tapped forward (layer by layer, causal mask only) equals the model's
+own forward with an attention mask, on right-padded batches, and equals HF's hidden_states[l + 1]."""
+
+import torch
+from dflash_trainer.target import FrozenTarget, tapped_forward_supported
+from transformers import AutoModelForCausalLM
+
+
+def test_tapped_forward_matches_the_hooked_forward_and_hf_hidden_states(tiny_target):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target["target"], attn_implementation="sdpa")
+    ids = [1, 4, 3]  # not sorted: features follow the given order, the forward stops after layer 4
+    target = FrozenTarget(model, ids)
+    assert target.tapped and not target.compile_layers  # CPU: the layers run eagerly
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(model.config.vocab_size, (2, 40), generator=gen)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, 25:] = 0  # the second row is right-padded, as data.collate pads
+    tapped = target.features(input_ids, mask)
+    hooked = target._hooked_features(input_ids, mask)
+    torch.testing.assert_close(tapped[0], hooked[0])
+    torch.testing.assert_close(tapped[1, :25], hooked[1, :25])  # real tokens; padding is never read
+    with torch.no_grad():
+        hidden = model(input_ids[:1], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(tapped[:1], torch.cat([hidden[i + 1] for i in ids], dim=-1))
+
+
+def test_eager_attention_or_sliding_windows_take_the_hooked_forward(tiny_target):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target["target"], attn_implementation="eager")
+    assert not tapped_forward_supported(model, model.model)  # no mask would mean no causal mask at all
+    assert not FrozenTarget(model, [1]).tapped
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_target["target"], attn_implementation="sdpa")
+    sdpa.config.layer_types = ["sliding_attention"] + sdpa.config.layer_types[1:]
+    assert not tapped_forward_supported(sdpa, sdpa.model)
+
+
+def test_compiled_layers_trace_after_transformers_installed_its_capture_hooks(tiny_target):
+    """transformers hooks every submodule at the first forward that captures outputs (evaluation asks
+    for hidden_states); those hooks cannot be traced, so the tapped forward suspends them."""
+    import torch._dynamo
+    from dflash_trainer.target import call_target_layer, hooks_suspended
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target["target"], attn_implementation="sdpa")
+    ids = torch.randint(model.config.vocab_size, (1, 16))
+    with torch.no_grad():
+        model(ids, output_hidden_states=True)  # installs the capture hooks
+    layer = model.model.layers[0]
+    assert any(m._forward_hooks for m in layer.modules())
+    hidden = model.model.embed_tokens(ids)
+    position_ids = torch.arange(16).unsqueeze(0)
+    rope = model.model.rotary_emb(hidden, position_ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(call_target_layer, backend="eager", fullgraph=True)
+    with torch.no_grad(), hooks_suspended(layer):
+        out = compiled(layer, hidden, rope, position_ids)
+    assert any(m._forward_hooks for m in layer.modules())  # restored
+    with torch.no_grad():
+        torch.testing.assert_close(out, call_target_layer(layer, hidden, rope, position_ids))
