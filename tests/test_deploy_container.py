@@ -3,7 +3,7 @@ real `make` and ansible-playbook runs against the Proxmox VE test host, the real
 container (CPU, a tiny target), supervised, stopped gracefully and resumed from its checkpoint.
 
 How the test container gets what a real one has (and what differs, said plainly):
-- the frozen environment (/opt/dflash/venv) is rebuilt by `make rebuild` from the stand-in lock and
+- the frozen environment (/opt/venv, the default both stages share) is rebuilt by `make rebuild` from the stand-in lock and
   wheelhouse (tests/image_standins.py); the drift doctor guards it, for real;
 - the stand-in lock has no real torch, so the trainer runs with this machine's dev venv, bind-mounted
   read-only (mpN: <path>,mp=<path>,ro=1) with its Python installation: `training_run_python` points at it;
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.lxc, pytest.mark.slow]
 
 VMID = 9301
 STEPS, EVERY = 120, 4
-VENV = "/opt/dflash/venv"
+VENV = "/opt/venv"  # training_venv_path's default: provisioning, rebuild, deploy and doctor all use it
 RUN = "runs/default"  # under the persistent folder
 # torch's system libraries (libstdc++, libgomp, ...): this machine's, beside the busybox template's own
 # /usr/lib (which holds the stand-in NVIDIA userspace), through training_run_env's LD_LIBRARY_PATH.
@@ -67,12 +67,11 @@ class Site:
         group_vars = {
             "proxmox_lxc_unprivileged": False,  # writes to the bind-mounted host folder as root
             "proxmox_lxc_memory": 4096,
-            "training_venv_enabled": True, "training_venv_path": VENV, **inputs,
+            "training_venv_enabled": True, **inputs,  # the venv at its default path (VENV)
             "training_run_target_path": "/srv/dflash/tiny/target", "training_run_target_dtype": "float32",
             "training_run_data_train": ["/srv/dflash/tiny/train.jsonl"],
             "training_run_data_eval": ["/srv/dflash/tiny/eval.jsonl"],
             "training_run_device": "cpu", "training_run_python": f"{REPO}/.venv/bin/python",
-            "training_run_trainer_wheel": inputs["training_venv_trainer_wheel"], "training_run_uv": inputs["training_venv_uv"],
             "training_run_settings": {
                 "drafter": {"num_layers": 2, "block_size": 8},
                 "data": {"max_length": 128, "context_buckets": [64, 128]},

@@ -31,7 +31,8 @@ def render(tmp_path: Path, **overrides) -> subprocess.CompletedProcess:
     """Run the role's validate.yml and its two templates on localhost with the defaults + overrides."""
     play = [{
         "hosts": "localhost", "connection": "local", "gather_facts": False,
-        "vars_files": [str(ROLE / "defaults" / "main.yml")],
+        # the role's defaults and those of its dependency, the `training` role (training_venv_path, ...)
+        "vars_files": [str(ROLE.parent / "training" / "defaults" / "main.yml"), str(ROLE / "defaults" / "main.yml")],
         "vars": {"ansible_python_interpreter": sys.executable, "training_run_supervisor_kind": "process"},
         "tasks": [
             {"name": "validate", "ansible.builtin.include_tasks": str(ROLE / "tasks" / "validate.yml")},
@@ -69,13 +70,13 @@ def test_run_config_renders_for_the_trainer(tmp_path):
     assert (cfg.train.steps, cfg.train.lr, cfg.drafter.mask_token_id, cfg.eval.prompts) == (2000, 6e-4, 151669, 8)
     launch = json.loads((tmp_path / "launch.json").read_text())
     # T + D = 8 ranks: torchrun from the environment's bin, the trainer module, the rendered config
-    assert launch["argv"][:4] == ["/opt/dflash/venv/bin/torchrun", "--standalone", "--nproc-per-node", "8"]
+    assert launch["argv"][:4] == ["/opt/venv/bin/torchrun", "--standalone", "--nproc-per-node", "8"]
     assert launch["argv"][4:] == ["-m", "dflash_trainer.train", "--config", "/srv/d/runs/qwen3-8b/run.toml",
                                   "--output-dir", "/srv/d/runs/qwen3-8b"]
     assert launch["env"] == {"HF_HOME": "/srv/d/hf"} and launch["max_restarts"] == 3
     unit = (tmp_path / "dflash-train.service").read_text().splitlines()
     # systemd restarts the supervisor (which always resumes); SIGTERM goes to it alone (graceful stop)
-    for line in ("ExecStart=/opt/dflash/venv/bin/python -m dflash_run run --run-dir /srv/d/runs/qwen3-8b",
+    for line in ("ExecStart=/opt/venv/bin/python -m dflash_run run --run-dir /srv/d/runs/qwen3-8b",
                  "Environment=PYTHONPATH=/opt/dflash/lib", "Restart=on-failure", "KillMode=mixed",
                  "RequiresMountsFor=/srv/d/runs/qwen3-8b", "StartLimitBurst=4", "TimeoutStopSec=930"):
         assert line in unit
@@ -109,6 +110,11 @@ def test_systemd_unit_passes_systemd_analyze(tmp_path):
     ({"training_run_target_path": "x", "training_run_drafter_gpus": 0}, "training_run_drafter_gpus >= 1 (are 0, 0)"),
     ({"training_run_target_path": "x", "training_run_name": "../etc"}, "training_run_name must be letters"),
     ({"training_run_target_path": "x", "training_run_output_dir": "runs/a"}, "must be absolute paths"),
+    # deploy installs the shared trainer wheel with uv: both must be files on the controller, checked first
+    ({"training_run_target_path": "x", "training_venv_trainer_wheel": "/nonexistent/dflash_trainer-0.1.0-py3-none-any.whl"},
+     "training_venv_trainer_wheel names /nonexistent/dflash_trainer-0.1.0-py3-none-any.whl, which is not a file"),
+    ({"training_run_target_path": "x", "training_venv_trainer_wheel": str(REPO / "pyproject.toml")},
+     "training_venv_uv must name a uv binary on the controller"),
 ])
 def test_bad_variables_are_refused_before_rendering(tmp_path, bad, named):
     proc = render(tmp_path, **bad)
@@ -277,6 +283,8 @@ def test_foreground_trainer_is_found_and_stopped(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "dflash_trainer.train",
                               "--output-dir", str(run)])
     try:
+        # until the child has exec'd: before that, its /proc/<pid>/cmdline is still the parent's
+        assert wait_for(lambda: procs.of_run(run, procs.training_processes()), timeout=10)
         mine = procs.of_run(run, procs.training_processes())
         assert [p.pid for p in mine] == [child.pid]
         (stale,) = preflight.check_stale(run, mine, "make train-stop")

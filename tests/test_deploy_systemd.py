@@ -5,7 +5,7 @@ the Proxmox VE test host whose init is systemd, with the real trainer (CPU, a ti
 The container is made from the image stage's Debian 13 base (image/rootfs.py: the mmdebstrap rootfs under
 the frozen template, systemd-sysv and python3; `build_systemd_template`), so `auto` picks the unit. What
 differs from a real node, said plainly (the rest as in tests/test_deploy_container.py):
-- provisioning builds the frozen environment (/opt/dflash/venv) from the stand-in lock with the CT's own
+- provisioning builds the frozen environment (/opt/venv) from the stand-in lock with the CT's own
   python3; the drift doctor guards it, for real;
 - the stand-in lock has no real torch: the trainer runs with this machine's dev venv, through a venv shim
   mounted at /opt/dev-python (pyvenv.cfg `home` = this machine's Python, mounted read-only; site-packages =

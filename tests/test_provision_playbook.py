@@ -12,42 +12,18 @@ import os
 import re
 import shutil
 import subprocess
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.pve_testhost.hostns import STANDIN_DRIVER as DRIVER
+from tests.pve_testhost.hostns import standin_installer
+
 REPO = Path(__file__).resolve().parents[1]
 ANSIBLE_DIR = REPO / "ansible"
 PLAYBOOK = ANSIBLE_DIR / "provision.yml"
-DRIVER = "580.95.05"
 
 pytestmark = [pytest.mark.lxc, pytest.mark.slow]
-
-# A stand-in for NVIDIA's .run installer, in the format the role expects: it refuses to run without
-# --no-kernel-module (the host's module is shared), installs libnvidia-ml.so.<version> and an
-# nvidia-smi that lists the GPU device nodes the container can actually see.
-STANDIN_INSTALLER = textwrap.dedent("""\
-    #!/bin/sh
-    # Stand-in NVIDIA-Linux-x86_64-{ver}.run for the test host (no GPU here).
-    case " $* " in *" --no-kernel-module "*) ;; *) echo "refusing: kernel module install asked" >&2; exit 3;; esac
-    mkdir -p /usr/lib/x86_64-linux-gnu /usr/bin
-    rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.*
-    echo "{ver}" > /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{ver}
-    cat > /usr/bin/nvidia-smi <<'EOS'
-    #!/bin/sh
-    [ -c /dev/nvidiactl ] || {{ echo "NVIDIA-SMI has failed: /dev/nvidiactl missing" >&2; exit 9; }}
-    [ -c /dev/nvidia-uvm ] || {{ echo "NVIDIA-SMI has failed: /dev/nvidia-uvm missing" >&2; exit 9; }}
-    for d in /dev/nvidia[0-9]*; do
-      [ -c "$d" ] || continue
-      n=${{d#/dev/nvidia}}
-      echo "GPU $n: NVIDIA H200 (UUID: GPU-standin-$n)"
-    done
-    EOS
-    chmod 0755 /usr/bin/nvidia-smi
-    echo "installed userspace {ver} $*" >> /var/log/nvidia-installer.log
-    """)
-
 
 # ---- helpers ---------------------------------------------------------------------------------------
 class Provision:
@@ -60,18 +36,15 @@ class Provision:
         self.installer_dir = workdir / "nvidia"
         self.installer_dir.mkdir(exist_ok=True)
         run = self.installer_dir / f"NVIDIA-Linux-x86_64-{DRIVER}.run"
-        run.write_text(STANDIN_INSTALLER.format(ver=DRIVER))
+        run.write_text(standin_installer(DRIVER))
         run.chmod(0o755)
 
     def inventory(self, containers: dict, **group_vars) -> Path:
         h = self.host
         base = {
             "proxmox_api_host": h.api_host, "proxmox_api_port": h.api_port, "proxmox_node": h.node,
+            # secrets: none here; the proxmox role's defaults read them from the environment (see run())
             "proxmox_api_ca_path": h.ca_cert, "proxmox_api_user": "root@pam",
-            # secrets only from the environment, as a user keeps them out of the inventory
-            "proxmox_api_password": "{{ lookup('ansible.builtin.env', 'PROXMOX_PASSWORD') }}",
-            "proxmox_api_token_id": "{{ lookup('ansible.builtin.env', 'PROXMOX_TOKEN_ID') }}",
-            "proxmox_api_token_secret": "{{ lookup('ansible.builtin.env', 'PROXMOX_TOKEN_SECRET') }}",
             "proxmox_ssh_host": h.api_host, "proxmox_ssh_port": h.ssh_port, "proxmox_ssh_user": h.ssh_user,
             "proxmox_ssh_private_key": h.ssh_key,
             "proxmox_ssh_options": ["StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"],
@@ -92,7 +65,8 @@ class Provision:
         return path
 
     def run(self, inventory: Path, *args: str, token: bool = False, password: bool = True,
-            timeout: int = 600) -> subprocess.CompletedProcess:
+            timeout: int = 600, env_secrets: dict | None = None) -> subprocess.CompletedProcess:
+        """ansible-playbook; secrets come from the environment (env_secrets replaces some), as a user keeps them."""
         env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                    ANSIBLE_FORCE_COLOR="0", ANSIBLE_STDOUT_CALLBACK="default", ANSIBLE_LOCAL_TEMP=str(self.workdir / "tmp"),
                    ANSIBLE_HOME=str(self.workdir / "ansible-home"))
@@ -103,11 +77,12 @@ class Provision:
         if token:
             env["PROXMOX_TOKEN_ID"] = self.host.token_id
             env["PROXMOX_TOKEN_SECRET"] = self.host.token_secret
+        env.update(env_secrets or {})
         ansible_playbook = Path(os.sys.executable).parent / "ansible-playbook"
         proc = subprocess.run([str(ansible_playbook), "-i", str(inventory), str(PLAYBOOK), *args],
                               capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO, check=False)
         out = proc.stdout + proc.stderr
-        for secret in (self.host.root_password, self.host.token_secret):
+        for secret in (self.host.root_password, self.host.token_secret, *(env_secrets or {}).values()):
             assert secret not in out, "a secret was printed by ansible-playbook"
         return proc
 
@@ -322,6 +297,8 @@ def test_training_venv_missing_gets_a_clear_message(created, prov, tmp_path):
     for name in ("lock", "wheelhouse"):
         (tmp_path / name).mkdir()
         inputs[f"training_venv_{name}" + ("_dir" if name == "lock" else "")] = str(tmp_path / name)
+    for name in ("pylock.toml", "requirements.txt"):  # the preflight looks for them (the content is not read)
+        (tmp_path / "lock" / name).write_text("")
     (tmp_path / "dflash_trainer-0.1.0-py3-none-any.whl").write_bytes(b"")
     (tmp_path / "uv").write_bytes(b"")
     proc = prov.run(prov.inventory(host, training_venv_enabled=True,
@@ -376,20 +353,17 @@ def test_missing_template(created, prov):
     assert_refused(prov, proc, "template local:vztmpl/missing.tar.zst is missing")
 
 
-def test_wrong_password(created, prov, monkeypatch):
+def test_wrong_password(created, prov):
     prov.host.reset_calls()
-    inv = one(prov, proxmox_api_password="not-the-password")
-    proc = prov.run(inv)
+    proc = prov.run(one(prov), env_secrets={"PROXMOX_PASSWORD": "not-the-password"})
     assert_refused(prov, proc, "login to https://127.0.0.1", "wrong user or password")
-    assert "not-the-password" not in failure_text(proc)
 
 
 def test_wrong_token(created, prov):
     prov.host.reset_calls()
-    inv = one(prov, proxmox_api_token_secret="00000000-dead-beef-0000-000000000000", proxmox_gpu_method="raw")
-    proc = prov.run(inv, token=True, password=False)
+    proc = prov.run(one(prov, proxmox_gpu_method="raw"), token=True, password=False,
+                    env_secrets={"PROXMOX_TOKEN_SECRET": "00000000-dead-beef-0000-000000000000"})
     assert_refused(prov, proc, "API token root@pam!ci was rejected")
-    assert "dead-beef" not in failure_text(proc)
 
 
 def test_tls_verification_failure(created, prov, tmp_path):

@@ -1,8 +1,9 @@
 """The test host's own view of the machine: a private mount namespace with PVE's paths and GPU stand-ins.
 
-Inside it, /etc, /var/lib, /dev, /usr/sbin and /usr/bin are overlays whose upper layers live in the
-state directory, so `/etc/pve`, `/var/lib/vz`, `/usr/sbin/pct`, `/usr/bin/nvidia-smi` and the
-`/dev/nvidia*` stand-ins exist for the API server, LXC and SSH sessions only, never for the machine.
+Inside it, /etc, /var/lib, /dev, /usr/sbin, /usr/bin and /root are overlays whose upper layers live in the
+state directory, so `/etc/pve`, `/var/lib/vz`, `/usr/sbin/pct`, `/usr/bin/nvidia-smi`, the `/dev/nvidia*`
+stand-ins and `/root/NVIDIA-Linux-x86_64-<driver>.run` exist for the API server, LXC and SSH sessions only,
+never for the machine.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 STANDIN_DRIVER = "580.95.05"
@@ -88,6 +90,32 @@ esac
     smi.chmod(0o755)
 
 
+def standin_installer(version: str) -> str:
+    """NVIDIA-Linux-x86_64-<version>.run as the roles use it: refuses to run without --no-kernel-module (the
+    host's module is shared), installs libnvidia-ml.so.<version> and an nvidia-smi that lists the GPU device
+    nodes the container can actually see."""
+    return textwrap.dedent("""\
+        #!/bin/sh
+        # Stand-in NVIDIA-Linux-x86_64-{ver}.run of the PVE test host (no GPU here).
+        case " $* " in *" --no-kernel-module "*) ;; *) echo "refusing: kernel module install asked" >&2; exit 3;; esac
+        mkdir -p /usr/lib/x86_64-linux-gnu /usr/bin
+        rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.*
+        echo "{ver}" > /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{ver}
+        cat > /usr/bin/nvidia-smi <<'EOS'
+        #!/bin/sh
+        [ -c /dev/nvidiactl ] || {{ echo "NVIDIA-SMI has failed: /dev/nvidiactl missing" >&2; exit 9; }}
+        [ -c /dev/nvidia-uvm ] || {{ echo "NVIDIA-SMI has failed: /dev/nvidia-uvm missing" >&2; exit 9; }}
+        for d in /dev/nvidia[0-9]*; do
+          [ -c "$d" ] || continue
+          n=${{d#/dev/nvidia}}
+          echo "GPU $n: NVIDIA H200 (UUID: GPU-standin-$n)"
+        done
+        EOS
+        chmod 0755 /usr/bin/nvidia-smi
+        echo "installed userspace {ver} $*" >> /var/log/nvidia-installer.log
+        """).format(ver=version)
+
+
 def proc_devices_text(info: dict) -> str:
     """/proc/devices with the NVIDIA majors added to the character devices, sorted as the kernel lists them."""
     text = Path("/proc/devices").read_text()
@@ -129,6 +157,13 @@ def setup_namespace(state: Path) -> dict | None:
     mount_overlay("/usr/sbin", layers / "sbin-extra", layers / "usr-sbin")
     mount_overlay("/etc", None, layers / "etc")
     mount_overlay("/var/lib", None, layers / "var-lib")
+    if info is not None:  # where an admin who installed the host driver from NVIDIA's .run keeps it
+        root_extra = layers / "root-extra"
+        root_extra.mkdir(parents=True, exist_ok=True)
+        installer = root_extra / f"NVIDIA-Linux-x86_64-{info['driver']}.run"
+        installer.write_text(standin_installer(info["driver"]))
+        installer.chmod(0o755)
+        mount_overlay("/root", root_extra, layers / "root")
     # PVE's paths, backed by plain directories of the state dir so the tests can read them.
     from .containers import lxcpath_for
 

@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 # Shared connection options of the dflash.proxmox modules.
 from __future__ import annotations
 

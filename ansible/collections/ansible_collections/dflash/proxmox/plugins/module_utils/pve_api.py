@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 # A small layer over proxmoxer: log in with clear errors, wait for tasks failing fast with the
 # task's last log lines, and the lookups the modules share. Secrets never reach a message.
 from __future__ import annotations
@@ -8,8 +7,8 @@ import time
 
 try:
     import proxmoxer
-    from proxmoxer.core import AuthenticationError, ResourceException
     import requests
+    from proxmoxer.core import AuthenticationError, ResourceException
     HAS_PROXMOXER = True
     IMPORT_ERROR = None
 except ImportError as exc:  # reported by the module as a clear failure
@@ -18,28 +17,28 @@ except ImportError as exc:  # reported by the module as a clear failure
     AuthenticationError = ResourceException = Exception
 
 # Connection options every module takes (set once through module_defaults: group/dflash.proxmox.pve).
-AUTH_ARGSPEC = dict(
-    api_host=dict(type="str"),
-    api_port=dict(type="int", default=8006),
-    api_user=dict(type="str", default="root@pam"),
-    api_password=dict(type="str", no_log=True),
-    api_token_id=dict(type="str"),
-    api_token_secret=dict(type="str", no_log=True),
-    validate_certs=dict(type="bool", default=True),
-    ca_path=dict(type="path"),
-    api_timeout=dict(type="int", default=30),
-    node=dict(type="str"),
-    task_timeout=dict(type="int", default=600),
-    task_log_lines=dict(type="int", default=12),
-)
-SSH_ARGSPEC = dict(
-    ssh_host=dict(type="str"),
-    ssh_port=dict(type="int", default=22),
-    ssh_user=dict(type="str", default="root"),
-    ssh_private_key=dict(type="path", no_log=False),
-    ssh_options=dict(type="list", elements="str", default=[]),
-    ssh_timeout=dict(type="int", default=600),
-)
+AUTH_ARGSPEC = {
+    "api_host": {"type": "str"},
+    "api_port": {"type": "int", "default": 8006},
+    "api_user": {"type": "str", "default": "root@pam"},
+    "api_password": {"type": "str", "no_log": True},
+    "api_token_id": {"type": "str"},
+    "api_token_secret": {"type": "str", "no_log": True},
+    "validate_certs": {"type": "bool", "default": True},
+    "ca_path": {"type": "path"},
+    "api_timeout": {"type": "int", "default": 30},
+    "node": {"type": "str"},
+    "task_timeout": {"type": "int", "default": 600},
+    "task_log_lines": {"type": "int", "default": 12},
+}
+SSH_ARGSPEC = {
+    "ssh_host": {"type": "str"},
+    "ssh_port": {"type": "int", "default": 22},
+    "ssh_user": {"type": "str", "default": "root"},
+    "ssh_private_key": {"type": "path", "no_log": False},
+    "ssh_options": {"type": "list", "elements": "str", "default": []},
+    "ssh_timeout": {"type": "int", "default": 600},
+}
 TASK_OK = ("OK",)
 
 
@@ -85,7 +84,7 @@ class PveClient:
         if params.get("ca_path") and not os.path.isfile(params["ca_path"]):
             raise PveError(f"the CA file {params['ca_path']} does not exist: copy /etc/pve/pve-root-ca.pem from "
                            f"a node there, or fix proxmox_api_ca_path")
-        kwargs = dict(port=params["api_port"], verify_ssl=verify, timeout=params["api_timeout"])
+        kwargs = {"port": params["api_port"], "verify_ssl": verify, "timeout": params["api_timeout"]}
         user = params.get("api_user") or "root@pam"
         try:
             if self.auth == "ticket":
@@ -205,7 +204,7 @@ class PveClient:
     def task_log_tail(self, node, upid):
         try:
             log = self.api.nodes(node).tasks(upid).log.get(start=0, limit=100000)
-        except Exception:  # the log is a courtesy; the failure itself is already known
+        except (ResourceException, requests.exceptions.RequestException, ValueError):  # a courtesy: the failure is known
             return ["(task log unavailable)"]
         lines = [str(entry.get("t", "")) for entry in sorted(log or [], key=lambda e: int(e.get("n", 0)))]
         return lines[-int(self.p.get("task_log_lines", 12)):]

@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 # Pure logic for LXC configs: PVE property strings, the desired config built from module
 # parameters, and the diff against what the API reports. No I/O here, so it is unit-tested alone.
 from __future__ import annotations

@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 # What the API can't do, done over SSH on the Proxmox host: GPU and device-major discovery,
 # raw lxc.* lines in /etc/pve/lxc/<vmid>.conf, and commands inside a container via `pct`.
 # The parsers are pure functions (unit-tested); HostShell is the only part that runs anything.
@@ -202,9 +201,9 @@ class HostShell:
     def run(self, command, stdin=None, check=True, what=None):
         """Run a shell command line on the host; returns (rc, stdout, stderr) as text."""
         try:
-            proc = subprocess.run(self.base + [self.target, "--", command], input=stdin,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=self.timeout,
-                                  stdin=None if stdin is not None else subprocess.DEVNULL)
+            proc = subprocess.run(self.base + [self.target, "--", command], input=stdin, capture_output=True,
+                                  timeout=self.timeout, stdin=None if stdin is not None else subprocess.DEVNULL,
+                                  check=False)
         except subprocess.TimeoutExpired:
             raise PveError(f"{what or command!r} on {self.target} did not finish within {self.timeout} s") from None
         except FileNotFoundError:
@@ -223,8 +222,8 @@ class HostShell:
         """Run a command with a local file as stdin (streams; installers are hundreds of MB)."""
         with open(path, "rb") as fh:
             try:
-                proc = subprocess.run(self.base + [self.target, "--", command], stdin=fh,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=self.timeout)
+                proc = subprocess.run(self.base + [self.target, "--", command], stdin=fh, capture_output=True,
+                                      timeout=self.timeout, check=False)
             except subprocess.TimeoutExpired:
                 raise PveError(f"{what or command!r} on {self.target} timed out") from None
         if proc.returncode != 0:

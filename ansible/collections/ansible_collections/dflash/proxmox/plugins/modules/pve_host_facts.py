@@ -1,5 +1,5 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
+# ruff: noqa: EXE001 - Ansible's module shebang, on a file that must not be executable (ansible-test)
 # GPU discovery on the Proxmox host over SSH: driver version, device nodes and their (dynamic)
 # majors, and the passthrough entries both methods need. Read-only, so it runs in check mode too.
 from __future__ import annotations
@@ -24,6 +24,15 @@ options:
     description: Mode of the device nodes inside the container (C(dev[n]) method).
     type: str
     default: "0666"
+  discover:
+    description: Discover the driver and GPUs; V(false) only looks for O(files).
+    type: bool
+    default: true
+  files:
+    description: Files on the host to look for (such as the NVIDIA installer); the missing ones are returned.
+    type: list
+    elements: str
+    default: []
 author: dflash-trainer developers
 """
 
@@ -39,39 +48,55 @@ RETURN = r"""
 driver_version:
   description: Host kernel module version (such as 580.95.05).
   type: str
-  returned: always
+  returned: when discover is true
 gpus:
   description: GPUs from nvidia-smi -L (index, name, uuid).
   type: list
-  returned: always
+  returned: when discover is true
 majors:
   description: Character device majors of the NVIDIA drivers from /proc/devices.
   type: dict
-  returned: always
+  returned: when discover is true
 device_nodes:
   description: The nodes to pass through (path, major, minor).
   type: list
-  returned: always
+  returned: when discover is true
 dev_entries:
   description: dev[n] entries for the devices option of pve_lxc.
   type: list
-  returned: always
+  returned: when discover is true
 raw_lines:
   description: lxc.cgroup2.devices.allow and lxc.mount.entry lines for pve_lxc_raw.
   type: list
-  returned: always
+  returned: when discover is true
 nvidia_majors:
   description: All NVIDIA majors (195 and the dynamic ones).
+  type: list
+  returned: when discover is true
+files_missing:
+  description: Those of O(files) that are not regular files on the host (the other keys need O(discover)).
   type: list
   returned: always
 """
 
-from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module  # noqa: E402
+import shlex
+
+from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module
+
+
+def missing_files(shell, files):
+    if not files:
+        return []
+    _, out, _ = shell.run("for f in " + " ".join(shlex.quote(f) for f in files)
+                          + '; do [ -f "$f" ] || printf "%s\\n" "$f"; done', what="looking for files on the host")
+    return out.splitlines()
 
 
 def run(params):
     shell = pve_host.HostShell(params)
+    if not params["discover"]:
+        return {"changed": False, "files_missing": missing_files(shell, params["files"])}
     rc, version_text, _ = shell.run("cat /proc/driver/nvidia/version", check=False)
     version = pve_host.parse_driver_version(version_text if rc == 0 else "")
     _, devices_text, _ = shell.run("cat /proc/devices", what="reading /proc/devices")
@@ -82,15 +107,18 @@ def run(params):
     gpus = pve_host.parse_nvidia_smi_l(smi_text) if rc == 0 else []
     chosen = pve_host.passthrough_nodes(nodes, params["gpus"])
     nvidia_majors = sorted({pve_host.NVIDIA_MAJOR, *majors.values(), *(n["major"] for n in nodes)})
-    return dict(changed=False, driver_version=version, gpus=gpus, majors=majors, device_nodes=chosen,
-                dev_entries=pve_host.dev_entries(chosen, params["device_mode"]),
-                raw_lines=pve_host.raw_lxc_lines(chosen), nvidia_majors=nvidia_majors,
-                nvidia_smi_error=smi_err.strip() if rc != 0 else "")
+    missing = missing_files(shell, params["files"])
+    return {"changed": False, "driver_version": version, "gpus": gpus, "majors": majors, "device_nodes": chosen,
+                "dev_entries": pve_host.dev_entries(chosen, params["device_mode"]),
+                "raw_lines": pve_host.raw_lxc_lines(chosen), "nvidia_majors": nvidia_majors,
+                "nvidia_smi_error": smi_err.strip() if rc != 0 else "", "files_missing": missing}
 
 
 def main():
     run_module(lambda module: run(module.params),
-               dict(gpus=dict(type="raw", default="all"), device_mode=dict(type="str", default="0666")), details=())
+               {"gpus": {"type": "raw", "default": "all"}, "device_mode": {"type": "str", "default": "0666"},
+                "discover": {"type": "bool", "default": True},
+                "files": {"type": "list", "elements": "str", "default": []}}, details=())
 
 
 if __name__ == "__main__":

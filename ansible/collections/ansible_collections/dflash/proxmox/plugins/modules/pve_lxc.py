@@ -1,5 +1,5 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
+# ruff: noqa: EXE001 - Ansible's module shebang, on a file that must not be executable (ansible-test)
 # Create or update one LXC container through the PVE API, with check and diff mode, dev[n]
 # passthrough, a controlled reboot for pending changes and fail-fast task waits.
 from __future__ import annotations
@@ -111,34 +111,39 @@ pending: {description: Changes PVE reports as pending (need a reboot)., type: li
 status: {description: Container status afterwards (running, stopped, absent in check mode)., type: str, returned: always}
 """
 
-from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-
-from ansible_collections.dflash.proxmox.plugins.module_utils import pve_config as cfgmod  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import (  # noqa: E402
-    AUTH_ARGSPEC, SSH_ARGSPEC, PveClient, PveError, ResourceException, TaskFailed)
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.dflash.proxmox.plugins.module_utils import pve_config as cfgmod
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import (
+    AUTH_ARGSPEC,
+    SSH_ARGSPEC,
+    PveClient,
+    PveError,
+    ResourceException,
+    TaskFailed,
+)
 
 
 def argument_spec():
     spec = dict(AUTH_ARGSPEC, **SSH_ARGSPEC)
     spec.update(
-        vmid=dict(type="str", required=True),
-        hostname=dict(type="str", required=True),
-        state=dict(type="str", default="started", choices=["present", "started", "stopped", "restarted"]),
-        template=dict(type="str"),
-        storage=dict(type="str", default="local-lvm"),
-        disk_gb=dict(type="float", default=8),
-        cores=dict(type="int"), memory=dict(type="int"), swap=dict(type="int"),
-        cpulimit=dict(type="float"), cpuunits=dict(type="int"),
-        netif=dict(type="list", elements="raw", default=[]),
-        features=dict(type="dict", default={}),
-        devices=dict(type="list", elements="raw", default=[]),
-        unprivileged=dict(type="bool", default=True),
-        onboot=dict(type="bool"), startup=dict(type="str"), tags=dict(type="list", elements="str"),
-        nameserver=dict(type="str"), searchdomain=dict(type="str"), timezone=dict(type="str"),
-        ostype=dict(type="str"), arch=dict(type="str"),
-        password=dict(type="str", no_log=True), ssh_public_keys=dict(type="str"),
-        reboot_for_pending=dict(type="bool", default=True),
-        template_uploading=dict(type="bool", default=False),
+        vmid={"type": "str", "required": True},
+        hostname={"type": "str", "required": True},
+        state={"type": "str", "default": "started", "choices": ["present", "started", "stopped", "restarted"]},
+        template={"type": "str"},
+        storage={"type": "str", "default": "local-lvm"},
+        disk_gb={"type": "float", "default": 8},
+        cores={"type": "int"}, memory={"type": "int"}, swap={"type": "int"},
+        cpulimit={"type": "float"}, cpuunits={"type": "int"},
+        netif={"type": "list", "elements": "raw", "default": []},
+        features={"type": "dict", "default": {}},
+        devices={"type": "list", "elements": "raw", "default": []},
+        unprivileged={"type": "bool", "default": True},
+        onboot={"type": "bool"}, startup={"type": "str"}, tags={"type": "list", "elements": "str"},
+        nameserver={"type": "str"}, searchdomain={"type": "str"}, timezone={"type": "str"},
+        ostype={"type": "str"}, arch={"type": "str"},
+        password={"type": "str", "no_log": True}, ssh_public_keys={"type": "str"},
+        reboot_for_pending={"type": "bool", "default": True},
+        template_uploading={"type": "bool", "default": False},
     )
     return spec
 
@@ -148,8 +153,8 @@ class Lxc:
         self.m = module
         self.p = module.params
         self.check = module.check_mode
-        self.result = dict(changed=False, created=False, rebooted=False, updates={}, deletes=[], pending=[],
-                           status="absent", messages=[])
+        self.result = {"changed": False, "created": False, "rebooted": False, "updates": {}, "deletes": [], "pending": [],
+                           "status": "absent", "messages": []}
 
     # ---- validation first: nothing is touched until all inputs are known good ----------------------
     def validate_offline(self):
@@ -340,8 +345,8 @@ class Lxc:
             self.update()
         self.converge_state()
         if self.m._diff:
-            self.result["diff"] = dict(before=self.diff_before, after=self.diff_after,
-                                       before_header=f"lxc/{self.vmid}.conf", after_header=f"lxc/{self.vmid}.conf")
+            self.result["diff"] = {"before": self.diff_before, "after": self.diff_after,
+                                       "before_header": f"lxc/{self.vmid}.conf", "after_header": f"lxc/{self.vmid}.conf"}
         return self.result
 
 

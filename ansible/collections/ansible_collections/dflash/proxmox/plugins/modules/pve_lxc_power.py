@@ -1,5 +1,5 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
+# ruff: noqa: EXE001 - Ansible's module shebang, on a file that must not be executable (ansible-test)
 # Power actions only (no config): the controlled reboot after raw lxc.* lines changed, which
 # LXC reads only at start, without touching the container's settings.
 from __future__ import annotations
@@ -37,8 +37,8 @@ RETURN = r"""
 status: {description: Status afterwards., type: str, returned: always}
 """
 
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveClient, PveError  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module  # noqa: E402
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveClient, PveError
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module
 
 
 def run(module):
@@ -47,7 +47,7 @@ def run(module):
     guest = pve.find_guest(p["vmid"])
     if guest is None or guest.get("type") != "lxc":
         if module.check_mode:
-            return dict(changed=True, status="absent")
+            return {"changed": True, "status": "absent"}
         raise PveError(f"container {p['vmid']} does not exist on node {pve.node}")
     ct = pve.lxc(p["vmid"])
     status = pve.call("reading status", ct.status.current.get).get("status")
@@ -61,17 +61,17 @@ def run(module):
     elif p["state"] == "rebooted" and p["start_stopped"]:
         action, after = "start", "running"
     if action is None:
-        return dict(changed=False, status=status)
+        return {"changed": False, "status": status}
     if not module.check_mode:
         upid = pve.call(f"{action} of container {p['vmid']}", getattr(ct.status, action).post)
         pve.wait(upid, f"{action} of container {p['vmid']}")
-    return dict(changed=True, status=after, action=action)
+    return {"changed": True, "status": after, "action": action}
 
 
 def main():
-    run_module(run, dict(vmid=dict(type="int", required=True),
-                         state=dict(type="str", default="rebooted", choices=["started", "stopped", "rebooted"]),
-                         start_stopped=dict(type="bool", default=False)))
+    run_module(run, {"vmid": {"type": "int", "required": True},
+                         "state": {"type": "str", "default": "rebooted", "choices": ["started", "stopped", "rebooted"]},
+                         "start_stopped": {"type": "bool", "default": False}})
 
 
 if __name__ == "__main__":

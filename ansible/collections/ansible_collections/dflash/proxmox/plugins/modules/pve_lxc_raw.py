@@ -1,5 +1,5 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
+# ruff: noqa: EXE001 - Ansible's module shebang, on a file that must not be executable (ansible-test)
 # Raw lxc.* lines can't go through the API (no 'lxc' property in its schema), so they are
 # written into /etc/pve/lxc/<vmid>.conf on the host, idempotently, with check and diff mode.
 from __future__ import annotations
@@ -51,11 +51,11 @@ RETURN = r"""
 restart_needed: {description: The lines changed while the container runs., type: bool, returned: always}
 """
 
-import shlex  # noqa: E402
+import shlex
 
-from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveError  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module  # noqa: E402
+from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveError
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module
 
 
 def run(module):
@@ -75,9 +75,9 @@ def run(module):
                            f"create it first (pve_lxc)")
     after = pve_host.merge_raw_lines(before, p["lines"], set(p["nvidia_majors"]))
     changed = (after != before.rstrip("\n") + "\n") if before else bool(p["lines"])
-    result = dict(changed=changed, restart_needed=False, path=path)
+    result = {"changed": changed, "restart_needed": False, "path": path}
     if module._diff:
-        result["diff"] = dict(before=before, after=after, before_header=path, after_header=path)
+        result["diff"] = {"before": before, "after": after, "before_header": path, "after_header": path}
     if not result["changed"] or module.check_mode:
         result["restart_needed"] = result["changed"] and _running(shell, p["vmid"])
         return result
@@ -92,9 +92,9 @@ def _running(shell, vmid):
 
 
 def main():
-    run_module(run, dict(vmid=dict(type="int", required=True), lines=dict(type="list", elements="str", required=True),
-                         nvidia_majors=dict(type="list", elements="int", default=[195]),
-                         conf_dir=dict(type="str", default="/etc/pve/lxc")), details=())
+    run_module(run, {"vmid": {"type": "int", "required": True}, "lines": {"type": "list", "elements": "str", "required": True},
+                         "nvidia_majors": {"type": "list", "elements": "int", "default": [195]},
+                         "conf_dir": {"type": "str", "default": "/etc/pve/lxc"}}, details=())
 
 
 if __name__ == "__main__":

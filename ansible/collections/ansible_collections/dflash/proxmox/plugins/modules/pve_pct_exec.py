@@ -1,5 +1,5 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
+# ruff: noqa: EXE001 - Ansible's module shebang, on a file that must not be executable (ansible-test)
 # Commands and file copies inside a container through `pct` on the host: the container needs
 # no network, no SSH server and no Python.
 from __future__ import annotations
@@ -43,13 +43,13 @@ stdout: {description: Standard output., type: str, returned: when argv is given}
 stderr: {description: Standard error., type: str, returned: when argv is given}
 """
 
-import os  # noqa: E402
-import shlex  # noqa: E402
-import uuid  # noqa: E402
+import os
+import shlex
+import uuid
 
-from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveError  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module, sha256_of  # noqa: E402
+from ansible_collections.dflash.proxmox.plugins.module_utils import pve_host
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveError
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module, sha256_of
 
 
 def push(module, shell):
@@ -64,9 +64,9 @@ def push(module, shell):
         want = out.split()[0]
     rc, out, _ = shell.pct_exec(vmid, ["sha256sum", dest], check=False)
     if rc == 0 and out.split() and out.split()[0] == want:
-        return dict(changed=False, dest=dest, sha256=want)
+        return {"changed": False, "dest": dest, "sha256": want}
     if module.check_mode:
-        return dict(changed=True, dest=dest, sha256=want)
+        return {"changed": True, "dest": dest, "sha256": want}
     staged = p["host_src"]
     if p["push_src"]:
         staged = f"/var/tmp/dflash-push-{uuid.uuid4().hex}"
@@ -77,7 +77,7 @@ def push(module, shell):
     finally:
         if p["push_src"]:
             shell.run(f"rm -f {staged}", check=False)
-    return dict(changed=True, dest=dest, sha256=want)
+    return {"changed": True, "dest": dest, "sha256": want}
 
 
 def run(module):
@@ -86,14 +86,14 @@ def run(module):
     if p["push_dest"]:
         return push(module, shell)
     if module.check_mode and not p["read_only"]:
-        return dict(changed=True, skipped_in_check_mode=True, rc=0, stdout="", stderr="")
+        return {"changed": True, "skipped_in_check_mode": True, "rc": 0, "stdout": "", "stderr": ""}
     rc, out, err = shell.pct_exec(p["vmid"], p["argv"], check=False)
     if rc != 0 and not p["allow_failure"]:
         raise PveError(f"{' '.join(p['argv'])} failed in container {p['vmid']} (exit {rc}): "
                        f"{(err or out).strip()[-1500:]}", rc=rc, stdout=out, stderr=err)
     # failed=False: Ansible would call any result with rc != 0 a failure, even with allow_failure
-    return dict(changed=not p["read_only"], rc=rc, stdout=out, stderr=err, failed=False,
-                stdout_lines=out.splitlines())
+    return {"changed": not p["read_only"], "rc": rc, "stdout": out, "stderr": err, "failed": False,
+                "stdout_lines": out.splitlines()}
 
 
 def validate(module):
@@ -102,10 +102,10 @@ def validate(module):
 
 
 def main():
-    run_module(run, dict(vmid=dict(type="int", required=True), argv=dict(type="list", elements="str"),
-                         read_only=dict(type="bool", default=False), allow_failure=dict(type="bool", default=False),
-                         push_src=dict(type="path"), push_dest=dict(type="str"),
-                         push_mode=dict(type="str", default="0644"), host_src=dict(type="str")),
+    run_module(run, {"vmid": {"type": "int", "required": True}, "argv": {"type": "list", "elements": "str"},
+                         "read_only": {"type": "bool", "default": False}, "allow_failure": {"type": "bool", "default": False},
+                         "push_src": {"type": "path"}, "push_dest": {"type": "str"},
+                         "push_mode": {"type": "str", "default": "0644"}, "host_src": {"type": "str"}},
                details=("rc", "stdout", "stderr"), validate=validate,
                required_one_of=[("argv", "push_dest")],
                mutually_exclusive=[("argv", "push_dest"), ("push_src", "host_src")],

@@ -1,5 +1,5 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
+# ruff: noqa: EXE001 - Ansible's module shebang, on a file that must not be executable (ansible-test)
 # Upload a container template when it is missing or its content differs (sha256 over SSH), not
 # only when the name is absent; PVE verifies the checksum of what it receives.
 from __future__ import annotations
@@ -18,9 +18,17 @@ extends_documentation_fragment:
   - dflash.proxmox.pve.SSH
 options:
   src:
-    description: Template file on the controller (C(.tar.gz), C(.tar.xz) or C(.tar.zst)); its name becomes the volume name.
+    description:
+      - Template file on the controller (C(.tar.gz), C(.tar.xz) or C(.tar.zst)); its name becomes the volume name.
+      - A glob picks the newest match (with a warning when there are several), e.g. what C(make image) writes,
+        C(build/image/debian-13-dflash-trainenv_*_amd64.tar.zst).
     type: path
     required: true
+  compare_content:
+    description: Compare the host copy's sha256 with the file's when the name is present (V(false) only
+      looks for the name; what the preflight needs).
+    type: bool
+    default: true
   storage:
     description: Storage with C(vztmpl) content.
     type: str
@@ -37,70 +45,83 @@ EXAMPLES = r"""
   dflash.proxmox.pve_template:
     api_host: pve.example.org
     node: pve
-    src: build/image/dflash-train.tar.zst
+    src: build/image/debian-13-dflash-trainenv_*_amd64.tar.zst
     storage: local
 """
 
 RETURN = r"""
 volid: {description: Volume id of the template, for pve_lxc's template option., type: str, returned: always}
-sha256: {description: sha256 of the local file., type: str, returned: always}
+src: {description: The file on the controller (the newest match of a glob)., type: str, returned: always}
+sha256: {description: sha256 of the local file (empty when it was not needed)., type: str, returned: always}
 reason: {description: Why it was (or would be) uploaded; empty when nothing to do., type: str, returned: always}
 """
 
-import os  # noqa: E402
-import shlex  # noqa: E402
+import os
+import shlex
 
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveClient, PveError  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module, sha256_of  # noqa: E402
-from ansible_collections.dflash.proxmox.plugins.module_utils.pve_host import HostShell  # noqa: E402
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import PveClient, PveError
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_host import HostShell
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import (
+    resolve_src,
+    run_module,
+    sha256_of,
+)
 
 SUFFIXES = (".tar.gz", ".tar.xz", ".tar.zst", ".tgz", ".tar.bz2")
 
 
 def run(module):
     p = module.params
-    src = p["src"]
-    if not os.path.isfile(src):
-        raise PveError(f"template file {src} does not exist on the controller; build it (make image-template) "
-                       f"or fix proxmox_template_src")
+    src, others = resolve_src(p["src"])
+    if others:
+        module.warn(f"{len(others) + 1} files match proxmox_template_src {p['src']}; using the newest, {src} "
+                    f"(remove the others or name one)")
     name = os.path.basename(src)
     if not name.endswith(SUFFIXES):
         raise PveError(f"template {name} must end in one of {', '.join(SUFFIXES)} for PVE to accept it")
     volid = f"{p['storage']}:vztmpl/{name}"
-    local_sum = sha256_of(src)
-    result = dict(changed=False, volid=volid, sha256=local_sum, reason="")
+    # The file's checksum only when it is needed (a content comparison, an upload): templates are gigabytes.
+    result = {"changed": False, "volid": volid, "src": src, "sha256": "", "reason": ""}
     pve = PveClient(p)
     pve.check_node()
     pve.storage(p["storage"], "vztmpl")
     if volid not in pve.templates(p["storage"]):
         result["reason"] = f"{volid} is missing on node {pve.node}"
+    elif not p["compare_content"]:
+        return result
     elif p.get("ssh_host"):
         path = f"{p['template_dir'].rstrip('/')}/{name}"
         _, out, _ = HostShell(p).run(f"sha256sum {shlex.quote(path)}", what=f"sha256sum of {path} on the host")
         remote_sum = out.split()[0] if out.split() else ""
-        if remote_sum != local_sum:
-            result["reason"] = f"{volid} on node {pve.node} has sha256 {remote_sum[:12]}..., the local file {local_sum[:12]}..."
+        result["sha256"] = sha256_of(src)
+        if remote_sum != result["sha256"]:
+            result["reason"] = (f"{volid} on node {pve.node} has sha256 {remote_sum[:12]}..., the local file "
+                                f"{result['sha256'][:12]}...")
     else:
         module.warn(f"{volid} exists; without proxmox_ssh_host its content can't be compared with {src}")
     if not result["reason"]:
         return result
     result["changed"] = True
+    if module.check_mode and not p["compare_content"]:
+        return result  # the preflight: it only needed to know the name is missing
+    result["sha256"] = result["sha256"] or sha256_of(src)
     if module._diff:
-        result["diff"] = dict(before=f"{volid}\n" if "missing" not in result["reason"] else "",
-                              after=f"{volid} sha256={local_sum}\n")
+        result["diff"] = {"before": f"{volid}\n" if "missing" not in result["reason"] else "",
+                              "after": f"{volid} sha256={result['sha256']}\n"}
     if module.check_mode:
         return result
     storage = pve.api.nodes(pve.node).storage(p["storage"])
     with open(src, "rb") as fh:
         upid = pve.call(f"uploading {name}", storage.upload.post, content="vztmpl", filename=fh,
-                        checksum=local_sum, **{"checksum-algorithm": "sha256"})
+                        checksum=result["sha256"], **{"checksum-algorithm": "sha256"})
     pve.wait(upid, f"uploading template {name}")
     return result
 
 
 def main():
-    run_module(run, dict(src=dict(type="path", required=True), storage=dict(type="str", default="local"),
-                         template_dir=dict(type="str", default="/var/lib/vz/template/cache")))
+    run_module(run, {"src": {"type": "path", "required": True}, "storage": {"type": "str", "default": "local"},
+                     "template_dir": {"type": "str", "default": "/var/lib/vz/template/cache"},
+                     "compare_content": {"type": "bool", "default": True}})
 
 
 if __name__ == "__main__":
