@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.deploy import Site, out, venv_inputs, wait_for
+from tests.helpers.provision import REPO
 from tests.pve_testhost.templates import build_systemd_template
-from tests.test_deploy_container import Site, out, venv_inputs, wait_for
-from tests.test_provision_playbook import REPO
 
 pytest_plugins = ["tests.image_standins"]
 pytestmark = [pytest.mark.lxc, pytest.mark.slow]
@@ -140,7 +140,7 @@ def test_systemd_unit_train_restart_stop_resume(site):
 
     # ---- a failure: the trainer is killed (SIGKILL); systemd restarts it and it resumes from its checkpoint
     (pid,) = trainer_pids(site)
-    assert json.loads((site.run_dir / "supervisor.json").read_text())["trainer_pid"] == pid
+    assert json.loads((site.run_dir / "supervisor.json").read_text())["job_pid"] == pid
     assert site.exec("sh", "-c", 'kill -KILL "$1"', "sh", str(pid)).returncode == 0  # the shell's kill: no procps
     latest = int(os.readlink(site.run_dir / "checkpoints" / "latest").split("-")[1])  # the trainer's last one
     wait_for(lambda: len(starts(site)) == 2 and "resumed from" in starts(site)[1], 120, "the restart", site,

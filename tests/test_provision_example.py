@@ -5,7 +5,7 @@ site's own. The venv path, the run root, the template and the trainer come from 
 default that one role changes and another does not follow breaks this test.
 
 What differs from a real site, said plainly:
-- the frozen template is a stand-in (build_frozen_template of tests/test_training_venv.py: the python test
+- the frozen template is a stand-in (build_frozen_template of tests/helpers/frozen.py: the python test
   template with /opt/venv built from the stand-in lock by the image stage's own rebuild command), put where
   `make image` writes it under the name image/build.py gives it;
 - the node is the PVE test host: one node, storage `local`, two stand-in GPUs, NVIDIA's stand-in installer
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_provision_playbook import REPO, recap
-from tests.test_training_venv import build_frozen_template
+from tests.helpers.frozen import build_frozen_template
+from tests.helpers.provision import REPO, recap
 
 pytest_plugins = ["tests.image_standins"]
 pytestmark = [pytest.mark.lxc, pytest.mark.slow]
