@@ -11,7 +11,8 @@ differs from a real node, said plainly (the rest as in tests/test_deploy_contain
   mounted at /opt/dev-python (pyvenv.cfg `home` = this machine's Python, mounted read-only; site-packages =
   the dev venv's, in the repository, mounted read-only at its own path). A shim, because where this
   machine's Python is Debian's (/usr, as in CI) it cannot be mounted at its own path over the CT's /usr.
-  The CT's own Debian 13 libraries serve it and torch: no host library mount.
+  The CT's own Debian 13 libraries serve it and torch: no host library mount. The shim's bin/dflash-run is
+  the run controller's console script, written the way pip writes one.
 """
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ def dev_python(work: Path) -> dict[str, str]:
     shim = work / "dev-python"
     (shim / "bin").mkdir(parents=True)
     (shim / "bin" / "python").symlink_to(at / exe.relative_to(base))
+    # the run controller's console script, as pip writes it into a venv's bin (the role calls bin/dflash-run)
+    ctl = shim / "bin" / "dflash-run"
+    ctl.write_text(f"#!{DEV_PYTHON}/bin/python\nimport sys\nfrom dflash_run.cli import main\nsys.exit(main())\n")
+    ctl.chmod(0o755)
     site_dir = shim / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
     site_dir.mkdir(parents=True)
     (site_dir / "site-packages").symlink_to(sysconfig.get_paths()["purelib"])
@@ -77,7 +82,7 @@ def trainer_pids(site: Site) -> list[int]:
 
 
 def starts(site: Site) -> list[str]:
-    """The run log, one piece per trainer start (dflash_run writes `[dflash_run ...] start: argv`)."""
+    """The run log, one piece per trainer start (dflash-run writes `[dflash_run ...] start: argv`)."""
     log = site.run_dir / "logs" / "train.log"
     return log.read_text().split("] start: ")[1:] if log.is_file() else []
 

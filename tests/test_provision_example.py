@@ -14,7 +14,6 @@ What differs from a real site, said plainly:
 from __future__ import annotations
 
 import filecmp
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.deploy import make_with
 from tests.helpers.frozen import build_frozen_template
 from tests.helpers.provision import REPO, recap
 
@@ -62,16 +62,7 @@ class Site:
         self.image_out = root / "build" / "image"  # {{ inventory_dir }}/../../build/image, as in the repository
 
     def make(self, *targets: str, timeout: int = 600) -> subprocess.CompletedProcess:
-        env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0", ANSIBLE_STDOUT_CALLBACK="default",
-                   ANSIBLE_LOCAL_TEMP=str(self.root / "tmp"), ANSIBLE_HOME=str(self.root / "ansible-home"),
-                   PROXMOX_PASSWORD=self.host.root_password)  # the secret from the environment
-        for key in ("PROXMOX_TOKEN_ID", "PROXMOX_TOKEN_SECRET", "MAKEFLAGS", "INVENTORY"):
-            env.pop(key, None)
-        proc = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", *targets,
-                               f"INVENTORY={self.dir / 'hosts.yml'}"], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=timeout, check=False)
-        assert self.host.root_password not in proc.stdout + proc.stderr, "a secret was printed"
-        return proc
+        return make_with(self.host, self.dir / "hosts.yml", self.root, *targets, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

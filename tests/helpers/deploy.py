@@ -73,17 +73,7 @@ class Site:
         self.inv = work / "hosts.json"
 
     def make(self, *targets: str, timeout: int = 600) -> subprocess.CompletedProcess:
-        env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0", ANSIBLE_STDOUT_CALLBACK="default",
-                   ANSIBLE_LOCAL_TEMP=str(self.work / "tmp"), ANSIBLE_HOME=str(self.work / "ansible-home"),
-                   PROXMOX_PASSWORD=self.host.root_password)
-        for key in ("PROXMOX_TOKEN_ID", "PROXMOX_TOKEN_SECRET", "INVENTORY", "MAKEFLAGS"):
-            env.pop(key, None)
-        # -o: the venv these tests run in is the one make would (re)install; never touch it from here
-        proc = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", *targets,
-                               f"INVENTORY={self.inv}"], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=timeout, check=False)
-        assert self.host.root_password not in proc.stdout + proc.stderr, "a secret was printed"
-        return proc
+        return make_with(self.host, self.inv, self.work, *targets, timeout=timeout)
 
     def exec(self, *argv: str) -> subprocess.CompletedProcess:
         return self.host.exec_in_container(self.vmid, list(argv))
@@ -120,20 +110,40 @@ class Site:
         return sorted(int(p.name.split("-")[1]) for p in (self.run_dir / "checkpoints").glob("step-*")
                       if (p / "training_state.pt").is_file())
 
-    def state(self) -> dict:
+    def job_dir(self, job: str = "train") -> Path:
+        """Where a job's launch, state, log and output are, seen from this machine (the roles' defaults)."""
+        return {"train": self.run_dir, "regenerate": self.persist / "regen" / "default",
+                "eval": self.run_dir / "eval"}[job]
+
+    def state(self, job: str = "train") -> dict:
         try:
-            return json.loads((self.run_dir / "supervisor.json").read_text())
+            return json.loads((self.job_dir(job) / "supervisor.json").read_text())
         except (OSError, ValueError):
             return {}
+
+
+def make_with(host, inventory: Path, work: Path, *targets: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`make TARGET... INVENTORY=inventory` as a user runs it: the password from the environment, never printed."""
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0", ANSIBLE_STDOUT_CALLBACK="default",
+               ANSIBLE_LOCAL_TEMP=str(work / "tmp"), ANSIBLE_HOME=str(work / "ansible-home"),
+               PROXMOX_PASSWORD=host.root_password)
+    for key in ("PROXMOX_TOKEN_ID", "PROXMOX_TOKEN_SECRET", "INVENTORY", "MAKEFLAGS"):
+        env.pop(key, None)
+    # -o: the venv these tests run in is the one make would (re)install; never touch it from here
+    proc = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", *targets,
+                           f"INVENTORY={inventory}"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    assert host.root_password not in proc.stdout + proc.stderr, "a secret was printed"
+    return proc
 
 
 def out(proc) -> str:
     return proc.stdout + proc.stderr
 
 
-def wait_for(cond, timeout: float, what: str, site: Site, failed=None):
-    """Poll cond; stop early when the run failed (by default: the supervisor recorded `failed`)."""
-    failed = failed or (lambda: site.state().get("state") == "failed")
+def wait_for(cond, timeout: float, what: str, site: Site, failed=None, job: str = "train"):
+    """Poll cond; stop early when the job failed (by default: its supervisor recorded `failed`)."""
+    failed = failed or (lambda: site.state(job).get("state") == "failed")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
@@ -141,8 +151,9 @@ def wait_for(cond, timeout: float, what: str, site: Site, failed=None):
         if failed():
             break
         time.sleep(0.5)
-    log = site.run_dir / "logs" / "train.log"
-    pytest.fail(f"timed out waiting for {what} (run state {site.state().get('state')}); log tail:\n" + (log.read_text()[-3000:] if log.is_file() else "none"))
+    log = site.job_dir(job) / "logs" / f"{job}.log"
+    pytest.fail(f"timed out waiting for {what} ({job} state {site.state(job).get('state')}); log tail:\n"
+                + (log.read_text()[-3000:] if log.is_file() else "none"))
 
 
 def venv_inputs(standins, wheelhouse: Path) -> dict:
