@@ -12,17 +12,17 @@ from unittest import mock
 
 import pytest
 import torch
-from dflash_trainer.anchors import build_blocks, sample_anchors
 from dflash_trainer.config import load_config
 from dflash_trainer.eval_cli import main
 from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
-from dflash_trainer.objective import block_attention, drafter_loss
 from dflash_trainer.optim import MasterWeightAdamW
 from dflash_trainer.prompts import prompt_messages, render_prompt, row_messages
 from dflash_trainer.speculative import greedy_generate, stop_token_ids
 from dflash_trainer.target import FrozenTarget
 from dflash_trainer.train import run
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.helpers.training import sdpa_step
 
 BLOCK, PROMPTS, NEW = 8, 4, 24
 
@@ -59,13 +59,7 @@ def drafter_dir(tiny_target, models, tmp_path_factory):
     opt = MasterWeightAdamW(drafter.parameters(), lr=3e-3, max_grad_norm=1.0)
     for step in range(120):  # partly learnt: some blocks accepted whole, others not
         ids, mask, feats = samples[step % len(samples)]
-        anchors, keep = sample_anchors(mask, num_anchors=NEW, generator=torch.Generator().manual_seed(step))
-        blocks = build_blocks(ids, mask, anchors, keep, BLOCK, tokenizer.mask_token_id)
-        sums = drafter_loss(drafter, target.embed_weight, target.head_weight, feats, blocks,
-                            block_attention("sdpa", blocks, ids.shape[1], BLOCK, config))
-        sums.weighted_ce.backward()
-        opt.step(1.0 / blocks.total_weight)
-        opt.zero_grad()
+        sdpa_step(drafter, opt, target, ids, mask, feats, NEW, step)
     out = tmp_path_factory.mktemp("drafter")
     drafter.save_pretrained(out)
     return out

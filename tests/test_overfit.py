@@ -6,13 +6,13 @@ reproduce it under real speculative decoding against the target.
 """
 
 import torch
-from dflash_trainer.anchors import build_blocks, sample_anchors
 from dflash_trainer.evaluate import evaluate_tau, speculative_generate
 from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
-from dflash_trainer.objective import block_attention, drafter_loss
 from dflash_trainer.optim import MasterWeightAdamW
 from dflash_trainer.target import FrozenTarget
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.helpers.training import sdpa_step
 
 BLOCK = 8
 
@@ -39,13 +39,7 @@ def test_one_sample_overfit_reaches_tau_equal_to_block_size(tiny_target):
 
     opt = MasterWeightAdamW(drafter.parameters(), lr=3e-3, max_grad_norm=1.0)
     for step in range(300):
-        anchors, keep = sample_anchors(loss_mask, num_anchors=answer_len, generator=torch.Generator().manual_seed(step))
-        blocks = build_blocks(ids, loss_mask, anchors, keep, BLOCK, tok.mask_token_id)
-        sums = drafter_loss(drafter, target.embed_weight, target.head_weight, feats, blocks,
-                            block_attention("sdpa", blocks, ids.shape[1], BLOCK, config))
-        sums.weighted_ce.backward()
-        opt.step(1.0 / blocks.total_weight)
-        opt.zero_grad()
+        sdpa_step(drafter, opt, target, ids, loss_mask, feats, answer_len, step)
         if step % 50 == 49 and evaluate_tau(drafter, target, [prompt_ids], answer_len).tau == BLOCK:
             break
 

@@ -11,6 +11,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,6 +25,7 @@ if str(COLLECTIONS) not in sys.path:
     sys.path.insert(0, str(COLLECTIONS))
 
 
+@pytest.mark.slow  # make lint runs it too
 def test_ansible_lint_production_profile_is_clean():
     proc = subprocess.run([str(BIN / "ansible-lint"), "--profile", "production", "provision.yml", "training.yml",
                            "roles"], cwd=REPO / "ansible", env=ENV, capture_output=True, text=True, timeout=600,

@@ -77,6 +77,7 @@ def test_answer_slots_last_and_all_turns():
     assert answer_slots([{"role": "system", "content": "s"}], "last") is None
 
 
+@pytest.mark.slow  # builds the embedded target (~25 s on 2 cores)
 def test_plan_counts_skipped_rows_drops_repeats_and_keys_by_settings(chat_target):
     tok = AutoTokenizer.from_pretrained(chat_target["target"])
     chat = {"messages": [{"role": "user", "content": "What is 2 plus 3?"}]}
@@ -109,6 +110,7 @@ def test_seeded_draws_follow_softmax_and_top_p():
     assert row_seed(1, "k", 0) == row_seed(1, "k", 0) != row_seed(1, "k", 1)
 
 
+@pytest.mark.slow  # builds the embedded target (~25 s on 2 cores)
 def test_batches_share_a_bucket_and_fit_the_budget(chat_target):
     tok = AutoTokenizer.from_pretrained(chat_target["target"])
     model = AutoModelForCausalLM.from_pretrained(chat_target["target"], dtype=torch.float32)
@@ -125,6 +127,7 @@ def test_batches_share_a_bucket_and_fit_the_budget(chat_target):
 
 # ---- engine hf end to end --------------------------------------------------------------------------
 
+@pytest.mark.slow  # builds the embedded target (~25 s on 2 cores)
 def test_answers_equal_greedy_generate_of_each_prompt_alone(chat_target, greedy_run):
     tok = AutoTokenizer.from_pretrained(chat_target["target"])
     model = AutoModelForCausalLM.from_pretrained(chat_target["target"], dtype=torch.float32).eval()
@@ -147,6 +150,7 @@ def test_answers_equal_greedy_generate_of_each_prompt_alone(chat_target, greedy_
     assert summary["answer_tokens"] == sum(len(split_row(r)[1]) for r in rows)
 
 
+@pytest.mark.slow  # builds the embedded target (~25 s on 2 cores)
 def test_multi_turn_rows_feed_the_targets_own_answers_back(chat_target, tmp_path):
     tok = AutoTokenizer.from_pretrained(chat_target["target"])
     model = AutoModelForCausalLM.from_pretrained(chat_target["target"], dtype=torch.float32).eval()
@@ -167,6 +171,7 @@ def test_multi_turn_rows_feed_the_targets_own_answers_back(chat_target, tmp_path
     assert row["regen"]["answer_tokens"] == [len(first), len(second)]
 
 
+@pytest.mark.slow  # builds the embedded target (~25 s on 2 cores)
 def test_seeded_sampling_is_reproducible(chat_target, source, greedy_run, tmp_path):
     runs = {}
     for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
@@ -226,6 +231,7 @@ def test_two_torchrun_processes_split_the_prompts_into_the_same_shards(chat_targ
     assert summary["this_run"]["processes"] == 2 and summary["prompts"] == len(shard_rows(tmp_path / "one"))
 
 
+@pytest.mark.slow  # builds the embedded target (~25 s on 2 cores)
 def test_make_train_takes_the_shards_as_they_are(chat_target, greedy_run, tmp_path):
     from dflash_trainer.train import main as train_main
 
@@ -241,6 +247,7 @@ def test_make_train_takes_the_shards_as_they_are(chat_target, greedy_run, tmp_pa
 
 # ---- bad input: a clear error, nothing lost ---------------------------------------------------------
 
+@pytest.mark.slow  # builds the embedded target (~25 s on 2 cores)
 def test_bad_input_is_refused_clearly_and_loses_no_shard(chat_target, source, greedy_run, tmp_path, capsys):
     def fails(argv, match):
         assert main(argv) == 2
@@ -295,6 +302,7 @@ def test_bench_needs_a_gpu_for_the_8b_shape(capsys, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.slow  # builds the embedded target (~25 s on 2 cores)
 def test_compiled_hf_engine_on_gpu_equals_greedy_generate(chat_target, source, tmp_path):
     out = tmp_path / "gpu"
     assert main(args(chat_target["target"], source, out, "--dtype", "float32", "--batch-size", "8")) == 0

@@ -57,6 +57,7 @@ def test_config_errors_are_clear(tiny_target, tmp_path, capsys):
     assert "ascending" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # two trainer processes
 def test_sigterm_finishes_the_step_writes_a_checkpoint_and_resume_continues(tiny_target, tmp_path):
     """What `make train-stop` / `systemctl stop` do: SIGTERM -> checkpoint at the current step -> exit 0."""
     import os

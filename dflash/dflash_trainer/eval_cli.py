@@ -90,13 +90,18 @@ def parse_args(argv):
 
 # ---- checking the inputs (nothing is written) ------------------------------------------------------
 
+def _config_json(directory: Path, missing: str) -> dict:
+    """directory/config.json, or EvalError(missing) when there is none."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise EvalError(missing)
+    return json.loads(config_file.read_text())
+
+
 def run_defaults(run_dir: Path) -> dict:
     """The drafter, target, prompts and settings of a training run's output directory."""
-    config_file = run_dir / "config.json"
-    if not config_file.is_file():
-        raise EvalError(f"--run {run_dir}: no config.json there, so it is not a training run's output directory "
-                        "(the trainer's --output-dir); give --drafter, --target and --prompts instead")
-    cfg = json.loads(config_file.read_text())
+    cfg = _config_json(run_dir, f"--run {run_dir}: no config.json there, so it is not a training run's output "
+                       "directory (the trainer's --output-dir); give --drafter, --target and --prompts instead")
     drafter = run_dir / "drafter"
     if not (drafter / "config.json").is_file():
         drafter = ckpt.latest_checkpoint(run_dir / "checkpoints")
@@ -116,11 +121,9 @@ def run_defaults(run_dir: Path) -> dict:
 
 def check_drafter_dir(path: Path) -> dict:
     """The drafter's config.json, refused when it is not a DFlash drafter this evaluation implements."""
+    raw = _config_json(path, f"--drafter {path}: no config.json. Point it at a drafter directory: a training run's "
+                       "OUTPUT/drafter, a checkpoint OUTPUT/checkpoints/step-N, or a z-lab drafter")
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise EvalError(f"--drafter {path}: no config.json. Point it at a drafter directory: a training run's "
-                        "OUTPUT/drafter, a checkpoint OUTPUT/checkpoints/step-N, or a z-lab drafter")
-    raw = json.loads(config_file.read_text())
     dflash = raw.get("dflash_config")
     if not isinstance(dflash, dict):
         raise EvalError(f"{config_file} has no dflash_config (mask_token_id, target_layer_ids): not a DFlash drafter. "
