@@ -15,12 +15,15 @@ RUN_DIR    ?= runs/default
 # make train: extra trainer arguments (--overwrite trains a finished RUN_DIR again, --resume continues one).
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
+# INVENTORY on the command line or in the environment: train, regenerate, eval and the deploy targets act on
+# the containers of that inventory (ansible/deploy.mk); otherwise on this machine.
+ON_CONTAINER := $(filter command line environment,$(origin INVENTORY))
 
 .DEFAULT_GOAL := help
 .PHONY: help venv test test-fast lint train eval bench clean
 
 help: ## list the targets
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z_ -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +45,7 @@ lint: venv ## ruff on the Python code (ansible/ too), ansible-lint on the playbo
 	$(VENV)/bin/ruff check dflash image tests ansible
 
 train: venv ## embedded default: tiny target + tiny drafter on this machine (CPU is fine); INVENTORY=...: in the containers
-ifeq ($(filter command line environment,$(origin INVENTORY)),)
+ifeq ($(ON_CONTAINER),)
 	@if [ -z "$(TRAIN_ARGS)" ] && [ -f $(RUN_DIR)/summary.json ]; then \
 	  echo "$(RUN_DIR) holds a finished run (drafter: $(RUN_DIR)/drafter, figures: $(RUN_DIR)/summary.json)."; \
 	  echo "Train it again with: make train TRAIN_ARGS=--overwrite   (or another RUN_DIR=...)"; \
@@ -53,29 +56,25 @@ ifeq ($(filter command line environment,$(origin INVENTORY)),)
 	  $(PY) -m dflash_trainer.train --config embedded --output-dir $(RUN_DIR) $(TRAIN_ARGS); \
 	fi
 else
-	$(MAKE) --no-print-directory train-container
+	$(call JOB_PLAYBOOK,train,start)
 endif
 
-eval: venv ## evaluate a drafter: tau per prompt set, speedup, eval.png (EVAL_ARGS="--drafter DIR --target PATH --prompts FILE... --out DIR"; default: the run in RUN_DIR)
-ifeq ($(filter command line environment,$(origin INVENTORY)),)
+eval: venv ## evaluate a drafter: tau per prompt set, speedup, eval.png (EVAL_ARGS="--drafter DIR --target PATH --prompts FILE... --out DIR"; default: the run in RUN_DIR); INVENTORY=...: the container's run, detached
+ifeq ($(ON_CONTAINER),)
 	$(PY) -m dflash_trainer.eval_cli $(or $(strip $(EVAL_ARGS)),--run $(RUN_DIR))
 else
-	@echo "make eval INVENTORY=... (evaluating in the training container) is not available yet. Copy the drafter" \
-		"directory to this machine and run: make eval EVAL_ARGS=\"--drafter DIR --target PATH --prompts FILE --out DIR\"" >&2
-	@exit 2
+	$(call JOB_PLAYBOOK,eval,start)
 endif
 
 bench: venv ## drafter-step benchmark (GPU); prints step time, tokens/s, MFU, peak memory
 	$(PY) -m dflash_trainer.bench $(BENCH_ARGS)
 
 .PHONY: regenerate bench-regenerate
-regenerate: venv ## the target writes the training answers: REGEN_ARGS="--target DIR --data FILE --out DIR" (see README)
-ifeq ($(filter command line environment,$(origin INVENTORY)),)
+regenerate: venv ## the target writes the training answers: REGEN_ARGS="--target DIR --data FILE --out DIR" (see README); INVENTORY=...: in the containers, detached
+ifeq ($(ON_CONTAINER),)
 	$(PY) -m dflash_trainer.regenerate $(REGEN_ARGS)
 else
-	@echo "make regenerate INVENTORY=... (in the training container, detached) is not available yet: run" >&2
-	@echo "  torchrun --nproc-per-node G -m dflash_trainer.regenerate $(REGEN_ARGS)  in the container" >&2
-	@exit 2
+	$(call JOB_PLAYBOOK,regenerate,start)
 endif
 
 bench-regenerate: venv ## regeneration benchmark (GPU; Qwen3-8B shape): engine hf vs the old batched generate vs generate_batch

@@ -1,16 +1,18 @@
-# Deployment stage: one training run. With INVENTORY=... the targets act on the provisioned containers
-# (ansible/training.yml, role training_run); without it, on this machine's run in $(RUN_DIR) (the
-# embedded default that `make train` runs in the foreground). Included by the top-level Makefile.
-ON_CONTAINER := $(filter command line environment,$(origin INVENTORY))
+# Deployment stage: the jobs of one run (train, regenerate, eval). With INVENTORY=... the targets act on the
+# provisioned containers (ansible/training.yml, role training_run); without it, on this machine's run in
+# $(RUN_DIR) (the embedded default that `make train` runs in the foreground). Included by the top-level Makefile.
 TRAINING_PLAYBOOK = $(ANSIBLE_ENV) $(VENV)/bin/ansible-playbook -i $(INVENTORY) ansible/training.yml $(ARGS)
-# The run-control package (stdlib only) that the containers get, run here from the source tree.
-RUNCTL = PYTHONPATH=ansible/roles/training_run/files $(PY) -m dflash_run
+# $(call JOB_PLAYBOOK,job,action): the playbook acting on one job (train, regenerate or eval) in the containers.
+JOB_PLAYBOOK = $(TRAINING_PLAYBOOK) -e training_run_job=$(1) -e training_run_action=$(2)
+# The run controller (the trainer wheel's dflash-run; the containers run the same from their venv).
+RUNCTL = $(VENV)/bin/dflash-run
 # FOLLOW=1: make train-logs keeps printing (locally) until the run ends.
 FOLLOW ?=
 
-.PHONY: deploy train-container train-status train-logs train-stop doctor-container rebuild-container
+.PHONY: deploy doctor-container rebuild-container train-status train-logs train-stop \
+	regenerate-status regenerate-logs regenerate-stop eval-status eval-logs eval-stop
 
-deploy: venv ## INVENTORY=...: trainer wheel + rendered run config into the containers, refused on drift; locally: preflight of $(RUN_DIR)
+deploy: venv ## INVENTORY=...: trainer wheel + rendered run config + each job's launch into the containers, refused on drift; locally: preflight of $(RUN_DIR)
 ifneq ($(ON_CONTAINER),)
 	$(TRAINING_PLAYBOOK) -e training_run_action=deploy
 else
@@ -18,26 +20,34 @@ else
 	$(RUNCTL) preflight --run-dir $(RUN_DIR) --cache-dir $(RUN_DIR)/compile-cache --gpus 0 --min-free-gb 1
 endif
 
-train-container: venv
-	$(TRAINING_PLAYBOOK) -e training_run_action=train
+# Without INVENTORY only the training has a supervised run here ($(RUN_DIR)): `make regenerate` and
+# `make eval` run in the foreground and report on their terminal.
+regenerate-status regenerate-logs regenerate-stop eval-status eval-logs eval-stop: containers-only
+.PHONY: containers-only
+containers-only:
+ifeq ($(ON_CONTAINER),)
+	@echo "make $(MAKECMDGOALS) acts on the containers: give INVENTORY=... (without it, make regenerate and make eval" \
+	  "run in the foreground and report on their terminal)" >&2
+	@exit 2
+endif
 
-train-status: venv ## state, last checkpoint and last log lines of the run (INVENTORY=...: in the containers)
+train-status regenerate-status eval-status: %-status: venv ## a job's state, progress and last log lines (INVENTORY=...: in the containers)
 ifneq ($(ON_CONTAINER),)
-	$(TRAINING_PLAYBOOK) -e training_run_action=status
+	$(call JOB_PLAYBOOK,$*,status)
 else
 	$(RUNCTL) status --run-dir $(RUN_DIR)
 endif
 
-train-logs: venv ## the run's log (INVENTORY=...: from the containers; FOLLOW=1 follows a local one)
+train-logs regenerate-logs eval-logs: %-logs: venv ## a job's log (INVENTORY=...: from the containers; FOLLOW=1 follows a local one)
 ifneq ($(ON_CONTAINER),)
-	$(TRAINING_PLAYBOOK) -e training_run_action=logs
+	$(call JOB_PLAYBOOK,$*,logs)
 else
 	$(RUNCTL) logs --run-dir $(RUN_DIR) $(if $(FOLLOW),--follow)
 endif
 
-train-stop: venv ## graceful stop: the checkpoint in progress is finished, make train resumes from it
+train-stop regenerate-stop eval-stop: %-stop: venv ## graceful stop: the checkpoint (shard) in progress is finished, make train (regenerate) resumes
 ifneq ($(ON_CONTAINER),)
-	$(TRAINING_PLAYBOOK) -e training_run_action=stop
+	$(call JOB_PLAYBOOK,$*,stop)
 else
 	$(RUNCTL) stop --run-dir $(RUN_DIR)
 endif
@@ -47,9 +57,3 @@ doctor-container: venv
 
 rebuild-container: venv
 	$(TRAINING_PLAYBOOK) -e training_run_action=rebuild
-
-.PHONY: lint-deploy
-lint-deploy: venv ## ansible-lint (production profile) on the run playbook (its role is linted with the others)
-	cd ansible && PATH=$(abspath $(VENV))/bin:$$PATH ANSIBLE_CONFIG=ansible.cfg ansible-lint --profile production training.yml
-
-lint: lint-deploy

@@ -83,9 +83,11 @@ def settings() -> list[tuple[str, str, list[tuple[str, dict, object, bool]]]]:
             spec = role_options(home).get(name, spec)
             by_role[home].append((name, spec, defaults[home].get(name), name in defaults[home]))
     out = []
-    for role in ROLES:
+    for role in ROLES:  # described by its main entry point, or (a role of task files only) by its meta/main.yml
         specs = (load_yaml(ROLES_DIR / role / "meta" / "argument_specs.yml") or {}).get("argument_specs", {})
-        out.append((role, specs.get("main", {}).get("short_description", ""), by_role[role]))
+        meta = load_yaml(ROLES_DIR / role / "meta" / "main.yml") or {}
+        about = specs.get("main", {}).get("short_description") or meta.get("galaxy_info", {}).get("description", "")
+        out.append((role, about, by_role[role]))
     return out
 
 

@@ -30,7 +30,7 @@ trainer-wheel: venv ## build the trainer's wheel (dflash-trainer, with dflash_im
 	SOURCE_DATE_EPOCH=$$(git log -1 --format=%ct 2>/dev/null || echo 1577836800) $(UV_BIN) build --wheel --out-dir $(TRAINER_WHL) .
 
 # With INVENTORY=... these act on the containers instead (ansible/deploy.mk).
-ifeq ($(filter command line environment,$(origin INVENTORY)),)
+ifeq ($(ON_CONTAINER),)
 rebuild: trainer-wheel ## recreate $(TRAINENV) from the lock + wheelhouse (offline, copied files), then run the doctor
 	$(PY) -m dflash_image.rebuild --venv $(TRAINENV) --lock $(ENV_DIR) --wheelhouse $(WHEELHOUSE) \
 	  --trainer-wheel $$(ls $(TRAINER_WHL)/dflash_trainer-*.whl) --python $(ENV_PYTHON) --uv $(UV_BIN)

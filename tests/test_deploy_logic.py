@@ -1,6 +1,7 @@
-"""The deployment stage's logic without a container: the role's jinja2 run config (rendered by a real
-ansible-playbook run of the role's own tasks and read by the trainer's own loader), input validation,
-the preflight checks, and the process supervisor (restart with --resume, graceful stop, status)."""
+"""The deployment stage's logic without a container: the role's jinja2 run config and each job's launch
+description and systemd unit (rendered by a real ansible-playbook run of the role's own tasks; the run config
+read by the trainer's own loader), input validation, the run controller's preflight checks, and its process
+supervisor (restart with --resume, graceful stop, status) of the dflash-run package the trainer wheel ships."""
 
 from __future__ import annotations
 
@@ -16,29 +17,38 @@ from pathlib import Path
 
 import pytest
 import yaml
+from dflash_run import preflight, procs, status, supervise
+from dflash_run.jobs import EVAL, REGENERATE, TRAIN
 
 REPO = Path(__file__).resolve().parents[1]
 ROLE = REPO / "ansible" / "roles" / "training_run"
-sys.path.insert(0, str(ROLE / "files"))
-
-from dflash_run import preflight, procs, status, supervise
 
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+CLI = [str(Path(sys.executable).parent / "dflash-run")]  # the trainer wheel's entry point, as the containers run it
 
 
 # ---- rendering: the role's templates through ansible-playbook ---------------------------------------
 def render(tmp_path: Path, **overrides) -> subprocess.CompletedProcess:
-    """Run the role's validate.yml and its two templates on localhost with the defaults + overrides."""
+    """Run the role's validate.yml and its templates on localhost with the defaults + overrides: run.toml, and
+    <job>/launch.json and <job>/dflash-job.service for each job deploy renders."""
+    each = {"training_run_each_job": "{{ item.0 }}"}
     play = [{
         "hosts": "localhost", "connection": "local", "gather_facts": False,
-        # the role's defaults and those of its dependency, the `training` role (training_venv_path, ...)
-        "vars_files": [str(ROLE.parent / "training" / "defaults" / "main.yml"), str(ROLE / "defaults" / "main.yml")],
+        # the role's defaults and vars, and the defaults of its dependency, the `training` role (training_venv_path, ...)
+        "vars_files": [str(ROLE.parent / "training" / "defaults" / "main.yml"), str(ROLE / "defaults" / "main.yml"),
+                       str(ROLE / "vars" / "main.yml")],
         "vars": {"ansible_python_interpreter": sys.executable, "training_run_supervisor_kind": "process"},
         "tasks": [
             {"name": "validate", "ansible.builtin.include_tasks": str(ROLE / "tasks" / "validate.yml")},
-            {"name": "render", "ansible.builtin.template": {"src": str(ROLE / "templates" / "{{ item }}.j2"),
-                                                            "dest": str(tmp_path / "{{ item }}"), "mode": "0644"},
-             "loop": ["run.toml", "launch.json", "dflash-train.service"]},
+            {"name": "run config", "ansible.builtin.template": {"src": str(ROLE / "templates" / "run.toml.j2"),
+                                                                "dest": str(tmp_path / "run.toml"), "mode": "0644"}},
+            {"name": "job folders", "ansible.builtin.file": {"path": str(tmp_path / "{{ item }}"), "state": "directory",
+                                                             "mode": "0755"},
+             "loop": "{{ training_run_deployed_jobs }}"},
+            {"name": "jobs", "ansible.builtin.template": {"src": str(ROLE / "templates" / "{{ item.1 }}.j2"),
+                                                          "dest": str(tmp_path / "{{ item.0 }}" / "{{ item.1 }}"),
+                                                          "mode": "0644"},
+             "vars": each, "loop": "{{ training_run_deployed_jobs | product(['launch.json', 'dflash-job.service']) }}"},
         ],
     }]
     (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
@@ -68,18 +78,62 @@ def test_run_config_renders_for_the_trainer(tmp_path):
     assert cfg.data.train == ["/srv/d/data/a.jsonl", "org/ds"] and cfg.data.eval == []
     assert cfg.train.compile_cache_dir == "/srv/d/compile-cache"
     assert (cfg.train.steps, cfg.train.lr, cfg.drafter.mask_token_id, cfg.eval.prompts) == (2000, 6e-4, 151669, 8)
-    launch = json.loads((tmp_path / "launch.json").read_text())
+    launch = json.loads((tmp_path / "train" / "launch.json").read_text())
     # T + D = 8 ranks: torchrun from the environment's bin, the trainer module, the rendered config
+    assert launch["job"] == "train"
     assert launch["argv"][:4] == ["/opt/venv/bin/torchrun", "--standalone", "--nproc-per-node", "8"]
     assert launch["argv"][4:] == ["-m", "dflash_trainer.train", "--config", "/srv/d/runs/qwen3-8b/run.toml",
                                   "--output-dir", "/srv/d/runs/qwen3-8b"]
     assert launch["env"] == {"HF_HOME": "/srv/d/hf"} and launch["max_restarts"] == 3
-    unit = (tmp_path / "dflash-train.service").read_text().splitlines()
-    # systemd restarts the supervisor (which always resumes); SIGTERM goes to it alone (graceful stop)
-    for line in ("ExecStart=/opt/venv/bin/python -m dflash_run run --run-dir /srv/d/runs/qwen3-8b",
-                 "Environment=PYTHONPATH=/opt/dflash/lib", "Restart=on-failure", "KillMode=mixed",
+    unit = (tmp_path / "train" / "dflash-job.service").read_text().splitlines()
+    # systemd restarts the supervisor (the venv's dflash-run, which always resumes); SIGTERM goes to it alone
+    for line in ("ExecStart=/opt/venv/bin/dflash-run run --run-dir /srv/d/runs/qwen3-8b --job train",
+                 "Restart=on-failure", "KillMode=mixed", "SyslogIdentifier=dflash-train-qwen3-8b",
                  "RequiresMountsFor=/srv/d/runs/qwen3-8b", "StartLimitBurst=4", "TimeoutStopSec=930"):
         assert line in unit
+    assert not any("PYTHONPATH" in line for line in unit)
+    # no regeneration prompts: deploy leaves the regeneration out
+    assert (tmp_path / "eval" / "launch.json").is_file() and not (tmp_path / "regenerate").exists()
+
+
+def test_regenerate_and_eval_jobs_render(tmp_path):
+    proc = render(tmp_path, training_run_root="/srv/d", training_run_target_path="/srv/d/models/Qwen3-8B",
+                  training_run_target_gpus=5, training_run_drafter_gpus=3,
+                  training_run_regenerate_data=["/srv/d/data/chats-*.jsonl", "org/ds"],
+                  training_run_regenerate_args=["--max-new-tokens", "2048"],
+                  training_run_eval_prompts=["/srv/d/data/mt-bench.jsonl"], training_run_eval_args=["--limit", "80"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    regen = json.loads((tmp_path / "regenerate" / "launch.json").read_text())
+    # one process per GPU of the run (5 + 3), the run's target answers, shards on the persistent storage
+    assert regen["job"] == "regenerate" and regen["max_restarts"] == 3
+    assert regen["argv"] == ["/opt/venv/bin/torchrun", "--standalone", "--nproc-per-node", "8",
+                             "-m", "dflash_trainer.regenerate", "--target", "/srv/d/models/Qwen3-8B",
+                             "--data", "/srv/d/data/chats-*.jsonl", "org/ds", "--out", "/srv/d/regen/default",
+                             "--max-new-tokens", "2048"]
+    ev = json.loads((tmp_path / "eval" / "launch.json").read_text())
+    # one process on one GPU; a failure is not retried (the same inputs fail the same way)
+    assert ev["job"] == "eval" and ev["max_restarts"] == 0
+    assert ev["argv"] == ["/opt/venv/bin/python", "-m", "dflash_trainer.eval_cli", "--run", "/srv/d/runs/default",
+                          "--out", "/srv/d/runs/default/eval", "--device", "cuda",
+                          "--prompts", "/srv/d/data/mt-bench.jsonl", "--limit", "80"]
+    units = {job: (tmp_path / job / "dflash-job.service").read_text().splitlines() for job in ("regenerate", "eval")}
+    assert "ExecStart=/opt/venv/bin/dflash-run run --run-dir /srv/d/regen/default --job regenerate" in units["regenerate"]
+    assert "Restart=on-failure" in units["regenerate"] and "SyslogIdentifier=dflash-regenerate-default" in units["regenerate"]
+    assert "Restart=no" in units["eval"] and not any(x.startswith("StartLimitBurst") for x in units["eval"])
+    # the jobs' names, commands and directories the controller knows are the ones the role renders
+    for job, launch in ((REGENERATE, regen), (EVAL, ev)):
+        assert job.matches(launch["argv"]) and not TRAIN.matches(launch["argv"])
+        assert procs.Proc(1, launch["argv"], "/", job).output_dir() == Path(
+            {"regenerate": "/srv/d/regen/default", "eval": "/srv/d/runs/default/eval"}[job.name])
+
+
+def test_cpu_jobs_are_single_processes(tmp_path):
+    proc = render(tmp_path, training_run_target_path="/m", training_run_device="cpu", training_run_drafter_gpus=2,
+                  training_run_regenerate_data=["/d.jsonl"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    regen = json.loads((tmp_path / "regenerate" / "launch.json").read_text())["argv"]
+    assert regen[:3] == ["/opt/venv/bin/python", "-m", "dflash_trainer.regenerate"]
+    assert json.loads((tmp_path / "eval" / "launch.json").read_text())["argv"][-2:] == ["--device", "cpu"]
 
 
 def test_single_rank_run_is_one_process(tmp_path):
@@ -89,20 +143,22 @@ def test_single_rank_run_is_one_process(tmp_path):
                   training_run_python="/usr/bin/python3")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert load_config(str(tmp_path / "run.toml"), []).target.path == "embedded"
-    assert json.loads((tmp_path / "launch.json").read_text())["argv"][:3] == ["/usr/bin/python3", "-m",
-                                                                               "dflash_trainer.train"]
+    assert json.loads((tmp_path / "train" / "launch.json").read_text())["argv"][:3] == ["/usr/bin/python3", "-m",
+                                                                                         "dflash_trainer.train"]
 
 
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze is missing (Debian: systemd)")
 def test_systemd_unit_passes_systemd_analyze(tmp_path):
-    proc = render(tmp_path, training_run_target_path="embedded", training_run_python=sys.executable,
-                  training_run_output_dir=str(tmp_path), training_run_name="ci")
+    # ExecStart must name an executable that exists here: this venv's dflash-run
+    proc = render(tmp_path, training_run_target_path="/m", training_run_python=sys.executable,
+                  training_run_root=str(tmp_path), training_run_name="ci", training_run_regenerate_data=["/d.jsonl"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    unit = tmp_path / "dflash-train-ci.service"
-    (tmp_path / "dflash-train.service").rename(unit)
-    check = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60,
-                           check=False)
-    assert check.returncode == 0 and str(unit) not in check.stdout + check.stderr, check.stderr  # no complaint
+    for job in ("train", "regenerate", "eval"):
+        unit = tmp_path / f"dflash-{job}-ci.service"
+        (tmp_path / job / "dflash-job.service").rename(unit)
+        check = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60,
+                               check=False)
+        assert check.returncode == 0 and str(unit) not in check.stdout + check.stderr, check.stderr  # no complaint
 
 
 @pytest.mark.parametrize("bad, named", [
@@ -234,8 +290,7 @@ def test_gives_up_after_max_restarts(tmp_path):
 def test_detached_supervisor_stops_after_the_checkpoint_in_progress(tmp_path):
     run = tmp_path / "run"
     launch(run, SLOW_SAVE)
-    cli = [sys.executable, "-m", "dflash_run"]
-    env = dict(os.environ, PYTHONPATH=str(ROLE / "files"))
+    cli, env = CLI, dict(os.environ)
     assert subprocess.run([*cli, "start", "--run-dir", str(run)], env=env, timeout=30, check=False).returncode == 0
     assert wait_for(lambda: "saving" in (run / supervise.LOG).read_text())
     rep = status.report(run, None)
@@ -249,7 +304,7 @@ def test_detached_supervisor_stops_after_the_checkpoint_in_progress(tmp_path):
     # SIGTERM only reached the trainer once its checkpoint was complete
     assert float((run / "term-at").read_text()) >= float((run / "saved-at").read_text())
     rep = status.report(run, None)
-    assert rep["state"] == "stopped" and rep["last_checkpoint"] == 2 and rep["trainer_pids"] == []
+    assert rep["state"] == "stopped" and rep["last_checkpoint"] == 2 and rep["pids"] == []
     assert "stopping after the checkpoint in progress" in "\n".join(rep["log_tail"])
     assert "checkpoint:  step 2" in status.format_report(rep)
 
@@ -262,8 +317,7 @@ def test_a_killed_save_does_not_hold_up_the_stop(tmp_path):
     os.utime(stale, (time.time() - 60, time.time() - 60))
     launch(run, "import time; print('training', flush=True); time.sleep(120)")
     assert supervise.checkpoint_in_progress(run) and not supervise.checkpoint_in_progress(run, since=time.time())
-    cli = [sys.executable, "-m", "dflash_run"]
-    env = dict(os.environ, PYTHONPATH=str(ROLE / "files"))
+    cli, env = CLI, dict(os.environ)
     assert subprocess.run([*cli, "start", "--run-dir", str(run)], env=env, timeout=30, check=False).returncode == 0
     assert wait_for(lambda: "training" in (run / supervise.LOG).read_text())
     t0 = time.monotonic()
@@ -284,8 +338,8 @@ def test_foreground_trainer_is_found_and_stopped(tmp_path):
                               "--output-dir", str(run)])
     try:
         # until the child has exec'd: before that, its /proc/<pid>/cmdline is still the parent's
-        assert wait_for(lambda: procs.of_run(run, procs.training_processes()), timeout=10)
-        mine = procs.of_run(run, procs.training_processes())
+        assert wait_for(lambda: procs.of_run(run, procs.job_processes()), timeout=10)
+        mine = procs.of_run(run, procs.job_processes())
         assert [p.pid for p in mine] == [child.pid]
         (stale,) = preflight.check_stale(run, mine, "make train-stop")
         assert f"training process {child.pid} of this run" in stale.detail and f"kill {child.pid}" in stale.fix
@@ -311,10 +365,85 @@ def test_local_make_targets_without_inventory(tmp_path):
         st = make("train-status")
         assert st.returncode == 0 and "running (foreground, unsupervised)" in st.stdout and str(child.pid) in st.stdout
         logs = make("train-logs")
-        assert logs.returncode != 0 and "foreground `make train` printed to its terminal" in logs.stdout
+        assert logs.returncode != 0 and "printed to its terminal" in logs.stdout
         stop = make("train-stop")
         assert stop.returncode == 0 and "stopped 1 training process" in stop.stdout
         assert child.wait(timeout=20) == -signal.SIGTERM
         assert "state:       never started" in make("train-status").stdout
     finally:
         child.kill()
+
+
+# ---- the run controller as a package: the standard library only, jobs told apart ---------------------
+def test_controller_imports_with_the_standard_library_only():
+    """The containers run it even when the trainer's dependencies fail to import: no site-packages at all."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import dflash_run.cli, dflash_run.preflight; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names) - {'__main__'}))")
+    res = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(REPO / "dflash")], capture_output=True,
+                         text=True, check=False, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "['dflash_run']"
+
+
+def test_jobs_are_told_apart_by_their_command_lines():
+    torchrun = ["/opt/venv/bin/python", "/opt/venv/bin/torchrun", "--standalone", "--nproc-per-node", "8", "-m",
+                "dflash_trainer.regenerate", "--target", "/m", "--out", "/srv/regen"]
+    assert REGENERATE.matches(torchrun) and not TRAIN.matches(torchrun) and not EVAL.matches(torchrun)
+    assert procs.Proc(7, torchrun, "/", REGENERATE).output_dir() == Path("/srv/regen")
+    script = ["/opt/venv/bin/python", "/opt/venv/bin/dflash-eval", "--run", "r", "--out=r/eval"]
+    assert EVAL.matches(script) and procs.Proc(7, script, "/srv", EVAL).output_dir() == Path("/srv/r/eval")
+    # the controller itself (its unit's name), a shell mentioning the module, a checkout's path: none is a job
+    for argv in (["/opt/venv/bin/dflash-run", "preflight", "--unit", "dflash-train-default"],
+                 ["sh", "-c", "ps | grep dflash_trainer.train"], ["python", "/home/u/dflash-trainer/x.py"]):
+        assert not any(j.matches(argv) for j in (TRAIN, REGENERATE, EVAL))
+
+
+def test_preflight_needs_the_jobs_launch(tmp_path):
+    (missing,) = preflight.check_launch(tmp_path, REGENERATE)
+    assert missing.check == "launch" and "regeneration was not deployed" in missing.detail
+    assert "training_run_regenerate_data" in missing.fix
+    (tmp_path / supervise.LAUNCH).write_text(json.dumps({"job": "train", "argv": ["x"]}))
+    (other,) = preflight.check_launch(tmp_path, EVAL)
+    assert "describes the train job, not eval" in other.detail and "directory of its own" in other.fix
+    assert preflight.check_launch(tmp_path, TRAIN) == []
+    with pytest.raises(SystemExit, match="describes the train job, not eval"):
+        supervise.load_launch(tmp_path, EVAL)
+
+
+def test_stale_processes_of_any_job_block_a_start(tmp_path):
+    regen = procs.Proc(41, ["python", "-m", "dflash_trainer.regenerate", "--out", "/srv/regen"], "/", REGENERATE)
+    (p,) = preflight.check_stale(tmp_path, [regen], "make {job}-stop INVENTORY=inv.yml")
+    assert "regeneration process 41 of another job (/srv/regen) is still running" in p.detail
+    assert p.fix.startswith("make regenerate-stop INVENTORY=inv.yml, or `kill 41`")
+
+
+def test_a_regeneration_job_is_supervised_without_resume_flags(tmp_path):
+    """Regeneration resumes by itself when rerun: the supervisor adds nothing, restarts it, and logs it apart."""
+    run = tmp_path / "regen"
+    launch(run, FLAKY, job="regenerate")
+    assert supervise.run(run, restart=True, job=REGENERATE) == 0
+    assert (run / "attempt-0").read_text() == "" and (run / "attempt-1").read_text() == ""
+    log = (run / REGENERATE.log).read_text()
+    assert "regeneration failed (exit 3); restart 1/2 in 0 s\n" in log and not (run / TRAIN.log).exists()
+    st = supervise.read_state(run)
+    assert st["state"] == "finished" and st["job"] == "regenerate"
+
+
+def test_status_reports_each_jobs_progress(tmp_path):
+    regen = tmp_path / "regen"
+    (regen / "logs").mkdir(parents=True)
+    for i in range(3):
+        (regen / f"part-{i:05d}.jsonl").write_text("{}\n")
+    (regen / "summary.json").write_text(json.dumps({"prompts": 96, "answer_tokens": 4608,
+                                                    "this_run": {"tokens_per_s": 812.5}}))
+    text = status.format_report(status.report(regen, None, job=REGENERATE))
+    assert f"job:         regenerate in {regen}" in text and "state:       never started" in text
+    assert f"shards:      3 (data.train takes {regen}/part-*.jsonl)" in text
+    assert "summary:     96 prompts answered, 4608 answer tokens, 812.5 tok/s in the last run" in text
+    ev = tmp_path / "eval"
+    ev.mkdir()
+    assert "result:      none yet" in status.format_report(status.report(ev, None, job=EVAL))
+    (ev / "eval.json").write_text(json.dumps({"sets": {"held-out": {}}, "overall": {"prompts": 8, "tau": 2.4567,
+                                                                                   "speedup": 1.81}}))
+    assert (f"result:      tau 2.46, speedup 1.81x on 8 prompts (held-out): {ev}/eval.json, eval.png"
+            in status.format_report(status.report(ev, None, job=EVAL)))

@@ -11,7 +11,8 @@ differs from a real node, said plainly (the rest as in tests/test_deploy_contain
   mounted at /opt/dev-python (pyvenv.cfg `home` = this machine's Python, mounted read-only; site-packages =
   the dev venv's, in the repository, mounted read-only at its own path). A shim, because where this
   machine's Python is Debian's (/usr, as in CI) it cannot be mounted at its own path over the CT's /usr.
-  The CT's own Debian 13 libraries serve it and torch: no host library mount.
+  The CT's own Debian 13 libraries serve it and torch: no host library mount. The shim's bin/dflash-run is
+  the run controller's console script, written the way pip writes one.
 """
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.deploy import Site, out, venv_inputs, wait_for
+from tests.helpers.provision import REPO
 from tests.pve_testhost.templates import build_systemd_template
-from tests.test_deploy_container import Site, out, venv_inputs, wait_for
-from tests.test_provision_playbook import REPO
 
 pytest_plugins = ["tests.image_standins"]
 pytestmark = [pytest.mark.lxc, pytest.mark.slow]
@@ -56,6 +57,10 @@ def dev_python(work: Path) -> dict[str, str]:
     shim = work / "dev-python"
     (shim / "bin").mkdir(parents=True)
     (shim / "bin" / "python").symlink_to(at / exe.relative_to(base))
+    # the run controller's console script, as pip writes it into a venv's bin (the role calls bin/dflash-run)
+    ctl = shim / "bin" / "dflash-run"
+    ctl.write_text(f"#!{DEV_PYTHON}/bin/python\nimport sys\nfrom dflash_run.cli import main\nsys.exit(main())\n")
+    ctl.chmod(0o755)
     site_dir = shim / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
     site_dir.mkdir(parents=True)
     (site_dir / "site-packages").symlink_to(sysconfig.get_paths()["purelib"])
@@ -77,7 +82,7 @@ def trainer_pids(site: Site) -> list[int]:
 
 
 def starts(site: Site) -> list[str]:
-    """The run log, one piece per trainer start (dflash_run writes `[dflash_run ...] start: argv`)."""
+    """The run log, one piece per trainer start (dflash-run writes `[dflash_run ...] start: argv`)."""
     log = site.run_dir / "logs" / "train.log"
     return log.read_text().split("] start: ")[1:] if log.is_file() else []
 
@@ -140,7 +145,7 @@ def test_systemd_unit_train_restart_stop_resume(site):
 
     # ---- a failure: the trainer is killed (SIGKILL); systemd restarts it and it resumes from its checkpoint
     (pid,) = trainer_pids(site)
-    assert json.loads((site.run_dir / "supervisor.json").read_text())["trainer_pid"] == pid
+    assert json.loads((site.run_dir / "supervisor.json").read_text())["job_pid"] == pid
     assert site.exec("sh", "-c", 'kill -KILL "$1"', "sh", str(pid)).returncode == 0  # the shell's kill: no procps
     latest = int(os.readlink(site.run_dir / "checkpoints" / "latest").split("-")[1])  # the trainer's last one
     wait_for(lambda: len(starts(site)) == 2 and "resumed from" in starts(site)[1], 120, "the restart", site,

@@ -5,7 +5,7 @@ site's own. The venv path, the run root, the template and the trainer come from 
 default that one role changes and another does not follow breaks this test.
 
 What differs from a real site, said plainly:
-- the frozen template is a stand-in (build_frozen_template of tests/test_training_venv.py: the python test
+- the frozen template is a stand-in (build_frozen_template of tests/helpers/frozen.py: the python test
   template with /opt/venv built from the stand-in lock by the image stage's own rebuild command), put where
   `make image` writes it under the name image/build.py gives it;
 - the node is the PVE test host: one node, storage `local`, two stand-in GPUs, NVIDIA's stand-in installer
@@ -14,7 +14,6 @@ What differs from a real site, said plainly:
 from __future__ import annotations
 
 import filecmp
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,8 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_provision_playbook import REPO, recap
-from tests.test_training_venv import build_frozen_template
+from tests.helpers.deploy import make_with
+from tests.helpers.frozen import build_frozen_template
+from tests.helpers.provision import REPO, recap
 
 pytest_plugins = ["tests.image_standins"]
 pytestmark = [pytest.mark.lxc, pytest.mark.slow]
@@ -62,16 +62,7 @@ class Site:
         self.image_out = root / "build" / "image"  # {{ inventory_dir }}/../../build/image, as in the repository
 
     def make(self, *targets: str, timeout: int = 600) -> subprocess.CompletedProcess:
-        env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0", ANSIBLE_STDOUT_CALLBACK="default",
-                   ANSIBLE_LOCAL_TEMP=str(self.root / "tmp"), ANSIBLE_HOME=str(self.root / "ansible-home"),
-                   PROXMOX_PASSWORD=self.host.root_password)  # the secret from the environment
-        for key in ("PROXMOX_TOKEN_ID", "PROXMOX_TOKEN_SECRET", "MAKEFLAGS", "INVENTORY"):
-            env.pop(key, None)
-        proc = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", *targets,
-                               f"INVENTORY={self.dir / 'hosts.yml'}"], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=timeout, check=False)
-        assert self.host.root_password not in proc.stdout + proc.stderr, "a secret was printed"
-        return proc
+        return make_with(self.host, self.dir / "hosts.yml", self.root, *targets, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

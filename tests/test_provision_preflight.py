@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.provision import Provision, api_writes, failure_text
 from tests.pve_testhost.templates import build_test_template
-from tests.test_provision_playbook import Provision, api_writes, failure_text
 
 pytestmark = [pytest.mark.lxc, pytest.mark.slow]
 

@@ -14,22 +14,20 @@ import base64
 import json
 import re
 import shutil
-import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
 from dflash_image import commands
 
+from tests.helpers.frozen import VENV, build_frozen_template
+from tests.helpers.provision import REPO, Provision, failure_text, recap
 from tests.pve_testhost.templates import build_test_template
-from tests.test_provision_playbook import REPO, Provision, failure_text, recap
 
 pytest_plugins = ["tests.image_standins"]  # the stand-in index, lock and wheelhouse fixtures
 pytestmark = [pytest.mark.lxc, pytest.mark.slow]
 
-VENV = "/opt/venv"
 STOCK, FROZEN = 9111, 9112
-FROZEN_TEMPLATE = "debian-12-testhost-trainenv_1.0-1_amd64.tar.zst"
 
 
 # ---- fixtures --------------------------------------------------------------------------------------
@@ -166,36 +164,6 @@ def test_stock_planted_drift_is_reported_with_the_fix_then_fixed(stock, vprov, i
 
 
 # ---- frozen template: the venv is already there, only the doctor runs --------------------------------
-def build_frozen_template(dest: Path, inputs: dict) -> Path:
-    """A stand-in for the frozen template (`make image`): the python test template with the venv built at
-    /opt/venv by the command image/Dockerfile runs, in a chroot of the rootfs instead of a docker build."""
-    root = dest / "rootfs"
-    root.mkdir(parents=True)
-    subprocess.run(["tar", "--zstd", "-xf", build_test_template(python=True), "-C", root], check=True)
-    build = root / "build"
-    shutil.copytree(inputs["training_venv_lock_dir"], build / "lock")
-    shutil.copytree(inputs["training_venv_wheelhouse"], build / "wheelhouse")
-    shutil.copytree(REPO / "image", build / "dflash_image", ignore=shutil.ignore_patterns("__pycache__", "env"))
-    wheel = Path(inputs["training_venv_trainer_wheel"])
-    (build / "trainer").mkdir()
-    shutil.copy2(wheel, build / "trainer" / wheel.name)
-    shutil.copy2(inputs["training_venv_uv"], build / "uv")
-    # A private mount namespace: /proc and /dev for uv inside the chroot, gone when it exits.
-    script = ('mount -t proc proc "$1/proc" && mount --rbind /dev "$1/dev" && exec chroot "$1" /usr/bin/python3 '
-              f"-m dflash_image.rebuild --venv {VENV} --lock /build/lock --wheelhouse /build/wheelhouse "
-              f"--trainer-wheel /build/trainer/{wheel.name} --python /usr/bin/python3 --uv /build/uv")
-    res = subprocess.run(["unshare", "--mount", "--propagation", "private", "--fork", "sh", "-c", script, "sh", root],
-                         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "PYTHONPATH": "/build"},
-                         capture_output=True, text=True, check=False, timeout=300)
-    assert res.returncode == 0 and "CLEAN" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
-    shutil.rmtree(build)
-    out = dest / FROZEN_TEMPLATE
-    subprocess.run(["tar", "--zstd", "--numeric-owner", "--owner=0", "--group=0", "-cf", out, "-C", root, "."],
-                   check=True)
-    shutil.rmtree(root)
-    return out
-
-
 @pytest.fixture(scope="module")
 def frozen(vprov, inputs, tmp_path_factory):
     template = build_frozen_template(tmp_path_factory.mktemp("frozen"), inputs)

@@ -16,8 +16,6 @@ HOTPLUG = {"memory", "swap", "cores", "cpulimit", "cpuunits", "onboot", "startup
            "description", "protection", "hostname"}
 # Keys whose indexed families we own completely: extra netN / devN entries are deleted.
 OWNED_FAMILIES = ("net", "dev")
-BOOL_KEYS = {"onboot", "unprivileged", "protection"}
-DEFAULT_KEYS = {"net": None, "dev": "path", "rootfs": "volume", "mp": "volume"}
 DNS_NAME = re.compile(r"^(?=.{1,255}$)[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?(\.[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?)*$")
 SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)$")
 MODE = re.compile(r"^0[0-7]{3}$")

@@ -111,41 +111,36 @@ pending: {description: Changes PVE reports as pending (need a reboot)., type: li
 status: {description: Container status afterwards (running, stopped, absent in check mode)., type: str, returned: always}
 """
 
-from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.dflash.proxmox.plugins.module_utils import pve_config as cfgmod
 from ansible_collections.dflash.proxmox.plugins.module_utils.pve_api import (
-    AUTH_ARGSPEC,
-    SSH_ARGSPEC,
     PveClient,
     PveError,
     ResourceException,
     TaskFailed,
 )
+from ansible_collections.dflash.proxmox.plugins.module_utils.pve_module import run_module
 
-
-def argument_spec():
-    spec = dict(AUTH_ARGSPEC, **SSH_ARGSPEC)
-    spec.update(
-        vmid={"type": "str", "required": True},
-        hostname={"type": "str", "required": True},
-        state={"type": "str", "default": "started", "choices": ["present", "started", "stopped", "restarted"]},
-        template={"type": "str"},
-        storage={"type": "str", "default": "local-lvm"},
-        disk_gb={"type": "float", "default": 8},
-        cores={"type": "int"}, memory={"type": "int"}, swap={"type": "int"},
-        cpulimit={"type": "float"}, cpuunits={"type": "int"},
-        netif={"type": "list", "elements": "raw", "default": []},
-        features={"type": "dict", "default": {}},
-        devices={"type": "list", "elements": "raw", "default": []},
-        unprivileged={"type": "bool", "default": True},
-        onboot={"type": "bool"}, startup={"type": "str"}, tags={"type": "list", "elements": "str"},
-        nameserver={"type": "str"}, searchdomain={"type": "str"}, timezone={"type": "str"},
-        ostype={"type": "str"}, arch={"type": "str"},
-        password={"type": "str", "no_log": True}, ssh_public_keys={"type": "str"},
-        reboot_for_pending={"type": "bool", "default": True},
-        template_uploading={"type": "bool", "default": False},
-    )
-    return spec
+# This module's own options (run_module adds the connection options every module takes).
+OPTIONS = {
+    "vmid": {"type": "str", "required": True},
+    "hostname": {"type": "str", "required": True},
+    "state": {"type": "str", "default": "started", "choices": ["present", "started", "stopped", "restarted"]},
+    "template": {"type": "str"},
+    "storage": {"type": "str", "default": "local-lvm"},
+    "disk_gb": {"type": "float", "default": 8},
+    "cores": {"type": "int"}, "memory": {"type": "int"}, "swap": {"type": "int"},
+    "cpulimit": {"type": "float"}, "cpuunits": {"type": "int"},
+    "netif": {"type": "list", "elements": "raw", "default": []},
+    "features": {"type": "dict", "default": {}},
+    "devices": {"type": "list", "elements": "raw", "default": []},
+    "unprivileged": {"type": "bool", "default": True},
+    "onboot": {"type": "bool"}, "startup": {"type": "str"}, "tags": {"type": "list", "elements": "str"},
+    "nameserver": {"type": "str"}, "searchdomain": {"type": "str"}, "timezone": {"type": "str"},
+    "ostype": {"type": "str"}, "arch": {"type": "str"},
+    "password": {"type": "str", "no_log": True}, "ssh_public_keys": {"type": "str"},
+    "reboot_for_pending": {"type": "bool", "default": True},
+    "template_uploading": {"type": "bool", "default": False},
+}
 
 
 class Lxc:
@@ -360,16 +355,15 @@ def _with_size(rootfs, gib):
     return cfgmod.build_propstring(props, "volume")
 
 
-def main():
-    module = AnsibleModule(argument_spec=argument_spec(), supports_check_mode=True)
-    lxc = Lxc(module)
+def run(module):
     try:
-        result = lxc.run()
-    except (PveError, cfgmod.ConfigError) as exc:
-        msg = getattr(exc, "msg", str(exc))
-        module.fail_json(msg=msg, **{k: v for k, v in getattr(exc, "details", {}).items()
-                                     if k in ("task_log", "upid")})
-    module.exit_json(**result)
+        return Lxc(module).run()
+    except cfgmod.ConfigError as exc:  # a bad input, in words: failed like the API's refusals
+        raise PveError(str(exc)) from exc
+
+
+def main():
+    run_module(run, OPTIONS)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Training processes on this machine, found through /proc (no psutil in the frozen environment)."""
+"""The job processes on this machine (training, regeneration, evaluation), found through /proc (no psutil in
+the frozen environment)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# What a training process has on its command line: the module, torchrun's -m form, or the console script.
-MARKERS = ("dflash_trainer.train", "dflash-train")
+from .jobs import Job, job_of
 
 
 @dataclass(frozen=True)
@@ -15,13 +15,15 @@ class Proc:
     pid: int
     argv: list[str]
     cwd: str
+    job: Job
 
     def output_dir(self) -> Path | None:
-        """The run directory it writes to (--output-dir), resolved against its working directory."""
+        """The directory it writes to (its job's --output-dir or --out), resolved against its working directory."""
+        flag = self.job.dir_flag
         for i, arg in enumerate(self.argv):
-            if arg == "--output-dir" and i + 1 < len(self.argv):
+            if arg == flag and i + 1 < len(self.argv):
                 value = self.argv[i + 1]
-            elif arg.startswith("--output-dir="):
+            elif arg.startswith(flag + "="):
                 value = arg.split("=", 1)[1]
             else:
                 continue
@@ -29,7 +31,8 @@ class Proc:
         return None
 
 
-def training_processes(proc_root: str | os.PathLike = "/proc", exclude: set[int] | None = None) -> list[Proc]:
+def job_processes(proc_root: str | os.PathLike = "/proc", exclude: set[int] | None = None) -> list[Proc]:
+    """Every process running one of the jobs: its module (python -m, torchrun -m) or console script."""
     exclude = (exclude or set()) | {os.getpid()}
     found = []
     for entry in Path(proc_root).iterdir():
@@ -40,15 +43,16 @@ def training_processes(proc_root: str | os.PathLike = "/proc", exclude: set[int]
             cwd = os.readlink(entry / "cwd") if (entry / "cwd").exists() else "/"
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        if any(m in a for a in argv for m in MARKERS) and not any("dflash_run" in a for a in argv):
-            found.append(Proc(int(entry.name), argv, cwd))
+        job = job_of(argv)
+        if job is not None:
+            found.append(Proc(int(entry.name), argv, cwd, job))
     return sorted(found, key=lambda p: p.pid)
 
 
-def of_run(run_dir: str | os.PathLike, procs: list[Proc]) -> list[Proc]:
-    """The processes writing to run_dir (torchrun and its workers all carry --output-dir)."""
+def of_run(run_dir: str | os.PathLike, procs: list[Proc], job: Job | None = None) -> list[Proc]:
+    """The processes (of `job`, if given) writing to run_dir (torchrun and its workers all carry the flag)."""
     want = Path(os.path.abspath(run_dir))
-    return [p for p in procs if p.output_dir() == want]
+    return [p for p in procs if p.output_dir() == want and job in (None, p.job)]
 
 
 def alive(pid: int) -> bool:

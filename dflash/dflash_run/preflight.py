@@ -1,12 +1,14 @@
-"""Preflight before a run starts: every check runs, each problem names itself and its fix.
+"""Preflight before a job starts: every check runs, each problem names itself and its fix.
 
-GPUs idle with memory free (nvidia-smi), no stale training process, disk space for checkpoints,
+GPUs idle with memory free (nvidia-smi), no job process left (training, regeneration or evaluation: each
+holds GPUs), disk space for checkpoints,
 the compile cache writable, and the run directory on persistent storage (a mount point outside the
 root filesystem, so `make rebuild` and re-creating the container keep outputs and checkpoints).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import procs as procs_mod
+from .jobs import REGENERATE, TRAIN, Job
+from .supervise import LAUNCH
 
 GPU_QUERY = ["nvidia-smi", "--query-gpu=index,memory.used,memory.total,utilization.gpu",
              "--format=csv,noheader,nounits"]
@@ -54,7 +58,8 @@ def check_gpus(gpu_csv: str, apps_csv: str, need: int, max_used_mib: int) -> lis
         if used > max_used_mib:
             problems.append(Problem("gpus", f"GPU {index} has {used} MiB of {total} MiB in use (more than "
                                     f"{max_used_mib} MiB): something else runs on it",
-                                    "stop it (make train-stop, or the process nvidia-smi lists), then retry"))
+                                    "stop it (make train-stop, regenerate-stop or eval-stop, or the process "
+                                    "nvidia-smi lists), then retry"))
     for row in _rows(apps_csv):
         problems.append(Problem("gpus", f"process {row[0]} ({row[1] if len(row) > 1 else '?'}) holds GPU memory",
                                 f"stop it (kill {row[0]}) or wait for it to end"))
@@ -79,13 +84,17 @@ def query_gpus(need: int, max_used_mib: int) -> list[Problem]:
 
 
 def check_stale(run_dir: Path, found: list[procs_mod.Proc], stop_hint: str) -> list[Problem]:
-    """Any training process is in the way: it holds GPUs, or it writes this run's checkpoints."""
+    """Any job process is in the way: it holds GPUs, or it writes this job's directory.
+
+    stop_hint says how to stop one, `{job}` standing for its job (make {job}-stop)."""
     problems = []
     for p in found:
         mine = p.output_dir() == Path(os.path.abspath(run_dir))
-        what = "this run" if mine else f"another run ({p.output_dir() or 'unknown output dir'})"
-        problems.append(Problem("processes", f"training process {p.pid} of {what} is still running: "
-                                f"{' '.join(p.argv)[:200]}", f"{stop_hint}, or `kill {p.pid}` (SIGTERM, graceful)"))
+        what = f"this {'run' if p.job is TRAIN else 'job'}" if mine else \
+            f"another {'run' if p.job is TRAIN else 'job'} ({p.output_dir() or 'unknown output dir'})"
+        problems.append(Problem("processes", f"{p.job.what} process {p.pid} of {what} is still running: "
+                                f"{' '.join(p.argv)[:200]}",
+                                f"{stop_hint.format(job=p.job.name)}, or `kill {p.pid}` (SIGTERM, graceful)"))
     return problems
 
 
@@ -153,13 +162,31 @@ def check_config(config: Path) -> list[Problem]:
     return []
 
 
+def check_launch(run_dir: Path, job: Job) -> list[Problem]:
+    """`make deploy` wrote this job's launch.json (what the supervisor starts)."""
+    try:
+        launch = json.loads((run_dir / LAUNCH).read_text())
+    except OSError:
+        return [Problem("launch", f"no {run_dir / LAUNCH}: the {job.what} was not deployed",
+                        "make deploy (with the same INVENTORY)" + (", after setting training_run_regenerate_data"
+                                                                   if job is REGENERATE else ""))]
+    except ValueError as exc:
+        return [Problem("launch", f"{run_dir / LAUNCH} is not JSON ({exc})", "make deploy again")]
+    if launch.get("job", TRAIN.name) != job.name:
+        return [Problem("launch", f"{run_dir / LAUNCH} describes the {launch.get('job')} job, not {job.name}",
+                        "give each job a directory of its own (training_run_output_dir, training_run_regenerate_out, "
+                        "training_run_eval_out), then make deploy")]
+    return []
+
+
 def run_all(run_dir: Path, cache_dir: Path, gpus: int, min_free_gb: float, max_used_mib: int,
-            require_mount: bool, config: Path | None, stop_hint: str) -> list[Problem]:
-    problems = []
+            require_mount: bool, config: Path | None, stop_hint: str, job: Job | None = None) -> list[Problem]:
+    """Every check; `job`: also check that job's launch.json (the containers' jobs, which deploy describes)."""
+    problems = [] if job is None else check_launch(run_dir, job)
     if config is not None:
         problems += check_config(config)
     problems += query_gpus(gpus, max_used_mib)
-    problems += check_stale(run_dir, procs_mod.training_processes(), stop_hint)
+    problems += check_stale(run_dir, procs_mod.job_processes(), stop_hint)
     problems += check_writable(run_dir, "run directory")
     problems += check_writable(cache_dir, "compile cache directory")
     problems += check_disk(run_dir, min_free_gb)

@@ -1,4 +1,7 @@
-"""python -m dflash_run {preflight,run,start,stop,status,logs} --run-dir DIR ... (see the package docstring)."""
+"""dflash-run {preflight,run,start,stop,status,logs} --run-dir DIR [--job train|regenerate|eval] ...
+
+(python -m dflash_run is the same; see the package docstring.)
+"""
 
 from __future__ import annotations
 
@@ -9,24 +12,28 @@ import time
 from pathlib import Path
 
 from . import preflight, status, supervise
+from .jobs import JOBS
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash_run", description=__doc__)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="dflash-run", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--run-dir", type=Path, required=True, help="the run's output directory")
-    common.add_argument("--unit", help="the systemd unit of the run (production), if any")
+    common.add_argument("--run-dir", type=Path, required=True,
+                        help="the job's directory: the run's output directory, regeneration's or evaluation's --out")
+    common.add_argument("--job", choices=list(JOBS), default="train", help="which job (default: train)")
+    common.add_argument("--unit", help="the systemd unit of the job (production), if any")
     pf = sub.add_parser("preflight", parents=[common], help="check before starting; exit 1 with the problems")
     pf.add_argument("--cache-dir", type=Path, required=True)
     pf.add_argument("--gpus", type=int, default=0, help="GPUs the run needs (0: a CPU run)")
     pf.add_argument("--min-free-gb", type=float, default=20)
     pf.add_argument("--max-used-mib", type=int, default=500, help="memory in use above which a GPU is busy")
     pf.add_argument("--require-mount", action="store_true", help="the run dir must be outside the root fs")
+    pf.add_argument("--require-launch", action="store_true", help="the job's launch.json must be there (deployed)")
     pf.add_argument("--config", type=Path, help="the rendered run config, loaded by the trainer's own loader")
-    pf.add_argument("--stop-hint", default="make train-stop")
+    pf.add_argument("--stop-hint", default="make {job}-stop", help="how to stop a job; {job} stands for its name")
     pf.add_argument("--json", action="store_true")
-    r = sub.add_parser("run", parents=[common], help="run the trainer in the foreground (systemd's ExecStart)")
+    r = sub.add_parser("run", parents=[common], help="run the job in the foreground (systemd's ExecStart)")
     r.add_argument("--restart", action="store_true", help="restart after failures itself (no systemd)")
     sub.add_parser("start", parents=[common], help="start the detached process supervisor (no systemd)")
     sp = sub.add_parser("stop", parents=[common], help="graceful stop")
@@ -35,12 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--json", action="store_true")
     lg = sub.add_parser("logs", parents=[common])
     lg.add_argument("-n", "--lines", type=int, default=50)
-    lg.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
-    a = ap.parse_args(argv)
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    job = JOBS[a.job]
 
     if a.cmd == "preflight":
         problems = preflight.run_all(a.run_dir, a.cache_dir, a.gpus, a.min_free_gb, a.max_used_mib,
-                                     a.require_mount, a.config, a.stop_hint)
+                                     a.require_mount, a.config, a.stop_hint, job if a.require_launch else None)
         if a.json:
             print(json.dumps([p.__dict__ for p in problems]))
         elif problems:
@@ -49,29 +61,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"preflight: ok ({a.run_dir})")
         return 1 if problems else 0
     if a.cmd == "run":
-        return supervise.run(a.run_dir, a.restart)
+        return supervise.run(a.run_dir, a.restart, job)
     if a.cmd == "start":
-        return supervise.start_detached(a.run_dir)
+        return supervise.start_detached(a.run_dir, job)
     if a.cmd == "stop":
-        return supervise.stop(a.run_dir, a.unit, a.timeout)
+        return supervise.stop(a.run_dir, a.unit, a.timeout, job)
     if a.cmd == "status":
-        rep = status.report(a.run_dir, a.unit)
+        rep = status.report(a.run_dir, a.unit, job=job)
         print(json.dumps(rep, indent=1) if a.json else status.format_report(rep))
         return 0
-    if a.cmd == "logs":
-        return logs(a.run_dir, a.lines, a.follow, a.unit)
-    return 2
+    return logs(a.run_dir, a.lines, a.follow, a.unit, job.log)
 
 
-def logs(run_dir: Path, lines: int, follow: bool, unit: str | None = None) -> int:
-    path = Path(supervise.read_state(run_dir.absolute()).get("log") or run_dir / supervise.LOG)
+def logs(run_dir: Path, lines: int, follow: bool, unit: str | None = None, log: str = supervise.LOG) -> int:
+    path = Path(supervise.read_state(run_dir.absolute()).get("log") or run_dir / log)
     # Under systemd, what systemd itself says about the unit (exits, restarts, a unit that never started).
     journal = supervise.unit_journal(unit, min(lines, 20)) if unit else []
     said = "".join(f"\n  {x}" for x in journal)
     said = f"systemd about {unit} (all of it: journalctl -u {unit}):{said}" if said else ""
     if not path.is_file():
-        print(f"no log at {path}: the run was never started detached (make train with INVENTORY), or a "
-              "foreground `make train` printed to its terminal" + (f"\n{said}" if said else ""))
+        print(f"no log at {path}: the job was never started detached (with INVENTORY), or it ran in the "
+              "foreground (`make train` without INVENTORY) and printed to its terminal" + (f"\n{said}" if said else ""))
         return 1
     print("\n".join(status.tail(path, lines)))
     if not follow:
@@ -89,7 +99,3 @@ def logs(run_dir: Path, lines: int, follow: bool, unit: str | None = None) -> in
             if supervise.read_state(run_dir.absolute()).get("state") not in ("running", "restarting", "starting"):
                 return 0
             time.sleep(0.5)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,11 @@
-"""Run the trainer supervised: resume from the last checkpoint, restart after a failure, stop gracefully.
+"""Run a job supervised: resume where it stopped, restart after a failure, stop gracefully.
 
-Two supervisors share this code. Production: a systemd unit inside the container runs `dflash_run run`
+Two supervisors share this code. Production: a systemd unit inside the container runs `dflash-run run`
 (systemd restarts it, journald keeps its output). Containers without systemd (busybox init, the test
-host's CTs): `dflash_run start` detaches a process supervisor that does the same restarts itself.
-Either way the trainer always starts with --resume, so a restart continues from the last checkpoint,
-and its output goes to stdout (journald) and to the run's log file.
+host's CTs): `dflash-run start` detaches a process supervisor that does the same restarts itself.
+Either way the trainer always starts with --resume, so a restart continues from the last checkpoint
+(regeneration skips what it answered by itself), and the job's output goes to stdout (journald) and to
+its log file.
 
 Graceful stop: SIGTERM to the supervisor waits until no checkpoint is being written (the trainer's
 checkpoints appear atomically from a .tmp-step-* directory), then sends SIGTERM to the trainer's
@@ -23,22 +24,29 @@ import threading
 import time
 from pathlib import Path
 
-from .procs import alive, started_at
+from .jobs import JOBS, TRAIN, Job
+from .procs import alive, job_processes, of_run, started_at
 
-LAUNCH = "launch.json"  # written by `make deploy`: the trainer's argv and the restart policy
+LAUNCH = "launch.json"  # written by `make deploy`: the job, its argv and the restart policy
 STATE = "supervisor.json"
-LOG = "logs/train.log"
+LOG = TRAIN.log
 
 
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def load_launch(run_dir: Path) -> dict:
+def load_launch(run_dir: Path, job: Job | None = None) -> dict:
+    """launch.json; refused when it is another job's (`job`: the one the caller means)."""
     path = run_dir / LAUNCH
     if not path.is_file():
         raise SystemExit(f"no {path}: run `make deploy` first (it writes the run configuration)")
     launch = json.loads(path.read_text())
+    kind = launch.setdefault("job", TRAIN.name)
+    if kind not in JOBS:
+        raise SystemExit(f"{path} names the job {kind!r}, which is none of {', '.join(JOBS)}: run `make deploy` again")
+    if job is not None and kind != job.name:
+        raise SystemExit(f"{path} describes the {kind} job, not {job.name}: give the {job.name} job's directory")
     launch.setdefault("max_restarts", 3)
     launch.setdefault("restart_delay_s", 10)
     launch.setdefault("stop_timeout_s", 600)
@@ -106,14 +114,15 @@ def graceful_kill(pgid: int, run_dir: Path, timeout_s: float, since: float = 0.0
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path, restart: bool):
+    def __init__(self, run_dir: Path, restart: bool, job: Job | None = None):
         self.run_dir = run_dir.absolute()
-        self.launch = load_launch(self.run_dir)
+        self.launch = load_launch(self.run_dir, job)
+        self.job = JOBS[self.launch["job"]]
         self.restart = restart
         self.stopping = threading.Event()
         self.child: subprocess.Popen | None = None
         self.child_started = 0.0
-        self.log_path = self.run_dir / LOG
+        self.log_path = self.run_dir / self.job.log
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
 
     def on_signal(self, signum, _frame) -> None:
@@ -134,8 +143,8 @@ class Supervisor:
         sys.stdout.write(line)
         sys.stdout.flush()
 
-    def run_trainer(self) -> int:
-        argv = list(self.launch["argv"]) + ["--resume"]
+    def run_job(self) -> int:
+        argv = list(self.launch["argv"]) + list(self.job.resume_args)
         env = dict(os.environ, **self.launch.get("env", {}), PYTHONUNBUFFERED="1")
         self.note("start: " + " ".join(argv))
         self.child_started = time.time()
@@ -143,23 +152,24 @@ class Supervisor:
         self.child = subprocess.Popen(argv, cwd=self.run_dir, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1,
                                       errors="replace")
-        self.state("running", trainer_pid=self.child.pid)
+        self.state("running", job_pid=self.child.pid)
         for line in self.child.stdout:
             self.emit(line)
         return self.child.wait()
 
     def state(self, state: str, **extra) -> None:
-        write_state(self.run_dir, state=state, pid=os.getpid(), restarts=self.restarts, log=str(self.log_path),
-                    supervisor=self.launch.get("supervisor", "process"), **extra)
+        write_state(self.run_dir, state=state, job=self.job.name, pid=os.getpid(), restarts=self.restarts,
+                    log=str(self.log_path), supervisor=self.launch.get("supervisor", "process"), **extra)
 
     def loop(self) -> int:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         self.restarts = 0
         while True:
-            rc = self.run_trainer()
+            rc = self.run_job()
+            noun = self.job.noun
             if self.stopping.is_set():
-                self.note(f"stopped (trainer exit {rc}); `make train` resumes from the last checkpoint")
+                self.note(f"stopped ({noun} exit {rc}); {self.job.again}")
                 self.state("stopped", rc=rc)
                 return 0
             if rc == 0:
@@ -167,32 +177,33 @@ class Supervisor:
                 self.state("finished", rc=0)
                 return 0
             if not self.restart or self.restarts >= self.launch["max_restarts"]:
-                self.note(f"trainer failed (exit {rc})" + ("" if not self.restart else
+                self.note(f"{noun} failed (exit {rc})" + ("" if not self.restart else
                           f" after {self.restarts} restarts; giving up"))
                 self.state("failed", rc=rc)
                 return rc
             self.restarts += 1
-            self.note(f"trainer failed (exit {rc}); restart {self.restarts}/{self.launch['max_restarts']} in "
-                      f"{self.launch['restart_delay_s']} s from the last checkpoint")
+            self.note(f"{noun} failed (exit {rc}); restart {self.restarts}/{self.launch['max_restarts']} in "
+                      f"{self.launch['restart_delay_s']} s" + (" from the last checkpoint" if self.job is TRAIN else ""))
             self.state("restarting", rc=rc)
             if self.stopping.wait(self.launch["restart_delay_s"]):
                 self.state("stopped", rc=rc)
                 return 0
 
 
-def run(run_dir: Path, restart: bool) -> int:
-    return Supervisor(run_dir, restart).loop()
+def run(run_dir: Path, restart: bool, job: Job | None = None) -> int:
+    return Supervisor(run_dir, restart, job).loop()
 
 
-def start_detached(run_dir: Path) -> int:
+def start_detached(run_dir: Path, job: Job = TRAIN) -> int:
     """The process supervisor, detached from the caller (double fork, new session): survives disconnects."""
     run_dir = run_dir.absolute()
-    load_launch(run_dir)  # fail here, in the caller, when the run was never deployed
+    load_launch(run_dir, job)  # fail here, in the caller, when the job was never deployed
     current = read_state(run_dir)
     if current.get("state") in ("running", "restarting") and alive(int(current.get("pid", 0))):
-        print(f"already running (supervisor pid {current['pid']}); make train-status / make train-stop")
+        print(f"already running (supervisor pid {current['pid']}); make {job.name}-status / make {job.name}-stop")
         return 1
-    write_state(run_dir, state="starting", pid=0, restarts=0, log=str(run_dir / LOG), supervisor="process")
+    write_state(run_dir, state="starting", job=job.name, pid=0, restarts=0, log=str(run_dir / job.log),
+                supervisor="process")
     pid = os.fork()
     if pid:
         os.waitpid(pid, 0)
@@ -208,11 +219,11 @@ def start_detached(run_dir: Path) -> int:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     try:
-        code = run(run_dir, restart=True)
+        code = run(run_dir, restart=True, job=job)
     except BaseException:  # noqa: BLE001 - a detached process has nobody to tell but its log
         import traceback
 
-        with open(run_dir / LOG, "a") as log:
+        with open(run_dir / job.log, "a") as log:
             traceback.print_exc(file=log)
         code = 1
     os._exit(code)
@@ -234,7 +245,7 @@ def systemd_unit_state(unit: str) -> dict | None:
 
 def unit_journal(unit: str, lines: int) -> list[str]:
     """systemd's own lines about the unit (starts, exit statuses, restarts, the restart limit): only journald
-    has them; the run's log has the trainer's and dflash_run's. Empty where there is no systemd."""
+    has them; the job's log has the job's and dflash-run's. Empty where there is no systemd."""
     if not Path("/run/systemd/system").is_dir():
         return []
     name = unit if "." in unit else unit + ".service"
@@ -243,14 +254,12 @@ def unit_journal(unit: str, lines: int) -> list[str]:
     return res.stdout.splitlines() if res.returncode == 0 else []
 
 
-def stop(run_dir: Path, unit: str | None, timeout_s: float) -> int:
+def stop(run_dir: Path, unit: str | None, timeout_s: float, job: Job = TRAIN) -> int:
     """Graceful stop through whichever supervisor runs it; a foreground run gets the same treatment."""
-    from .procs import of_run, training_processes
-
     run_dir = run_dir.absolute()
     unit_state = systemd_unit_state(unit) if unit else None
     if unit_state and unit_state.get("ActiveState") in UNIT_RUNNING:
-        # SIGTERM to dflash_run (KillMode=mixed): it waits for the checkpoint in progress, the trainer writes
+        # SIGTERM to dflash-run (KillMode=mixed): it waits for the checkpoint in progress, the trainer writes
         # one at the step it is on; `systemctl stop` returns when the unit is down.
         rc = subprocess.run(["systemctl", "stop", unit], check=False).returncode
         after = systemd_unit_state(unit) or {}
@@ -273,17 +282,17 @@ def stop(run_dir: Path, unit: str | None, timeout_s: float) -> int:
             return 1
         print(f"stopped: {read_state(run_dir).get('state')}; checkpoints in {run_dir / 'checkpoints'}")
         return 0
-    found = of_run(run_dir, training_processes())
+    found = of_run(run_dir, job_processes(), job)
     if not found:
-        print(f"nothing to stop: no training process writes to {run_dir}")
+        print(f"nothing to stop: no {job.what} process writes to {run_dir}")
         return 0
     for p in found:  # `make train` in the foreground (local): the same graceful rule
         _term_one(p.pid, run_dir, timeout_s)
-    print(f"stopped {len(found)} training process(es) of {run_dir}")
+    print(f"stopped {len(found)} {job.what} process(es) of {run_dir}")
     return 0
 
 
 def _term_one(pid: int, run_dir: Path, timeout_s: float) -> None:
-    """A foreground trainer: the same graceful rule, SIGTERM only (its owner decides what comes next)."""
+    """A foreground job: the same graceful rule, SIGTERM only (its owner decides what comes next)."""
     _stop_gracefully(lambda sig: os.kill(pid, sig), lambda: alive(pid), run_dir, timeout_s,
                      started_at(pid) or 0.0, force=False)

@@ -1,0 +1,7 @@
+"""python -m dflash_run: the same as the dflash-run command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

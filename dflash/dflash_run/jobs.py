@@ -1,0 +1,44 @@
+"""The three jobs a container runs detached: training, regeneration, evaluation.
+
+Each job has a directory of its own (the run's output directory, regeneration's --out, the evaluation's
+--out) holding what `make deploy` wrote for it (launch.json), what the supervisor records (supervisor.json)
+and its log (logs/<job>.log). Any of them holds GPUs, so each one's preflight refuses to start beside
+another one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str  # train, regenerate, eval: the make targets' prefix and the systemd unit's (dflash-<name>-<run>)
+    what: str  # in messages: "training process 123 ..."
+    modules: tuple[str, ...]  # on a process's command line (python -m X, torchrun -m X) ...
+    scripts: tuple[str, ...]  # ... or as the console script it runs
+    dir_flag: str  # the option naming the directory it writes to
+    resume_args: tuple[str, ...]  # what a restart adds (regeneration resumes by itself when rerun)
+    noun: str  # in the log: "trainer failed (exit 1)"
+    again: str  # what starting it again does, said when it stopped
+
+    @property
+    def log(self) -> str:
+        return f"logs/{self.name}.log"
+
+    def matches(self, argv: list[str]) -> bool:
+        return any(a in self.modules or Path(a).name in self.scripts for a in argv)
+
+
+TRAIN = Job("train", "training", ("dflash_trainer.train",), ("dflash-train",), "--output-dir", ("--resume",),
+            "trainer", "`make train` resumes from the last checkpoint")
+REGENERATE = Job("regenerate", "regeneration", ("dflash_trainer.regenerate",), ("dflash-regenerate",), "--out", (),
+                 "regeneration", "`make regenerate` answers the rest (the shards written are kept)")
+EVAL = Job("eval", "evaluation", ("dflash_trainer.eval_cli",), ("dflash-eval",), "--out", (),
+           "evaluation", "`make eval` evaluates again")
+JOBS = {job.name: job for job in (TRAIN, REGENERATE, EVAL)}
+
+
+def job_of(argv: list[str]) -> Job | None:
+    return next((job for job in JOBS.values() if job.matches(argv)), None)

@@ -1,0 +1,116 @@
+"""What a job is doing: supervisor state, its processes, its progress (checkpoint, shards, result), last log lines."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from . import supervise
+from .jobs import EVAL, REGENERATE, TRAIN, Job
+from .procs import alive, job_processes, of_run
+
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def last_checkpoint(run_dir: Path) -> int | None:
+    steps = [int(m.group(1)) for e in (run_dir / "checkpoints").glob("step-*")
+             if (m := STEP_DIR.match(e.name)) and (e / "training_state.pt").is_file()]
+    return max(steps) if steps else None
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def total_steps(run_dir: Path) -> int | None:
+    try:
+        return int((read_json(run_dir / "config.json") or {})["train"]["steps"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def tail(path: Path, lines: int) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 256 * 1024))
+            return f.read().decode(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+def progress(job: Job, job_dir: Path) -> dict:
+    """What the job has written so far, read from its directory."""
+    if job is REGENERATE:
+        s = read_json(job_dir / "summary.json")
+        return {"shards": len(list(job_dir.glob("part-*.jsonl"))),
+                "summary": s and {"prompts": s.get("prompts"), "answer_tokens": s.get("answer_tokens"),
+                                  "tokens_per_s": (s.get("this_run") or {}).get("tokens_per_s")}}
+    if job is EVAL:
+        s = read_json(job_dir / "eval.json")
+        overall = (s or {}).get("overall") or {}
+        return {"summary": s and {"sets": list(s.get("sets") or {}), "prompts": overall.get("prompts"),
+                                  "tau": overall.get("tau"), "speedup": overall.get("speedup")}}
+    s = read_json(job_dir / "summary.json")
+    return {"last_checkpoint": last_checkpoint(job_dir), "total_steps": total_steps(job_dir),
+            "summary": s and {k: s.get(k) for k in ("steps", "final_loss", "tau_before", "tau_after", "drafter_dir")}}
+
+
+def report(run_dir: Path, unit: str | None, log_lines: int = 5, job: Job = TRAIN) -> dict:
+    run_dir = run_dir.absolute()
+    st = supervise.read_state(run_dir)
+    state = st.get("state", "never started")
+    unit_state = supervise.systemd_unit_state(unit) if unit else None
+    if unit_state:
+        state = {"active": "running", "activating": "restarting", "deactivating": "stopping"}.get(
+            unit_state.get("ActiveState", ""), st.get("state", unit_state.get("ActiveState")))
+    elif state in ("running", "restarting", "starting") and not alive(int(st.get("pid") or 0)):
+        state = "dead"  # the supervisor went away without recording why (container restart, SIGKILL)
+    found = of_run(run_dir, job_processes(), job)
+    if found and state in ("never started", "finished", "stopped", "failed", "dead"):
+        state = "running (foreground, unsupervised)"
+    log = Path(st.get("log") or run_dir / job.log)
+    return {"job": job.name, "run_dir": str(run_dir), "state": state, "supervisor": st.get("supervisor", "none"),
+            "systemd": unit_state, "restarts": int((unit_state or {}).get("NRestarts") or st.get("restarts") or 0),
+            "pids": [p.pid for p in found], **progress(job, run_dir), "log": str(log),
+            "log_tail": tail(log, log_lines)}
+
+
+def progress_lines(r: dict) -> list[str]:
+    s = r["summary"]
+    if r["job"] == REGENERATE.name:
+        lines = [f"shards:      {r['shards']} (data.train takes {r['run_dir']}/part-*.jsonl)"]
+        if s:
+            lines.append(f"summary:     {s['prompts']} prompts answered, {s['answer_tokens']} answer tokens"
+                         + (f", {s['tokens_per_s']:.1f} tok/s in the last run" if s["tokens_per_s"] else ""))
+        return lines
+    if r["job"] == EVAL.name:
+        if not s:
+            return ["result:      none yet (eval.json is written when the evaluation completes)"]
+        tau = f"{s['tau']:.2f}" if s["tau"] is not None else "n/a"
+        speedup = f"{s['speedup']:.2f}x" if s["speedup"] else "n/a"
+        return [(f"result:      tau {tau}, speedup {speedup} on {s['prompts']} prompts "
+                 f"({', '.join(s['sets'])}): {r['run_dir']}/eval.json, eval.png")]
+    ck = r["last_checkpoint"]
+    lines = [f"checkpoint:  {'none yet' if ck is None else f'step {ck}'}"
+             + (f" of {r['total_steps']}" if r["total_steps"] else "")]
+    if s:
+        lines.append(f"summary:     {s['steps']} steps, final loss {s['final_loss']}, tau {s.get('tau_before')} -> "
+                     f"{s.get('tau_after')}, drafter {s['drafter_dir']}")
+    return lines
+
+
+def format_report(r: dict) -> str:
+    lines = [f"job:         {r['job']} in {r['run_dir']}",
+             f"state:       {r['state']} (supervisor: {r['supervisor']}, restarts: {r['restarts']})",
+             f"processes:   {', '.join(map(str, r['pids'])) or 'none'}",
+             *progress_lines(r),
+             f"log:         {r['log']}"]
+    if r["log_tail"]:
+        lines += ["last log lines:"] + ["  " + x for x in r["log_tail"]]
+    return "\n".join(lines)
