@@ -221,43 +221,38 @@ def check_prop(value, sch: dict, path: str, errors: dict) -> None:
         if not sch.get("optional"):
             add_error(errors, path, MISSING_KEY)
         return
+    if (msg := _violation(str(value), sch, path)) is not None:
+        add_error(errors, path, msg)
+
+
+def _violation(text: str, sch: dict, path: str) -> str | None:
+    """The first check of check_prop's sequence that the value fails (type, format, pattern, lengths,
+    range, enum, in JSONSchema.pm's order: PVE reports only that one), or None."""
     typ = sch.get("type", "string")
-    text = str(value)
     if typ == "boolean" and text not in ("0", "1"):  # the top level takes 0/1 only (JSON true/false too)
-        add_error(errors, path, f"type check ('boolean') failed - got '{text}'")
-        return
-    if typ == "integer" and not _INTEGER.fullmatch(text):
-        add_error(errors, path, f"type check ('integer') failed - got '{text}'")
-        return
-    if typ == "number" and not _NUMBER.fullmatch(text):
-        add_error(errors, path, f"type check ('number') failed - got '{text}'")
-        return
+        return f"type check ('boolean') failed - got '{text}'"
+    if (typ == "integer" and not _INTEGER.fullmatch(text)) or (typ == "number" and not _NUMBER.fullmatch(text)):
+        return f"type check ('{typ}') failed - got '{text}'"
     if fmt := sch.get("format"):
         try:
             check_format(fmt, text, path)
         except FormatError as exc:
-            add_error(errors, path, f"invalid format - {exc}")
-            return
+            return f"invalid format - {exc}"
     if (pattern := sch.get("pattern")) and not re.match(rf"^(?:{_perl_regex(pattern)})$", text):
-        add_error(errors, path, "value does not match the regex pattern")
-        return
+        return "value does not match the regex pattern"
     if "maxLength" in sch and len(text) > int(sch["maxLength"]):
-        add_error(errors, path, f"value may only be {sch['maxLength']} characters long")
-        return
+        return f"value may only be {sch['maxLength']} characters long"
     if "minLength" in sch and len(text) < int(sch["minLength"]):
-        add_error(errors, path, f"value must be at least {sch['minLength']} characters long")
-        return
+        return f"value must be at least {sch['minLength']} characters long"
     if _NUMBER.fullmatch(text):
         if "maximum" in sch and float(text) > float(sch["maximum"]):
-            add_error(errors, path, f"value must have a maximum value of {_perl_num(sch['maximum'])}")
-            return
+            return f"value must have a maximum value of {_perl_num(sch['maximum'])}"
         if "minimum" in sch and float(text) < float(sch["minimum"]):
-            add_error(errors, path, f"value must have a minimum value of {_perl_num(sch['minimum'])}")
-            return
+            return f"value must have a minimum value of {_perl_num(sch['minimum'])}"
     if "enum" in sch and text not in [str(e) for e in sch["enum"]]:
-        add_error(errors, path, f"value '{text}' does not have a value in the enumeration "
-                                f"'{', '.join(str(e) for e in sch['enum'])}'")
-
+        return (f"value '{text}' does not have a value in the enumeration "
+                f"'{', '.join(str(e) for e in sch['enum'])}'")
+    return None
 
 def _schema_keys(props: dict, values: dict) -> list[tuple[str, dict]]:
     """The keys check_object walks: every schema key, with net[n] expanded to the net0.. given."""
