@@ -1,6 +1,7 @@
 """Data: chat template rendering, assistant loss masks, buckets, the resumable micro-batch stream."""
 
 import pytest
+from dflash_trainer import hub
 from dflash_trainer.data import (
     DataError,
     MicroBatches,
@@ -41,7 +42,9 @@ def test_sharegpt_rows_and_bad_rows():
         normalise_messages({"text": "plain"})
 
 
-def test_missing_file_is_named(tmp_path):
+def test_missing_file_is_named(tmp_path, monkeypatch):
+    # "also/missing.jsonl" could be a hub dataset id: with the hub switched off no probe waits on the network
+    monkeypatch.setattr(hub, "offline", lambda: True)
     with pytest.raises(DataError, match="not found"):
         load_rows([str(tmp_path / "a.jsonl"), "also/missing.jsonl"])
 

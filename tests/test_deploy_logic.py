@@ -28,49 +28,92 @@ CLI = [str(Path(sys.executable).parent / "dflash-run")]  # the trainer wheel's e
 
 
 # ---- rendering: the role's templates through ansible-playbook ---------------------------------------
-def render(tmp_path: Path, **overrides) -> subprocess.CompletedProcess:
-    """Run the role's validate.yml and its templates on localhost with the defaults + overrides: run.toml, and
-    <job>/launch.json and <job>/dflash-job.service for each job deploy renders."""
+def render_all(base: Path, variants: dict[str, dict]) -> subprocess.CompletedProcess:
+    """Run the role's validate.yml and its templates on localhost, once per variant (the defaults + that
+    variant's overrides), into base/<variant>: run.toml, and <job>/launch.json and <job>/dflash-job.service for
+    each job deploy renders. One ansible-playbook run for them all (its start-up is most of the time)."""
     each = {"training_run_each_job": "{{ item.0 }}"}
-    play = [{
-        "hosts": "localhost", "connection": "local", "gather_facts": False,
-        # the role's defaults and vars, and the defaults of its dependency, the `training` role (training_venv_path, ...)
-        "vars_files": [str(ROLE.parent / "training" / "defaults" / "main.yml"), str(ROLE / "defaults" / "main.yml"),
-                       str(ROLE / "vars" / "main.yml")],
-        "vars": {"ansible_python_interpreter": sys.executable, "training_run_supervisor_kind": "process"},
-        "tasks": [
-            {"name": "validate", "ansible.builtin.include_tasks": str(ROLE / "tasks" / "validate.yml")},
-            {"name": "run config", "ansible.builtin.template": {"src": str(ROLE / "templates" / "run.toml.j2"),
-                                                                "dest": str(tmp_path / "run.toml"), "mode": "0644"}},
-            {"name": "job folders", "ansible.builtin.file": {"path": str(tmp_path / "{{ item }}"), "state": "directory",
-                                                             "mode": "0755"},
-             "loop": "{{ training_run_deployed_jobs }}"},
-            {"name": "jobs", "ansible.builtin.template": {"src": str(ROLE / "templates" / "{{ item.1 }}.j2"),
-                                                          "dest": str(tmp_path / "{{ item.0 }}" / "{{ item.1 }}"),
-                                                          "mode": "0644"},
-             "vars": each, "loop": "{{ training_run_deployed_jobs | product(['launch.json', 'dflash-job.service']) }}"},
-        ],
-    }]
-    (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
-    (tmp_path / "vars.json").write_text(json.dumps(overrides))  # extra vars: they win over the defaults
+    plays = []
+    for name, overrides in variants.items():
+        out = base / name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "overrides.json").write_text(json.dumps(overrides))
+        plays.append({
+            "name": name, "hosts": "localhost", "connection": "local", "gather_facts": False,
+            # the role's defaults and vars, the defaults of its dependency, the `training` role (training_venv_path,
+            # ...), then the variant's overrides: a later vars file wins, as the inventory wins over the defaults
+            "vars_files": [str(ROLE.parent / "training" / "defaults" / "main.yml"), str(ROLE / "defaults" / "main.yml"),
+                           str(ROLE / "vars" / "main.yml"), str(out / "overrides.json")],
+            "vars": {"ansible_python_interpreter": sys.executable, "training_run_supervisor_kind": "process"},
+            # The templates through Ansible's own templar (lookup), written by one module call per variant: a
+            # module call costs about half a second on 2 cores, and deploy's template tasks make ten.
+            "tasks": [
+                {"name": "validate", "ansible.builtin.include_tasks": str(ROLE / "tasks" / "validate.yml")},
+                {"name": "run config", "ansible.builtin.set_fact": {
+                    "rendered_files": {"run.toml": "{{ lookup('template', '%s') }}" % (ROLE / "templates" / "run.toml.j2")}}},
+                {"name": "jobs", "ansible.builtin.set_fact": {"rendered_files": (
+                    "{{ rendered_files | combine({item.0 ~ '/' ~ item.1: lookup('template', '%s/' ~ item.1 ~ '.j2')}) }}"
+                    % (ROLE / "templates"))},
+                 "vars": each, "loop": "{{ training_run_deployed_jobs | product(['launch.json', 'dflash-job.service']) }}"},
+                {"name": "write them", "ansible.builtin.copy": {"content": "{{ rendered_files | to_json }}",
+                                                                "dest": str(out / "rendered.json"), "mode": "0644"}},
+            ],
+        })
+    (base / "play.yml").write_text(yaml.safe_dump(plays))
     env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_LOCALHOST_WARNING="False",
-               ANSIBLE_INVENTORY_UNPARSED_WARNING="False", ANSIBLE_HOME=str(tmp_path / "ah"),
-               ANSIBLE_LOCAL_TEMP=str(tmp_path / "at"))
-    return subprocess.run([str(ANSIBLE_PLAYBOOK), str(tmp_path / "play.yml"), "-e", f"@{tmp_path / 'vars.json'}"], capture_output=True, text=True,
+               ANSIBLE_INVENTORY_UNPARSED_WARNING="False", ANSIBLE_HOME=str(base / "ah"),
+               ANSIBLE_LOCAL_TEMP=str(base / "at"))
+    proc = subprocess.run([str(ANSIBLE_PLAYBOOK), str(base / "play.yml")], capture_output=True, text=True,
                           env=env, timeout=120, check=False)
+    for name in variants:
+        if (rendered := base / name / "rendered.json").is_file():
+            for rel, text in json.loads(rendered.read_text()).items():
+                (base / name / rel).parent.mkdir(parents=True, exist_ok=True)
+                (base / name / rel).write_text(text)
+    return proc
 
 
-def test_run_config_renders_for_the_trainer(tmp_path):
+def render(tmp_path: Path, **overrides) -> subprocess.CompletedProcess:
+    """One variant, into tmp_path/only."""
+    return render_all(tmp_path, {"only": overrides})
+
+
+VARIANTS = {
+    "trainer": {"training_run_root": "/srv/d", "training_run_name": "qwen3-8b",
+                    "training_run_target_path": "/srv/d/models/Qwen3-8B", "training_run_target_gpus": 5,
+                    "training_run_drafter_gpus": 3, "training_run_data_train": ["/srv/d/data/a.jsonl", "org/ds"],
+                    "training_run_settings": {"train": {"steps": 2000, "lr": 6e-4, "attention": "flex"},
+                                           "drafter": {"block_size": 16, "mask_token_id": 151669},
+                                           "eval": {"prompts": 8}},
+                    "training_run_env": {"HF_HOME": "/srv/d/hf"}},
+    "jobs": {"training_run_root": "/srv/d", "training_run_target_path": "/srv/d/models/Qwen3-8B",
+                 "training_run_target_gpus": 5, "training_run_drafter_gpus": 3,
+                 "training_run_regenerate_data": ["/srv/d/data/chats-*.jsonl", "org/ds"],
+                 "training_run_regenerate_args": ["--max-new-tokens", "2048"],
+                 "training_run_eval_prompts": ["/srv/d/data/mt-bench.jsonl"], "training_run_eval_args": ["--limit", "80"]},
+    "cpu": {"training_run_target_path": "/m", "training_run_device": "cpu", "training_run_drafter_gpus": 2,
+                "training_run_regenerate_data": ["/d.jsonl"]},
+    "single": {"training_run_target_path": "embedded", "training_run_device": "cpu",
+                   "training_run_python": "/usr/bin/python3"},
+    # ExecStart must name an executable that exists here: this venv's dflash-run (root: filled in by the fixture)
+    "systemd": {"training_run_target_path": "/m", "training_run_python": sys.executable, "training_run_name": "ci",
+                    "training_run_regenerate_data": ["/d.jsonl"]},
+}
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("rendered")
+    variants = {**VARIANTS, "systemd": {**VARIANTS["systemd"], "training_run_root": str(base / "systemd")}}
+    proc = render_all(base, variants)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return base
+
+
+def test_run_config_renders_for_the_trainer(rendered):
     from dflash_trainer.config import load_config
 
-    proc = render(tmp_path, training_run_root="/srv/d", training_run_name="qwen3-8b",
-                  training_run_target_path="/srv/d/models/Qwen3-8B", training_run_target_gpus=5,
-                  training_run_drafter_gpus=3, training_run_data_train=["/srv/d/data/a.jsonl", "org/ds"],
-                  training_run_settings={"train": {"steps": 2000, "lr": 6e-4, "attention": "flex"},
-                                         "drafter": {"block_size": 16, "mask_token_id": 151669},
-                                         "eval": {"prompts": 8}},
-                  training_run_env={"HF_HOME": "/srv/d/hf"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tmp_path = rendered / "trainer"
     cfg = load_config(str(tmp_path / "run.toml"), [])
     assert cfg.output_dir == "/srv/d/runs/qwen3-8b"
     assert cfg.target.path == "/srv/d/models/Qwen3-8B"
@@ -96,13 +139,8 @@ def test_run_config_renders_for_the_trainer(tmp_path):
     assert (tmp_path / "eval" / "launch.json").is_file() and not (tmp_path / "regenerate").exists()
 
 
-def test_regenerate_and_eval_jobs_render(tmp_path):
-    proc = render(tmp_path, training_run_root="/srv/d", training_run_target_path="/srv/d/models/Qwen3-8B",
-                  training_run_target_gpus=5, training_run_drafter_gpus=3,
-                  training_run_regenerate_data=["/srv/d/data/chats-*.jsonl", "org/ds"],
-                  training_run_regenerate_args=["--max-new-tokens", "2048"],
-                  training_run_eval_prompts=["/srv/d/data/mt-bench.jsonl"], training_run_eval_args=["--limit", "80"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_regenerate_and_eval_jobs_render(rendered):
+    tmp_path = rendered / "jobs"
     regen = json.loads((tmp_path / "regenerate" / "launch.json").read_text())
     # one process per GPU of the run (5 + 3), the run's target answers, shards on the persistent storage
     assert regen["job"] == "regenerate" and regen["max_restarts"] == 3
@@ -127,35 +165,28 @@ def test_regenerate_and_eval_jobs_render(tmp_path):
             {"regenerate": "/srv/d/regen/default", "eval": "/srv/d/runs/default/eval"}[job.name])
 
 
-def test_cpu_jobs_are_single_processes(tmp_path):
-    proc = render(tmp_path, training_run_target_path="/m", training_run_device="cpu", training_run_drafter_gpus=2,
-                  training_run_regenerate_data=["/d.jsonl"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_cpu_jobs_are_single_processes(rendered):
+    tmp_path = rendered / "cpu"
     regen = json.loads((tmp_path / "regenerate" / "launch.json").read_text())["argv"]
     assert regen[:3] == ["/opt/venv/bin/python", "-m", "dflash_trainer.regenerate"]
     assert json.loads((tmp_path / "eval" / "launch.json").read_text())["argv"][-2:] == ["--device", "cpu"]
 
 
-def test_single_rank_run_is_one_process(tmp_path):
+def test_single_rank_run_is_one_process(rendered):
     from dflash_trainer.config import load_config
 
-    proc = render(tmp_path, training_run_target_path="embedded", training_run_device="cpu",
-                  training_run_python="/usr/bin/python3")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tmp_path = rendered / "single"
     assert load_config(str(tmp_path / "run.toml"), []).target.path == "embedded"
     assert json.loads((tmp_path / "train" / "launch.json").read_text())["argv"][:3] == ["/usr/bin/python3", "-m",
                                                                                          "dflash_trainer.train"]
 
 
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze is missing (Debian: systemd)")
-def test_systemd_unit_passes_systemd_analyze(tmp_path):
-    # ExecStart must name an executable that exists here: this venv's dflash-run
-    proc = render(tmp_path, training_run_target_path="/m", training_run_python=sys.executable,
-                  training_run_root=str(tmp_path), training_run_name="ci", training_run_regenerate_data=["/d.jsonl"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_systemd_unit_passes_systemd_analyze(rendered):
+    tmp_path = rendered / "systemd"  # ExecStart names this venv's dflash-run: an executable that exists here
     for job in ("train", "regenerate", "eval"):
         unit = tmp_path / f"dflash-{job}-ci.service"
-        (tmp_path / job / "dflash-job.service").rename(unit)
+        shutil.copy(tmp_path / job / "dflash-job.service", unit)
         check = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60,
                                check=False)
         assert check.returncode == 0 and str(unit) not in check.stdout + check.stderr, check.stderr  # no complaint
@@ -177,7 +208,7 @@ def test_bad_variables_are_refused_before_rendering(tmp_path, bad, named):
     assert proc.returncode != 0
     assert named in proc.stdout and "Fix it in the inventory" in proc.stdout
     assert "training_run_supervisor must be" not in proc.stdout  # only the broken rule speaks
-    assert not (tmp_path / "run.toml").exists()  # nothing rendered
+    assert not (tmp_path / "only" / "run.toml").exists()  # nothing rendered
 
 
 # ---- preflight -----------------------------------------------------------------------------------------
