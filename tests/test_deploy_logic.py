@@ -478,3 +478,8 @@ def test_status_reports_each_jobs_progress(tmp_path):
                                                                                    "speedup": 1.81}}))
     assert (f"result:      tau 2.46, speedup 1.81x on 8 prompts (held-out): {ev}/eval.json, eval.png"
             in status.format_report(status.report(ev, None, job=EVAL)))
+
+
+def test_status_of_a_directory_that_does_not_exist_says_so(tmp_path):
+    text = status.format_report(status.report(tmp_path / "typo", None))
+    assert "state:       never started (no such directory" in text

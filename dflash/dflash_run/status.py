@@ -74,6 +74,8 @@ def report(run_dir: Path, unit: str | None, log_lines: int = 5, job: Job = TRAIN
     found = of_run(run_dir, job_processes(), job)
     if found and state in ("never started", "finished", "stopped", "failed", "dead"):
         state = "running (foreground, unsupervised)"
+    elif state == "never started" and not run_dir.is_dir():  # a mistyped directory reads as this too
+        state = "never started (no such directory: deploy creates it, or check the path)"
     log = Path(st.get("log") or run_dir / job.log)
     return {"job": job.name, "run_dir": str(run_dir), "state": state, "supervisor": st.get("supervisor", "none"),
             "systemd": unit_state, "restarts": int((unit_state or {}).get("NRestarts") or st.get("restarts") or 0),
