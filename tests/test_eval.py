@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 from dflash_trainer.config import load_config
-from dflash_trainer.eval_cli import main
+from dflash_trainer.eval_cli import EvalError, main, run_defaults
 from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
 from dflash_trainer.optim import MasterWeightAdamW
 from dflash_trainer.prompts import prompt_messages, render_prompt, row_messages
@@ -292,3 +292,32 @@ def test_a_divergence_is_an_error_unless_the_targets_two_tokens_tie_within_round
     assert tie["position"] == 5 and tie["logit_gap"] == pytest.approx(gap, rel=1e-4)
     with pytest.raises(OutputMismatch, match="stopped after 5 tokens, target-only decoding after 6"):
         compare(target, len(prompt), ref[:-1], ref, 1.0)
+
+
+def test_a_runs_stored_paths_resolve_from_any_directory(tmp_path, monkeypatch):
+    """A run stores paths inside it relative to it (the embedded default's target is OUT/embedded/target):
+    --run reads them back against the run directory, wherever the evaluation starts."""
+    from dflash_trainer import run_dir
+
+    out = tmp_path / "run"
+    for sub in ("embedded/target", "embedded/data", "drafter"):
+        (out / sub).mkdir(parents=True)
+    for name in ("train", "eval"):
+        (out / f"embedded/data/{name}.jsonl").write_text("")
+    (out / "drafter/config.json").write_text("{}")
+    cfg = load_config("embedded", [f"output_dir={out}", f"target.path={out / 'embedded/target'}",
+                                   f"data.train={json.dumps([str(out / 'embedded/data/train.jsonl')])}",
+                                   f"data.eval={json.dumps([str(out / 'embedded/data/eval.jsonl')])}"])
+    stored = run_dir.stored_config(cfg)
+    assert stored["target"]["path"] == "embedded/target"  # what makes the run movable
+    (out / "config.json").write_text(json.dumps(stored))
+    monkeypatch.chdir(tmp_path)
+    defaults = run_defaults(out)
+    assert defaults["target"] == str((out / "embedded/target").resolve())
+    assert defaults["names"] == [f"held-out={(out / 'embedded/data/eval.jsonl').resolve()}"]
+    (out / "config.json").write_text('{"target": ')  # damaged
+    with pytest.raises(EvalError, match=r"config.json cannot be read .* it is damaged"):
+        run_defaults(out)
+    (out / "config.json").write_text('{"target": {}}')  # another layout
+    with pytest.raises(EvalError, match="lacks 'path'"):
+        run_defaults(out)

@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
+from . import run_dir as run_dir_lib
 from .data import DataError
 from .eval_report import SetResult, build_report, plot, table, write_json, write_requests
+from .evaluate import EVAL_PROMPTS_FILE
 from .loading import DTYPES, console
 from .prompt_sets import PromptSet, load_prompt_set, name_sources
 from .speculative import AcceptanceStats, greedy_generate, speculative_generate, stop_token_ids
@@ -95,7 +97,14 @@ def _config_json(directory: Path, missing: str) -> dict:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise EvalError(missing)
-    return json.loads(config_file.read_text())
+    try:
+        value = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise EvalError(f"{config_file} cannot be read ({exc}): it is damaged; copy it again from where the "
+                        "directory came from") from None
+    if not isinstance(value, dict):
+        raise EvalError(f"{config_file} is not a JSON object: it is damaged; copy it again from where it came from")
+    return value
 
 
 def run_defaults(run_dir: Path) -> dict:
@@ -108,13 +117,22 @@ def run_defaults(run_dir: Path) -> dict:
         if drafter is None:
             raise EvalError(f"--run {run_dir}: no drafter yet (neither {run_dir / 'drafter'} nor a checkpoint under "
                             f"{run_dir / 'checkpoints'}): wait for the first checkpoint, or give --drafter")
-    recorded = run_dir / "eval_prompts.jsonl"
-    defaults = {"drafter": str(drafter), "target": cfg["target"]["path"], "max_new_tokens": cfg["eval"]["max_new_tokens"],
+    try:
+        return _run_settings(cfg, run_dir, drafter)
+    except (KeyError, TypeError) as exc:
+        raise EvalError(f"--run {run_dir}: its config.json lacks {exc} (written by another version of the trainer?): "
+                        "give --drafter, --target and --prompts instead") from None
+
+
+def _run_settings(cfg: dict, run_dir: Path, drafter: Path) -> dict:
+    recorded = run_dir / EVAL_PROMPTS_FILE
+    defaults = {"drafter": str(drafter), "target": run_dir_lib.resolve_stored(cfg["target"]["path"], run_dir),
+                "max_new_tokens": cfg["eval"]["max_new_tokens"],
                 "target_dtype": cfg["target"]["dtype"], "drafter_dtype": cfg["train"]["dtype"]}
     if recorded.is_file():  # exactly the prompts the run's tau was measured on
         defaults["names"] = [f"held-out={recorded}"]
     elif cfg["data"]["eval"]:
-        defaults["names"] = [f"held-out={src}" for src in cfg["data"]["eval"][:1]]
+        defaults["names"] = [f"held-out={src}" for src in run_dir_lib.resolve_stored(cfg["data"]["eval"][:1], run_dir)]
         defaults["limit"] = cfg["eval"]["prompts"]
     return defaults
 

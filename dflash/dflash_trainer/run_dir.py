@@ -131,6 +131,12 @@ def _canonical(value, *bases: Path):
     return value
 
 
+def resolve_stored(value, out: Path):
+    """A path (or list of paths) a run's config.json holds, as it resolves now from any directory: relative to
+    the run directory, or, in a config written before paths were stored that way, to the current directory."""
+    return _canonical(value, Path(out).absolute(), Path.cwd())
+
+
 # ---- prepare: before anything loads ------------------------------------------------------------
 
 def _held(out: Path, found: ckpt.Inspection) -> list[str]:
