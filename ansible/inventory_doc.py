@@ -91,6 +91,17 @@ def settings() -> list[tuple[str, str, list[tuple[str, dict, object, bool]]]]:
     return out
 
 
+class Vaulted(str):
+    """An inline `!vault |` value (ansible-vault encrypt_string): kept as its ciphertext and written back tagged."""
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_constructor("!vault", lambda loader, node: Vaulted(loader.construct_scalar(node)))
+
+
 class _Dumper(yaml.SafeDumper):
     pass
 
@@ -102,6 +113,18 @@ def _str(dumper, value):
 
 
 _Dumper.add_representer(str, _str)
+_Dumper.add_representer(Vaulted, lambda dumper, value: dumper.represent_scalar("!vault", value, style="|"))
+
+
+def read_values(text: str) -> dict:
+    """The file's uncommented settings; a clear DocError when it is not a mapping of setting: value."""
+    values = yaml.load(text, Loader=_Loader)  # a SafeLoader that also keeps !vault values
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise DocError(f"its top level is a {type(values).__name__}, not a mapping of setting: value "
+                       f"(group_vars files hold `name: value` lines); fix the file or point INVENTORY_DOC at another")
+    return values
 
 
 def dump(name: str, value) -> list[str]:
@@ -158,9 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("file", nargs="?", type=Path, default=EXAMPLE)
     ap.add_argument("--check", action="store_true", help="only say whether the file is current")
     args = ap.parse_args(argv)
-    current = args.file.read_text() if args.file.is_file() else ""
     try:
-        wanted = render(yaml.safe_load(current) or {})
+        current = args.file.read_text() if args.file.is_file() else ""
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"inventory-doc: cannot read {args.file}: {exc}; fix its permissions or point INVENTORY_DOC at another",
+              file=sys.stderr)
+        return 2
+    try:
+        wanted = render(read_values(current))
     except (DocError, yaml.YAMLError) as exc:
         print(f"inventory-doc: {args.file}: {exc}", file=sys.stderr)
         return 2
@@ -171,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if current != wanted:
-        args.file.write_text(wanted)
+        try:
+            args.file.write_text(wanted)
+        except OSError as exc:
+            print(f"inventory-doc: cannot write {args.file}: {exc.strerror or exc}; create its folder "
+                  f"({args.file.parent}) or point INVENTORY_DOC at a file in an existing one", file=sys.stderr)
+            return 2
         print(f"inventory-doc: wrote {args.file}")
     return 0
 

@@ -18,10 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_image import manifest, oci, pylock, rootfs, template, wheelhouse
+from dflash_image import manifest, oci, pylock, rebuild, rootfs, template, wheelhouse
 from dflash_image.commands import ToolError, uv
 from dflash_image.digest import sha256_of
-from packaging.specifiers import SpecifierSet
 
 HERE = Path(__file__).resolve().parent
 # What the build stage runs (`python3 -m dflash_image.rebuild` under the base's bare python3).
@@ -103,8 +102,8 @@ def build(lock_dir: Path, wheelhouse_dir: Path, trainer_wheel: Path, out: Path, 
     sde = rootfs.source_date_epoch(cfg)
     lock_sha = lock_digest(lock_dir)
     pylock_path = lock_dir / "pylock.toml"
-    requires = pylock.requires_python(pylock_path)
-    if requires and not SpecifierSet(requires).contains(cfg["python"], prereleases=True):
+    requires = rebuild.python_refused(lock_dir, wheelhouse_dir, cfg["python"])
+    if requires:
         raise BuildError(f"{pylock_path} needs Python {requires}, but the image's Debian base has Python {cfg['python']} "
                          "(image/rootfs.toml): lock for the base's Python (image/env/pyproject.toml) or change the base")
     # Checked before any build work: the wheels the image needs, each against its sha256.

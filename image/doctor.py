@@ -3,8 +3,8 @@
 Run it as `dflash-doctor` (on PATH inside the container; VENV/bin/dflash-doctor elsewhere). It checks the
 venv it is installed in, with that venv's interpreter started isolated (`python -I -S`): none of the
 venv's startup hooks (.pth files, sitecustomize) run in the doctor's process, so they can neither print
-into its report nor change what it sees. `python -m dflash_image.doctor` re-executes itself that way
-(the hooks have then run once, in the interpreter that started it).
+into its report nor change what it sees. `python -m dflash_image.doctor` re-executes itself through that
+launcher (the hooks have then run once, in the interpreter that started it).
 
 What counts as drift: a locked package missing; a package the lock does not name (sglang, flashinfer...);
 a wrong version or build (torch +cu130 for +cu128, `torch.version.cuda`); a file whose content no longer
@@ -43,12 +43,6 @@ except ImportError:  # main() says so: the venv lacks a dependency of the traine
 # Oldest driver per CUDA major version (NVIDIA's CUDA compatibility table, minor-version compatibility).
 MIN_DRIVER = {12: (525, 60, 13), 13: (580, 65, 6)}
 EXPECTED_INSTALLER = "uv"
-# The isolated start of the dflash-doctor launcher (image/dflash-doctor), for `python -m dflash_image.doctor`.
-ISOLATED_BOOT = """import os, sys, sysconfig
-venv = os.path.dirname(os.path.dirname(sys.executable))
-sys.path.append(sysconfig.get_paths("venv", vars={"base": venv, "platbase": venv})["purelib"])
-from dflash_image.doctor import main
-sys.exit(main())"""
 
 
 def _cuda_of(version: str | None) -> str | None:
@@ -220,15 +214,20 @@ def default_lock(venv: Path) -> Path:
 
 
 def _reexec_isolated() -> None:
-    """Started with site (python -m dflash_image.doctor): run again the way dflash-doctor starts. Output the
-    hooks buffered and Python has not written yet is dropped with the old process image."""
+    """Started with site (python -m dflash_image.doctor): run again through the venv's dflash-doctor launcher,
+    which starts the interpreter isolated. Output the hooks buffered and Python has not written yet is dropped
+    with the old process image."""
     try:
         venv = startup.venv_of(sys.executable)
     except startup.NotAVenv:
         return
     if Path(__file__).resolve().parent.parent not in {s.resolve() for s in startup.site_dirs(venv)}:
-        return  # not installed in this venv (a source checkout): ISOLATED_BOOT would not find the package
-    os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", ISOLATED_BOOT, *sys.argv[1:]])
+        return  # not installed in this venv (a source checkout): the isolated start would not find the package
+    # The trainer wheel that installed this package ships the launcher (script-files) into the venv's bin/.
+    launcher = venv / "bin" / "dflash-doctor"
+    if not os.access(launcher, os.X_OK):
+        return  # removed since: run here; the report names it (a file of the wheel's RECORD is missing)
+    os.execv(launcher, [str(launcher), *sys.argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:

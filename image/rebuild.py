@@ -84,12 +84,21 @@ def specifier_set(spec: str, lock_dir: Path, wheelhouse: Path):
     return SpecifierSet(spec)
 
 
+def python_refused(lock_dir: Path, wheelhouse: Path, version: str) -> str | None:
+    """The lock's requires-python when Python `version` is outside it (a prerelease counts as its release),
+    else None: this check for the rebuild here and for the image build's base (image/build.py)."""
+    spec = pylock.requires_python(lock_dir / "pylock.toml")
+    if spec and not specifier_set(spec, lock_dir, wheelhouse).contains(version, prereleases=True):
+        return spec
+    return None
+
+
 def check_python(lock_dir: Path, wheelhouse: Path, python: str) -> str:
     """The venv's interpreter runs and is a version the lock allows (its requires-python, e.g. ==3.13.*), so
     a wrong base (Debian 12's 3.11 for a 3.13 lock) fails here, clearly, not as a missing wheel halfway through."""
     version = python_version(python)
-    spec = pylock.requires_python(lock_dir / "pylock.toml")
-    if spec and not specifier_set(spec, lock_dir, wheelhouse).contains(version, prereleases=True):
+    spec = python_refused(lock_dir, wheelhouse, version)
+    if spec:
         raise RebuildError(f"{python} is Python {version}, but the lock needs Python {spec}: use a base with that "
                            "Python (the frozen template's Debian 13 has 3.13)")
     return version

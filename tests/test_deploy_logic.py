@@ -54,7 +54,7 @@ def render_all(base: Path, variants: dict[str, dict]) -> subprocess.CompletedPro
                 {"name": "jobs", "ansible.builtin.set_fact": {"rendered_files": (
                     "{{ rendered_files | combine({item.0 ~ '/' ~ item.1: lookup('template', '%s/' ~ item.1 ~ '.j2')}) }}"
                     % (ROLE / "templates"))},
-                 "vars": each, "loop": "{{ training_run_deployed_jobs | product(['launch.json', 'dflash-job.service']) }}"},
+                 "vars": each, "loop": "{{ training_run_deployed_jobs | product(training_run_job_files) }}"},
                 {"name": "write them", "ansible.builtin.copy": {"content": "{{ rendered_files | to_json }}",
                                                                 "dest": str(out / "rendered.json"), "mode": "0644"}},
             ],

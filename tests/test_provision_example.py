@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.deploy import make_with
+from tests.helpers.deploy import make_with, venv_inputs
 from tests.helpers.frozen import build_frozen_template
-from tests.helpers.provision import REPO, recap
+from tests.helpers.provision import REPO, failure_text, recap
 
 pytest_plugins = ["tests.image_standins"]
 pytestmark = [pytest.mark.lxc, pytest.mark.slow]
@@ -67,22 +67,14 @@ class Site:
 
 @pytest.fixture(scope="module")
 def site(pve_host, tmp_path_factory, standins, stocked_wheelhouse):
-    from tests.image_standins import UV
-
     root = tmp_path_factory.mktemp("example")
     s = Site(pve_host, root)
-    inputs = {"training_venv_lock_dir": str(standins.project), "training_venv_wheelhouse": str(stocked_wheelhouse),
-              "training_venv_trainer_wheel": str(standins.trainer_wheel), "training_venv_uv": UV}
-    built = build_frozen_template(root / "frozen", inputs)
+    built = build_frozen_template(root / "frozen", venv_inputs(standins, stocked_wheelhouse))
     s.image_out.mkdir(parents=True)
     shutil.move(built, s.image_out / frozen_template_name(standins))
     yield s
     if pve_host.container_exists(VMID):
         pve_host.ssh(f"pct stop {VMID}; pct destroy {VMID}")
-
-
-def out(proc) -> str:
-    return proc.stdout + proc.stderr
 
 
 def test_provision_then_deploy_with_the_example_defaults(site, standins):
@@ -91,7 +83,7 @@ def test_provision_then_deploy_with_the_example_defaults(site, standins):
 
     # ---- make provision: the template from build/image, the container, its GPUs, the userspace, the doctor
     proc = site.make("provision")
-    assert proc.returncode == 0, out(proc)[-6000:]
+    assert proc.returncode == 0, failure_text(proc)[-6000:]
     template = frozen_template_name(standins)
     uploads = [c for c in host.calls() if c["path"].endswith("/upload")]
     assert [u["params"].get("filename") for u in uploads][-1:] == [template], uploads
@@ -103,7 +95,7 @@ def test_provision_then_deploy_with_the_example_defaults(site, standins):
 
     # ---- make deploy: the same venv, found by the defaults; the run under the default run root
     proc = site.make("deploy")
-    assert proc.returncode == 0, out(proc)[-6000:]
+    assert proc.returncode == 0, failure_text(proc)[-6000:]
     run_toml = host.exec_in_container(VMID, ["cat", "/srv/dflash/runs/default/run.toml"])
     assert run_toml.returncode == 0, run_toml.stderr
     assert 'path = "/srv/dflash/models/Qwen3-8B"' in run_toml.stdout
@@ -113,6 +105,6 @@ def test_provision_then_deploy_with_the_example_defaults(site, standins):
 
     # ---- a second provision and deploy change nothing
     again = site.make("provision")
-    assert again.returncode == 0 and all(r["changed"] == 0 for r in recap(again).values()), out(again)[-4000:]
+    assert again.returncode == 0 and all(r["changed"] == 0 for r in recap(again).values()), failure_text(again)[-4000:]
     again = site.make("deploy")
-    assert again.returncode == 0 and "changed=0" in again.stdout, out(again)[-4000:]
+    assert again.returncode == 0 and "changed=0" in again.stdout, failure_text(again)[-4000:]

@@ -103,6 +103,39 @@ def test_second_run_changes_nothing(created, prov):
     assert log.count("installed userspace") == 1  # matched version: installer skipped
 
 
+def test_stopped_container_is_re_provisioned(created, prov, tmp_path):
+    """An existing container that is stopped: pct exec can't read its userspace before it starts, so the
+    preflight checks that the installer is there before anything is written (check mode predicts it running);
+    --check passes; with the installer there, the run starts it and skips the install (the userspace matches)."""
+    host = {"ct9102": {"proxmox_lxc_vmid": 9102, "proxmox_lxc_hostname": "ct9102", "proxmox_gpu_devices": "all",
+                       "proxmox_gpu_method": "raw"}}
+    prov.host.ssh("pct stop 9102")
+    try:
+        prov.host.reset_calls()
+        proc = prov.run(prov.inventory(host, nvidia_userspace_installer_dir=str(tmp_path)))  # an empty folder
+        text = failure_text(proc)
+        assert proc.returncode != 0, text[-4000:]
+        assert f"{tmp_path}/NVIDIA-Linux-x86_64-{DRIVER}.run is missing on the controller" in text, text[-4000:]
+        assert "it is stopped" in text and "Nothing was changed" in text
+        assert "Traceback" not in text and api_writes(prov.host) == []
+        assert "status: stopped" in prov.host.ssh("pct status 9102").stdout
+
+        inv = prov.inventory(host)
+        proc = prov.run(inv, "--check")
+        assert proc.returncode == 0, failure_text(proc)[-6000:]
+        assert recap(proc)["ct9102"]["changed"] >= 1 and api_writes(prov.host) == []
+
+        proc = prov.run(inv)
+        assert proc.returncode == 0, failure_text(proc)[-6000:]
+        assert [c["path"] for c in api_writes(prov.host)] == ["/nodes/pve/lxc/9102/status/start"]
+    finally:
+        if "status: stopped" in prov.host.ssh("pct status 9102").stdout:  # a failed run: leave it as the others expect
+            prov.host.ssh("pct start 9102")
+    assert "status: running" in prov.host.ssh("pct status 9102").stdout
+    log = prov.host.exec_in_container(9102, ["cat", "/var/log/nvidia-installer.log"]).stdout
+    assert log.count("installed userspace") == 1  # matched version once started: installer skipped
+
+
 def test_check_mode_reports_and_changes_nothing(created, prov):
     _, _ = created
     inv = prov.inventory({

@@ -18,8 +18,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from dflash_image import commands
 
+from tests.helpers.deploy import venv_inputs
 from tests.helpers.frozen import VENV, build_frozen_template
 from tests.helpers.provision import REPO, Provision, failure_text, recap
 from tests.pve_testhost.templates import build_test_template
@@ -35,8 +35,7 @@ STOCK, FROZEN = 9111, 9112
 def inputs(standins, stocked_wheelhouse) -> dict:
     """The role's rebuild inputs: the stand-in lock (with requirements.txt and pylock.toml), its wheelhouse,
     the trainer wheel and this venv's uv."""
-    return {"training_venv_lock_dir": str(standins.project), "training_venv_wheelhouse": str(stocked_wheelhouse),
-            "training_venv_trainer_wheel": str(standins.trainer_wheel), "training_venv_uv": commands.uv()}
+    return venv_inputs(standins, stocked_wheelhouse)
 
 
 @pytest.fixture(scope="module")

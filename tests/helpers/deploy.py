@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.frozen import VENV  # noqa: F401 - the deploy tests take it from here too
 from tests.helpers.provision import REPO, Provision
+from tests.helpers.provision import failure_text as out  # the deploy tests call it out()
 from tests.pve_testhost.templates import build_test_template
 
 VMID = 9301
 STEPS, EVERY = 120, 4
-VENV = "/opt/venv"  # training_venv_path's default: provisioning, rebuild, deploy and doctor all use it
 RUN = "runs/default"  # under the persistent folder
 # torch's system libraries (libstdc++, libgomp, ...): this machine's, beside the busybox template's own
 # /usr/lib (which holds the stand-in NVIDIA userspace), through training_run_env's LD_LIBRARY_PATH.
@@ -135,10 +136,6 @@ def make_with(host, inventory: Path, work: Path, *targets: str, timeout: int = 6
                           text=True, timeout=timeout, check=False)
     assert host.root_password not in proc.stdout + proc.stderr, "a secret was printed"
     return proc
-
-
-def out(proc) -> str:
-    return proc.stdout + proc.stderr
 
 
 def wait_for(cond, timeout: float, what: str, site: Site, failed=None, job: str = "train"):

@@ -8,7 +8,7 @@ from pathlib import Path
 from tests.helpers.provision import REPO
 from tests.pve_testhost.templates import build_test_template
 
-VENV = "/opt/venv"
+VENV = "/opt/venv"  # training_venv_path's default: provisioning, rebuild, deploy and doctor all use it
 FROZEN_TEMPLATE = "debian-12-testhost-trainenv_1.0-1_amd64.tar.zst"
 
 

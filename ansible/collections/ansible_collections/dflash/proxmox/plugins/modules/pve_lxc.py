@@ -109,6 +109,12 @@ updates: {description: Keys changed (or that would change in check mode)., type:
 deletes: {description: Keys removed., type: list, returned: always}
 pending: {description: Changes PVE reports as pending (need a reboot)., type: list, returned: always}
 status: {description: Container status afterwards (running, stopped, absent in check mode)., type: str, returned: always}
+status_before:
+  description: >-
+    Container status before this call (running, stopped, absent when it did not exist). In check mode status is
+    the predicted one (running for a stopped container it would start); this is what can be read from it now.
+  type: str
+  returned: always
 """
 
 from ansible_collections.dflash.proxmox.plugins.module_utils import pve_config as cfgmod
@@ -149,7 +155,7 @@ class Lxc:
         self.p = module.params
         self.check = module.check_mode
         self.result = {"changed": False, "created": False, "rebooted": False, "updates": {}, "deletes": [], "pending": [],
-                           "status": "absent", "messages": []}
+                           "status": "absent", "status_before": "absent", "messages": []}
 
     # ---- validation first: nothing is touched until all inputs are known good ----------------------
     def validate_offline(self):
@@ -248,7 +254,7 @@ class Lxc:
         grow = cfgmod.rootfs_plan(self.p["disk_gb"], current.get("rootfs"))
         self.check_device_rights([k for k in list(updates) + deletes if cfgmod.family(k) == "dev"])
         status = self.pve.call("reading status", ct.status.current.get).get("status", "unknown")
-        self.result["status"] = status
+        self.result["status"] = self.result["status_before"] = status
         after = cfgmod.apply_changes(current, updates, deletes)
         if grow:
             after["rootfs"] = _with_size(current["rootfs"], grow)
