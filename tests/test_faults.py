@@ -271,6 +271,17 @@ def test_resume_allows_and_lists_lr_steps_and_logging(run_copy, capsys):
 
 # ---- damaged run directories -------------------------------------------------------------------
 
+@pytest.mark.parametrize("recorded", ["[1]", "{bad"])
+def test_resume_with_a_damaged_run_config_says_so_and_writes_it_anew(recorded, earlier_run, run_copy, capsys):
+    """config.json valid JSON but no object, or no JSON: the start goes on from the checkpoint, and says
+    that it could not compare the settings (not an AttributeError from the comparison)."""
+    (run_copy / "config.json").write_text(recorded)
+    code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(earlier_run))
+    assert code == 0, err
+    assert f"{run_copy / 'config.json'} is damaged (not a readable JSON object)" in err
+    assert json.loads((run_copy / "config.json").read_text())["train"]["steps"] == 6
+
+
 def truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
