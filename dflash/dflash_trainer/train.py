@@ -396,11 +396,8 @@ def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict |
     check_inputs(cfg)  # before anything loads or starts
     start = run_dir.prepare(cfg, resume, overwrite)
     p = cfg.parallel
-    try:
-        ctx = parallel.init(p.target_ranks, p.drafter_ranks, offline=bool(cfg.data.features_dir),
-                            isolate_gpus=p.isolate_gpus)
-    except ValueError as exc:  # the role split does not fit the world
-        raise ConfigError(str(exc)) from exc
+    ctx = parallel.init(p.target_ranks, p.drafter_ranks, offline=bool(cfg.data.features_dir),
+                        isolate_gpus=p.isolate_gpus)
     startup.mark("run directory, process group and GPU")
     # After a failure, no graceful teardown: destroy_process_group can wait forever on a peer still
     # blocked in a send to this rank (NCCL), and the traceback would only print after it. The error
