@@ -448,6 +448,18 @@ def test_disk_full_during_a_save(earlier_run, tmp_path, capsys):
         assert code == 0, err  # space freed: it continues from step 6
 
 
+def test_disk_full_when_publishing_a_run_that_keeps_no_checkpoints(earlier_run, tmp_path, capsys):
+    """train.checkpoint_every = 0: nothing for --resume to publish from, so the message says to train again."""
+    with tmpfs(tmp_path / "mnt", "16m") as mnt:
+        drafter_bytes = sum(p.stat().st_size for p in (earlier_run / "drafter").iterdir())
+        with open(mnt / "filler", "wb") as f:  # room for the run's small files, not for the drafter
+            f.write(b"\0" * (shutil.disk_usage(mnt).free - drafter_bytes // 2))
+        code, err = trainer(capsys, mnt / "run", *_resume_sets(earlier_run), "--set", "train.checkpoint_every=0")
+        assert code == 1 and f"publishing the drafter to {mnt / 'run' / 'drafter'}: disk full" in err, err
+        assert "train.checkpoint_every = 0 kept no checkpoint" in err and "--overwrite" in err
+        assert "--resume publishes" not in err
+
+
 # ---- paths the run stores ----------------------------------------------------------------------
 
 def test_resume_from_another_working_directory(tiny_target, tmp_path, capsys, monkeypatch):

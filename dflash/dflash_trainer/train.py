@@ -318,8 +318,11 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
         return None
     cfg, device, out = run.cfg, run.ctx.device, run.out
     peak = peak_flops(device)
-    with storage.explained(f"publishing the drafter to {out / 'drafter'}", out,
-                           "The checkpoints are intact: free space, then --resume publishes it."):
+    # --resume publishes it from the last checkpoint; a run without checkpoints has to train again.
+    fix = ("The checkpoints are intact: free space, then --resume publishes it." if cfg.train.checkpoint_every else
+           "train.checkpoint_every = 0 kept no checkpoint to publish it from: free space, then train again "
+           "with --overwrite.")
+    with storage.explained(f"publishing the drafter to {out / 'drafter'}", out, fix):
         final_dir = storage.publish_dir(out / "drafter", lambda d: run.drafter.save_pretrained(d, weights))
     summary = {
         "steps": cfg.train.steps,
