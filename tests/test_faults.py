@@ -25,6 +25,7 @@ import pytest
 from dflash_trainer import checkpoint as ckpt
 from dflash_trainer import hub
 from dflash_trainer.config import RunConfig, load_config
+from dflash_trainer.loading import check_target, target_config
 from dflash_trainer.train import main
 
 STEP3, STEP6 = "checkpoints/step-00000003", "checkpoints/step-00000006"
@@ -174,6 +175,21 @@ def test_target_directory_without_a_model(tiny_target, tmp_path, capsys):
     (tmp_path / "empty-model").mkdir()
     code, err = trainer(capsys, tmp_path / "new", *sets(tiny_target, f"target.path={tmp_path / 'empty-model'}"))
     assert code == 2 and "the directory has no config.json" in err, err
+
+
+def test_paths_under_home_are_expanded_once_for_every_reader(tiny_target, tmp_path, monkeypatch):
+    """target.path=~/... passed the directory check but reached transformers unexpanded ("Repo id must use
+    alphanumeric chars"): load_config expands ~ in every path field; hub ids are left as they are."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "target").symlink_to(tiny_target["target"])
+    cfg = load_config("embedded", ["target.path=~/models/target", 'data.train=["~/chats.jsonl", "org/ds"]',
+                                   "output_dir=~/runs/a", "train.compile_cache_dir=~/cache"])
+    assert cfg.target.path == str(tmp_path / "models" / "target")
+    assert cfg.data.train == [str(tmp_path / "chats.jsonl"), "org/ds"]
+    assert (cfg.output_dir, cfg.train.compile_cache_dir) == (str(tmp_path / "runs" / "a"), str(tmp_path / "cache"))
+    check_target(cfg.target.path)
+    assert target_config(cfg).hidden_size == 64  # the tiny target's own config, read from the expanded path
 
 
 # ---- data --------------------------------------------------------------------------------------

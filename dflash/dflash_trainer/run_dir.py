@@ -74,8 +74,8 @@ class RunStart:
 # ---- paths as the run stores them --------------------------------------------------------------
 
 def _stored_path(value: str, out: Path, local_only: bool) -> str:
-    """Absolute, or relative to the run dir when inside it; hub names as they are."""
-    path = Path(value).expanduser()
+    """Absolute, or relative to the run dir when inside it; hub names as they are (~ is expanded on loading)."""
+    path = Path(value)
     if not (local_only or path.exists()):
         return value
     path = path.absolute()
@@ -124,7 +124,7 @@ def _canonical(value, *bases: Path):
         return [_canonical(v, *bases) for v in value]
     if not isinstance(value, str) or not value:
         return value
-    path = Path(value).expanduser()
+    path = Path(value)
     for base in bases:
         candidate = path if path.is_absolute() else base / path
         if candidate.exists():
