@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from dflash_run import preflight, procs, status, supervise
-from dflash_run.jobs import EVAL, REGENERATE, TRAIN
+from dflash_run.jobs import EVAL, REGENERATE, TRAIN, job_of
 
 REPO = Path(__file__).resolve().parents[1]
 ROLE = REPO / "ansible" / "roles" / "training_run"
@@ -365,7 +365,8 @@ def test_a_killed_save_does_not_hold_up_the_stop(tmp_path):
 def test_foreground_trainer_is_found_and_stopped(tmp_path):
     """A local `make train` (no supervisor): preflight sees it, train-stop ends it."""
     run = tmp_path / "run"
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "dflash_trainer.train",
+    # the command line of `python -m dflash_trainer.train --output-dir RUN`, without loading the trainer
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "-m", "dflash_trainer.train",
                               "--output-dir", str(run)])
     try:
         # until the child has exec'd: before that, its /proc/<pid>/cmdline is still the parent's
@@ -390,7 +391,7 @@ def test_local_make_targets_without_inventory(tmp_path):
         return subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", *args, f"RUN_DIR={run}"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
 
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "dflash_trainer.train",
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "-m", "dflash_trainer.train",
                               "--output-dir", str(run)])
     try:
         st = make("train-status")
@@ -427,6 +428,12 @@ def test_jobs_are_told_apart_by_their_command_lines():
     for argv in (["/opt/venv/bin/dflash-run", "preflight", "--unit", "dflash-train-default"],
                  ["sh", "-c", "ps | grep dflash_trainer.train"], ["python", "/home/u/dflash-trainer/x.py"]):
         assert not any(j.matches(argv) for j in (TRAIN, REGENERATE, EVAL))
+    # another job's directory (or module) as an argument does not make a process that job
+    evaluation = ["/opt/venv/bin/python", "/opt/venv/bin/dflash-eval", "--run", "/srv/runs/dflash-train",
+                  "--note", "dflash_trainer.train"]
+    assert job_of(evaluation) is EVAL and not TRAIN.matches(evaluation)
+    assert job_of(["/opt/venv/bin/dflash-train", "--config", "c.toml"]) is TRAIN
+    assert job_of(["python3", "-u", "-m", "dflash_trainer.train", "--out", "/srv/dflash-eval"]) is TRAIN
 
 
 def test_preflight_needs_the_jobs_launch(tmp_path):
@@ -439,6 +446,21 @@ def test_preflight_needs_the_jobs_launch(tmp_path):
     assert preflight.check_launch(tmp_path, TRAIN) == []
     with pytest.raises(SystemExit, match="describes the train job, not eval"):
         supervise.load_launch(tmp_path, EVAL)
+
+
+def test_a_damaged_launch_is_a_clear_refusal_not_a_traceback(tmp_path):
+    """The preflight and `dflash-run start` read launch.json the same way: each damage names itself."""
+    for text, says in (("{bad", "is not JSON"), ("[1]", "holds a JSON list, not an object"),
+                       ('{"job": ["train"]}', "names the job ['train'], which is none of"),
+                       ('{"job": "train"}', "has no command line"),
+                       ('{"job": "train", "argv": ["x"], "env": [1]}', "env is not an object")):
+        (tmp_path / supervise.LAUNCH).write_text(text)
+        (problem,) = preflight.check_launch(tmp_path, TRAIN)
+        assert says in problem.detail and "make deploy again" in problem.fix, text
+        res = subprocess.run([*CLI, "start", "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                             check=False, timeout=60)
+        assert res.returncode == 1 and says in res.stderr and "Traceback" not in res.stderr, (text, res.stderr)
+    assert not (tmp_path / supervise.STATE).exists()  # refused before anything was recorded
 
 
 def test_stale_processes_of_any_job_block_a_start(tmp_path):

@@ -25,6 +25,7 @@ import pytest
 from dflash_trainer import checkpoint as ckpt
 from dflash_trainer import hub
 from dflash_trainer.config import RunConfig, load_config
+from dflash_trainer.loading import check_target, target_config
 from dflash_trainer.train import main
 
 STEP3, STEP6 = "checkpoints/step-00000003", "checkpoints/step-00000006"
@@ -176,6 +177,21 @@ def test_target_directory_without_a_model(tiny_target, tmp_path, capsys):
     assert code == 2 and "the directory has no config.json" in err, err
 
 
+def test_paths_under_home_are_expanded_once_for_every_reader(tiny_target, tmp_path, monkeypatch):
+    """target.path=~/... passed the directory check but reached transformers unexpanded ("Repo id must use
+    alphanumeric chars"): load_config expands ~ in every path field; hub ids are left as they are."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "target").symlink_to(tiny_target["target"])
+    cfg = load_config("embedded", ["target.path=~/models/target", 'data.train=["~/chats.jsonl", "org/ds"]',
+                                   "output_dir=~/runs/a", "train.compile_cache_dir=~/cache"])
+    assert cfg.target.path == str(tmp_path / "models" / "target")
+    assert cfg.data.train == [str(tmp_path / "chats.jsonl"), "org/ds"]
+    assert (cfg.output_dir, cfg.train.compile_cache_dir) == (str(tmp_path / "runs" / "a"), str(tmp_path / "cache"))
+    check_target(cfg.target.path)
+    assert target_config(cfg).hidden_size == 64  # the tiny target's own config, read from the expanded path
+
+
 # ---- data --------------------------------------------------------------------------------------
 
 def test_missing_data_with_the_embedded_target_is_an_error_not_the_embedded_data(tmp_path, capsys, earlier_run):
@@ -270,6 +286,17 @@ def test_resume_allows_and_lists_lr_steps_and_logging(run_copy, capsys):
 
 
 # ---- damaged run directories -------------------------------------------------------------------
+
+@pytest.mark.parametrize("recorded", ["[1]", "{bad"])
+def test_resume_with_a_damaged_run_config_says_so_and_writes_it_anew(recorded, earlier_run, run_copy, capsys):
+    """config.json valid JSON but no object, or no JSON: the start goes on from the checkpoint, and says
+    that it could not compare the settings (not an AttributeError from the comparison)."""
+    (run_copy / "config.json").write_text(recorded)
+    code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(earlier_run))
+    assert code == 0, err
+    assert f"{run_copy / 'config.json'} is damaged (not a readable JSON object)" in err
+    assert json.loads((run_copy / "config.json").read_text())["train"]["steps"] == 6
+
 
 def truncate(path: Path) -> None:
     data = path.read_bytes()
@@ -435,6 +462,18 @@ def test_disk_full_during_a_save(earlier_run, tmp_path, capsys):
         code, err = trainer(capsys, out, "--resume", *_resume_sets(out), "--set", "train.steps=8",
                             "--set", "train.checkpoint_every=1")
         assert code == 0, err  # space freed: it continues from step 6
+
+
+def test_disk_full_when_publishing_a_run_that_keeps_no_checkpoints(earlier_run, tmp_path, capsys):
+    """train.checkpoint_every = 0: nothing for --resume to publish from, so the message says to train again."""
+    with tmpfs(tmp_path / "mnt", "16m") as mnt:
+        drafter_bytes = sum(p.stat().st_size for p in (earlier_run / "drafter").iterdir())
+        with open(mnt / "filler", "wb") as f:  # room for the run's small files, not for the drafter
+            f.write(b"\0" * (shutil.disk_usage(mnt).free - drafter_bytes // 2))
+        code, err = trainer(capsys, mnt / "run", *_resume_sets(earlier_run), "--set", "train.checkpoint_every=0")
+        assert code == 1 and f"publishing the drafter to {mnt / 'run' / 'drafter'}: disk full" in err, err
+        assert "train.checkpoint_every = 0 kept no checkpoint" in err and "--overwrite" in err
+        assert "--resume publishes" not in err
 
 
 # ---- paths the run stores ----------------------------------------------------------------------

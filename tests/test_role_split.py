@@ -1,8 +1,11 @@
 """The T:D split advice: who waits for whom, and the split that moves the most micro-batches per second."""
 
 import pytest
+from dflash_trainer import parallel
+from dflash_trainer.config import ConfigError
 from dflash_trainer.parallel import SplitWindow, drafter_side_advice, split_advice, suggest_split
 from dflash_trainer.sources import Wait
+from dflash_trainer.train import explain
 
 
 def test_suggest_split_maximises_the_slower_side():
@@ -50,3 +53,20 @@ def test_target_side_window_infers_the_drafter_time_when_targets_idle():
     busy = SplitWindow(prefetch=2, length=4)
     busy.t0 = 0.0
     assert "the target ranks bound the run" in busy.advice(intervals, 1, 3, now=0.42)
+
+
+def test_a_split_that_does_not_fit_is_a_config_error_at_its_source(monkeypatch):
+    """The role checks raise ConfigError (exit 2) before any process group starts; any other ValueError of
+    the start-up stays a fault (exit 1), not a config problem."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match=r"= 3, but the world has 2 processes"):
+        parallel.init(2, 1, offline=False)
+    with pytest.raises(ConfigError, match="drafter_ranks >= 1"):
+        parallel.init(2, 0, offline=False)
+    with pytest.raises(ConfigError, match="data.features_dir is set"):
+        parallel.init(1, 1, offline=True)
+    with pytest.raises(ConfigError, match="0 target ranks means offline mode"):
+        parallel.init(0, 2, offline=False)
+    assert explain(ConfigError("the split"))[0] == 2
+    assert explain(ValueError("an internal fault"))[0] == 1

@@ -9,6 +9,7 @@ another one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 
@@ -28,7 +29,13 @@ class Job:
         return f"logs/{self.name}.log"
 
     def matches(self, argv: list[str]) -> bool:
-        return any(a in self.modules or Path(a).name in self.scripts for a in argv)
+        """Its module right after a -m (python -m X, torchrun ... -m X), or its console script as the program
+        (argv[0], or argv[1] under the python of its shebang). Only those places: an argument such as
+        `--run /srv/runs/dflash-train` names a directory, not the job."""
+        if any(flag == "-m" and mod in self.modules for flag, mod in pairwise(argv)):
+            return True
+        programs = argv[:1] + (argv[1:2] if argv and Path(argv[0]).name.startswith("python") else [])
+        return any(Path(a).name in self.scripts for a in programs)
 
 
 TRAIN = Job("train", "training", ("dflash_trainer.train",), ("dflash-train",), "--output-dir", ("--resume",),

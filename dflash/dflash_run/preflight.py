@@ -8,7 +8,6 @@ root filesystem, so `make rebuild` and re-creating the container keep outputs an
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -18,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import procs as procs_mod
-from .jobs import REGENERATE, TRAIN, Job
-from .supervise import LAUNCH
+from .jobs import TRAIN, Job
+from .supervise import launch_problem
 
 GPU_QUERY = ["nvidia-smi", "--query-gpu=index,memory.used,memory.total,utilization.gpu",
              "--format=csv,noheader,nounits"]
@@ -164,19 +163,8 @@ def check_config(config: Path) -> list[Problem]:
 
 def check_launch(run_dir: Path, job: Job) -> list[Problem]:
     """`make deploy` wrote this job's launch.json (what the supervisor starts)."""
-    try:
-        launch = json.loads((run_dir / LAUNCH).read_text())
-    except OSError:
-        return [Problem("launch", f"no {run_dir / LAUNCH}: the {job.what} was not deployed",
-                        "make deploy (with the same INVENTORY)" + (", after setting training_run_regenerate_data"
-                                                                   if job is REGENERATE else ""))]
-    except ValueError as exc:
-        return [Problem("launch", f"{run_dir / LAUNCH} is not JSON ({exc})", "make deploy again")]
-    if launch.get("job", TRAIN.name) != job.name:
-        return [Problem("launch", f"{run_dir / LAUNCH} describes the {launch.get('job')} job, not {job.name}",
-                        "give each job a directory of its own (training_run_output_dir, training_run_regenerate_out, "
-                        "training_run_eval_out), then make deploy")]
-    return []
+    problem = launch_problem(run_dir, job)
+    return [] if problem is None else [Problem("launch", *problem)]
 
 
 def run_all(run_dir: Path, cache_dir: Path, gpus: int, min_free_gb: float, max_used_mib: int,

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from .jobs import JOBS, TRAIN, Job
+from .jobs import JOBS, REGENERATE, TRAIN, Job
 from .procs import alive, job_processes, of_run, started_at
 
 LAUNCH = "launch.json"  # written by `make deploy`: the job, its argv and the restart policy
@@ -36,17 +36,50 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def load_launch(run_dir: Path, job: Job | None = None) -> dict:
-    """launch.json; refused when it is another job's (`job`: the one the caller means)."""
+def launch_problem(run_dir: Path, job: Job | None = None) -> tuple[str, str] | None:
+    """What makes run_dir's launch.json unusable for `job` (any job when None), as (problem, fix); None if usable.
+
+    The preflight reports it as a Problem, the supervisor refuses to start with it: a file that is missing,
+    not JSON, not an object, another job's, or without a command line.
+    """
     path = run_dir / LAUNCH
-    if not path.is_file():
-        raise SystemExit(f"no {path}: run `make deploy` first (it writes the run configuration)")
-    launch = json.loads(path.read_text())
-    kind = launch.setdefault("job", TRAIN.name)
-    if kind not in JOBS:
-        raise SystemExit(f"{path} names the job {kind!r}, which is none of {', '.join(JOBS)}: run `make deploy` again")
+    what = job.what if job is not None else "job"
+    redeploy = "make deploy again (it rewrites the file)"
+    try:
+        launch = json.loads(path.read_text())
+    except FileNotFoundError:
+        return (f"no {path}: the {what} was not deployed",
+                "make deploy (with the same INVENTORY)" + (", after setting training_run_regenerate_data"
+                                                           if job is REGENERATE else ""))
+    except OSError as exc:
+        return f"{path} cannot be read: {exc.strerror or exc}", "check the run directory's mount, then " + redeploy
+    except ValueError as exc:
+        return f"{path} is not JSON ({exc})", redeploy
+    if not isinstance(launch, dict):
+        return f"{path} holds a JSON {type(launch).__name__}, not an object (job, argv, ...)", redeploy
+    kind = launch.get("job", TRAIN.name)
+    if not isinstance(kind, str) or kind not in JOBS:
+        return f"{path} names the job {kind!r}, which is none of {', '.join(JOBS)}", redeploy
     if job is not None and kind != job.name:
-        raise SystemExit(f"{path} describes the {kind} job, not {job.name}: give the {job.name} job's directory")
+        return (f"{path} describes the {kind} job, not {job.name}",
+                ("give each job a directory of its own (training_run_output_dir, training_run_regenerate_out, "
+                 "training_run_eval_out), then make deploy"))
+    argv = launch.get("argv")
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+        return f"{path} has no command line (argv: a non-empty list of strings)", redeploy
+    if not isinstance(launch.get("env", {}), dict):
+        return f"{path}: env is not an object of variables", redeploy
+    return None
+
+
+def load_launch(run_dir: Path, job: Job | None = None) -> dict:
+    """launch.json; refused (SystemExit naming the problem and its fix) when launch_problem finds one."""
+    problem = launch_problem(run_dir, job)
+    if problem is not None:
+        detail, fix = problem
+        raise SystemExit(f"{detail}: {fix}")
+    launch = json.loads((run_dir / LAUNCH).read_text())
+    launch.setdefault("job", TRAIN.name)
     launch.setdefault("max_restarts", 3)
     launch.setdefault("restart_delay_s", 10)
     launch.setdefault("stop_timeout_s", 600)

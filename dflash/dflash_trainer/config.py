@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import tomllib
 import types
 import typing
@@ -32,7 +33,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Rule:
     """What a field allows beyond its type: ge/gt/le bound numbers (each element of a list), choices
-    lists the allowed strings, path marks a filesystem path (stored absolute or relative to the run dir)."""
+    lists the allowed strings, path marks a filesystem path (a leading ~ expanded on loading; stored absolute
+    or relative to the run dir)."""
 
     ge: float | None = None
     gt: float | None = None
@@ -234,6 +236,14 @@ def _unknown_key(key: str, known: list[str], where: str) -> str:
     return f"unknown key {key!r} {'in' if where else 'at'} {_section_name(where)}{hint}; known keys: {', '.join(known)}"
 
 
+def _expand_user(value):
+    """~ and ~user at the start of a path, once for every reader of the config (the checks, transformers,
+    the stored config.json); hub ids and globs pass unchanged."""
+    if isinstance(value, list):
+        return [_expand_user(v) for v in value]
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+
+
 def _build(cls, values: dict, where: str, problems: list[str]):
     fields = _fields(cls)
     known = [f.name for f, _, _ in fields]
@@ -258,7 +268,7 @@ def _build(cls, values: dict, where: str, problems: list[str]):
         if (problem := _range_problem(typed, rule)) is not None:
             problems.append(f"{key} = {_shown(value)}: {problem}")
             continue
-        kwargs[f.name] = typed
+        kwargs[f.name] = _expand_user(typed) if rule.path else typed
     return cls(**kwargs)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from . import storage
 from .loading import DTYPES, console, new_drafter
 from .model import DFlashDrafter
 from .objective import drafter_loss, prepare_micro_batch
@@ -38,9 +39,8 @@ def evaluate_tau(drafter, target, prompts: list[list[int]], max_new_tokens: int,
 def record_eval_prompts(out_dir: Path, prompts: list[list[int]]) -> Path:
     """The prompts tau was measured on, as rows dflash-eval reads (`dflash-eval --run OUTPUT`)."""
     path = Path(out_dir) / EVAL_PROMPTS_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
-    tmp.replace(path)
+    storage.write_text_atomic(path, "".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n"
+                                            for i, p in enumerate(prompts)))
     return path
 
 

@@ -45,7 +45,7 @@ def check_target(path: str) -> None:
 
     if path == "embedded":
         return
-    local = Path(path).expanduser()
+    local = Path(path)  # a leading ~ is expanded by load_config
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise ConfigError(f"target.path {path}: the directory has no config.json; give a Hugging Face model "

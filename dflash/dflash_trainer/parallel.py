@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .compile_guard import isolate_local_gpu
+from .config import ConfigError
 from .transport import Roles, TransportGroups, setup_transport
 
 
@@ -62,7 +63,8 @@ class Context:
 
 
 def init(target_ranks: int, drafter_ranks: int, offline: bool, isolate_gpus: bool = True) -> Context:
-    """Read torchrun's environment, check the role split, start the process group."""
+    """Read torchrun's environment, check the role split (ConfigError when it does not fit the world or
+    the mode), start the process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -70,11 +72,11 @@ def init(target_ranks: int, drafter_ranks: int, offline: bool, isolate_gpus: boo
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return Context(1, 0, 0, device, None, None)
     if offline and target_ranks:
-        raise ValueError("data.features_dir is set (offline mode), so there are no target ranks: set "
+        raise ConfigError("data.features_dir is set (offline mode), so there are no target ranks: set "
                          "parallel.target_ranks = 0 (--target-gpus 0)")
     roles = Roles.from_world(world, target_ranks, drafter_ranks)
     if roles.offline and not offline:
-        raise ValueError("0 target ranks means offline mode: set data.features_dir to features dumped with "
+        raise ConfigError("0 target ranks means offline mode: set data.features_dir to features dumped with "
                          "--dump-features, or give target ranks (--target-gpus T)")
     if isolate_gpus:
         # Every worker sees its GPU as cuda:0, so compile-cache keys match and rank 1+ hit rank 0's cache.

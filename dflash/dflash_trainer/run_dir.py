@@ -63,6 +63,7 @@ class RunStart:
     resume: bool
     overwrite: bool
     found: ckpt.Inspection
+    recorded: dict | None = None  # --resume: the settings the run recorded (config.json), if readable
     notes: list[str] = field(default_factory=list)  # printed by rank 0 once the start is accepted
 
     @property
@@ -73,8 +74,8 @@ class RunStart:
 # ---- paths as the run stores them --------------------------------------------------------------
 
 def _stored_path(value: str, out: Path, local_only: bool) -> str:
-    """Absolute, or relative to the run dir when inside it; hub names as they are."""
-    path = Path(value).expanduser()
+    """Absolute, or relative to the run dir when inside it; hub names as they are (~ is expanded on loading)."""
+    path = Path(value)
     if not (local_only or path.exists()):
         return value
     path = path.absolute()
@@ -123,7 +124,7 @@ def _canonical(value, *bases: Path):
         return [_canonical(v, *bases) for v in value]
     if not isinstance(value, str) or not value:
         return value
-    path = Path(value).expanduser()
+    path = Path(value)
     for base in bases:
         candidate = path if path.is_absolute() else base / path
         if candidate.exists():
@@ -145,10 +146,12 @@ def _held(out: Path, found: ckpt.Inspection) -> list[str]:
 
 
 def _recorded(out: Path) -> dict | None:
+    """The run's recorded settings; None when config.json is missing, unreadable or not a JSON object."""
     try:
-        return json.loads((out / RUN_CONFIG).read_text())
+        value = json.loads((out / RUN_CONFIG).read_text())
     except (OSError, ValueError):
         return None
+    return value if isinstance(value, dict) else None
 
 
 def _kept_settings(cfg: RunConfig, recorded: dict, out: Path) -> list[str]:
@@ -198,7 +201,10 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool) -> RunStart:
     start = RunStart(out, resume, overwrite, found)
     if resume:
         start.notes += _resume_notes(out, found)
-        recorded = _recorded(out)
+        start.recorded = recorded = _recorded(out)
+        if recorded is None and (out / RUN_CONFIG).exists():
+            start.notes.append(f"--resume: {out / RUN_CONFIG} is damaged (not a readable JSON object): this start "
+                               "cannot compare its settings with the run's and writes the file anew")
         if recorded is not None and (problems := _kept_settings(cfg, recorded, out)):
             raise RunDirError(f"--resume: this config changes what the run in {out} trains:\n  - "
                               + "\n  - ".join(problems) + f"\nA resumed run must keep these: {_AGAIN}")
@@ -242,8 +248,7 @@ def check_model(start: RunStart, cfg: RunConfig, drafter_config) -> None:
     if differ:
         raise RunDirError(f"--resume: this config builds another drafter than {start.resume_from} holds:\n  - "
                           + "\n  - ".join(differ) + f"\nA resumed run must train the same model: {_AGAIN}")
-    recorded = _recorded(start.out)
-    if recorded is not None and (changes := _changes(cfg, recorded)):
+    if start.recorded is not None and (changes := _changes(cfg, start.recorded)):
         start.notes.append("--resume with changed settings: " + "; ".join(changes))
 
 

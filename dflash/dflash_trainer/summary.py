@@ -10,13 +10,12 @@ from pathlib import Path
 
 from rich.table import Table
 
+from . import storage
 from .loading import console
 
 
 def write_summary(out: Path, summary: dict) -> None:
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    tmp.replace(out / "summary.json")
+    storage.write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
 
 
 def print_summary(summary: dict) -> None:

@@ -25,6 +25,7 @@ from .loading import (
     load_tokenizer,
     resolve_target,
     resume_step,
+    target_config,
 )
 from .parallel import SplitWindow
 from .sources import Wait
@@ -33,8 +34,6 @@ from .summary import print_summary, write_summary
 
 def run_target(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | None:
     """Run the frozen target on this rank's micro-batches and send the features to their drafters."""
-    from transformers import AutoConfig
-
     from .transport import FeatureSender
 
     device = ctx.device
@@ -42,8 +41,7 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | No
     # waits for a drafter that has stopped would otherwise hold this process until the timeout.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     tokenizer = load_tokenizer(cfg)
-    layer_ids = drafter_config_for(cfg, AutoConfig.from_pretrained(cfg.target.path), tokenizer).dflash_config[
-        "target_layer_ids"]
+    layer_ids = drafter_config_for(cfg, target_config(cfg), tokenizer).dflash_config["target_layer_ids"]
     target = load_target(cfg, layer_ids, device)
     stream, eval_stream, prompts = load_data(cfg, tokenizer)
     compile_target_step(target, cfg.data.context_buckets, cfg.train.micro_batch,
@@ -102,11 +100,8 @@ def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ctx = parallel.Context(1, rank, 0, device, None, None)
     cfg = resolve_target(cfg, ctx) if world == 1 else cfg
-    from transformers import AutoConfig
-
     tokenizer = load_tokenizer(cfg)
-    layer_ids = drafter_config_for(cfg, AutoConfig.from_pretrained(cfg.target.path), tokenizer).dflash_config[
-        "target_layer_ids"]
+    layer_ids = drafter_config_for(cfg, target_config(cfg), tokenizer).dflash_config["target_layer_ids"]
     target = load_target(cfg, layer_ids, device)
     stream, _, _ = load_data(cfg, tokenizer)
     count = num_batches or stream.per_epoch

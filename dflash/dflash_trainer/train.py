@@ -318,8 +318,11 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
         return None
     cfg, device, out = run.cfg, run.ctx.device, run.out
     peak = peak_flops(device)
-    with storage.explained(f"publishing the drafter to {out / 'drafter'}", out,
-                           "The checkpoints are intact: free space, then --resume publishes it."):
+    # --resume publishes it from the last checkpoint; a run without checkpoints has to train again.
+    fix = ("The checkpoints are intact: free space, then --resume publishes it." if cfg.train.checkpoint_every else
+           "train.checkpoint_every = 0 kept no checkpoint to publish it from: free space, then train again "
+           "with --overwrite.")
+    with storage.explained(f"publishing the drafter to {out / 'drafter'}", out, fix):
         final_dir = storage.publish_dir(out / "drafter", lambda d: run.drafter.save_pretrained(d, weights))
     summary = {
         "steps": cfg.train.steps,
@@ -396,11 +399,8 @@ def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict |
     check_inputs(cfg)  # before anything loads or starts
     start = run_dir.prepare(cfg, resume, overwrite)
     p = cfg.parallel
-    try:
-        ctx = parallel.init(p.target_ranks, p.drafter_ranks, offline=bool(cfg.data.features_dir),
-                            isolate_gpus=p.isolate_gpus)
-    except ValueError as exc:  # the role split does not fit the world
-        raise ConfigError(str(exc)) from exc
+    ctx = parallel.init(p.target_ranks, p.drafter_ranks, offline=bool(cfg.data.features_dir),
+                        isolate_gpus=p.isolate_gpus)
     startup.mark("run directory, process group and GPU")
     # After a failure, no graceful teardown: destroy_process_group can wait forever on a peer still
     # blocked in a send to this rank (NCCL), and the traceback would only print after it. The error

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .config import ConfigError
+
 __all__ = [
     "FeatureReceiver",
     "FeatureSender",
@@ -77,13 +79,14 @@ class Roles:
 
     @classmethod
     def from_world(cls, world_size: int, target_ranks: int, drafter_ranks: int) -> Roles:
+        """The split of the world; ConfigError (the run's settings, exit 2) when it does not fit."""
         if target_ranks < 0 or drafter_ranks < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"need target_ranks >= 0 and drafter_ranks >= 1, got T={target_ranks}, D={drafter_ranks} "
                 "(T = 0 is offline mode: drafters read dumped features)."
             )
         if target_ranks + drafter_ranks != world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"target ranks ({target_ranks}) + drafter ranks ({drafter_ranks}) = "
                 f"{target_ranks + drafter_ranks}, but the world has {world_size} processes; launch "
                 f"torchrun with --nproc-per-node (x nodes) = T + D, or change --target-gpus/--drafter-gpus."
