@@ -34,25 +34,6 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
-def stop_ids_of(model, tokenizer, stop_tokens: list[str] | None = None) -> list[int]:
-    """The tokens that end an answer: --stop-token, else the target's generation config EOS ids and the
-    tokenizer's EOS (chat models end a turn with their own end-of-turn token, e.g. Qwen3's <|im_end|>)."""
-    if stop_tokens:
-        ids = []
-        for token in stop_tokens:
-            tid = tokenizer.convert_tokens_to_ids(token)
-            if tid is None or tid == tokenizer.unk_token_id:
-                raise ValueError(f"--stop-token {token!r} is not a token of the target's tokenizer")
-            ids.append(tid)
-        return ids
-    found = []
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for tid in ([gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])) + [tokenizer.eos_token_id]:
-        if tid is not None and tid not in found:
-            found.append(int(tid))
-    return found
-
-
 class HFEngine:
     name = "hf"
 
