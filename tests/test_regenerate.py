@@ -286,6 +286,8 @@ def test_an_out_that_is_a_file_or_read_only_is_refused_before_the_weights_load(t
     assert main(args(tiny_target["target"], tiny_target["train"], taken)) == 2
     assert f"--out {taken} exists and is not a directory" in capsys.readouterr().err
     assert taken.read_text() == "a file\n"
+    assert main(args(tiny_target["target"], tiny_target["train"], taken / "sub")) == 2
+    assert f"--out {taken / 'sub'}: {taken} is a file" in " ".join(capsys.readouterr().err.split())
     with tmpfs(tmp_path / "ro", "1m", read_only=True) as mnt:
         assert main(args(tiny_target["target"], tiny_target["train"], mnt / "out")) == 2
         err = " ".join(capsys.readouterr().err.split())
@@ -302,6 +304,15 @@ def test_a_missing_relative_target_is_refused_without_waiting_on_the_hub(tiny_ta
     err = " ".join(capsys.readouterr().err.split())
     assert f"--target 'models/Qwen3-8B': no such directory ({tmp_path / 'models/Qwen3-8B'})" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_target_without_weights_is_a_clear_error(tiny_target, tmp_path, capsys):
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_target["target"], no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert main(args(str(no_weights), tiny_target["train"], tmp_path / "out")) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--target {no_weights}: cannot load the model" in err, err
+    assert not (tmp_path / "out").exists()  # nothing made for a run that could not start
 
 
 def test_an_unknown_stop_token_is_a_data_error(tiny_target):

@@ -147,6 +147,11 @@ def plot(report: dict, path: Path) -> None:
                  f"tau {report['overall']['tau']:.2f}"
                  + (f", {speed:.2f}x vs target-only on {report['device']}" if speed else ""))
     tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        fig.savefig(tmp)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written figure behind
+        raise
+    finally:
+        plt.close(fig)

@@ -188,11 +188,12 @@ def run(args) -> dict | None:
     plan = make_plan(rows, tokenizer, sampling, args.chat_template_kwargs, args.limit, context)
     check_plan(plan, args.data)
     out = OutputDir(args.out, world.rank)
-    out.lock()  # before the weights load: an unwritable or busy --out is refused at once
+    out.check_writable()  # before the weights load, which takes minutes for a large target
     engine = make_engine(args, tokenizer, sampling, device, log)
 
     target_id = str(Path(args.target).resolve()) if Path(args.target).exists() else args.target
     manifest = {"target": target_id, "sampling": sampling.as_dict(), "chat_template_kwargs": args.chat_template_kwargs}
+    out.lock()
     out.check_or_create(manifest)
     if lead and out.clean_partial():
         log("removed the half-written shard of an earlier run that was killed")

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StaticCache
 
+from ..data import DataError
 from .answers import Answer, Request, answer_from_ids
 from .sampling import Sampling, SeededSampler
 
@@ -152,5 +153,9 @@ def load_target(path: str, device: torch.device, dtype: str = "auto"):
         hf_logging.disable_progress_bar()
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as exc:  # no weights beside the tokenizer, a model class transformers lacks
+        raise DataError(f"--target {path}: cannot load the model ({exc}); give the target model's directory "
+                        "(config.json, tokenizer files, weights), or use --engine openai with a tokenizer only") from exc
     return model.to(device).eval()

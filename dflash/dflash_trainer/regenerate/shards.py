@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,9 +59,25 @@ class OutputDir:
             self.path.mkdir(parents=True, exist_ok=True)
             self._write(file, json.dumps(manifest, indent=2) + "\n")
 
+    def check_writable(self) -> None:
+        """--out, or the directory it will be made in, takes files: checked before the weights load, creating
+        nothing (a probe file is made and removed)."""
+        where = self.path
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if where == self.path and not where.is_dir():
+            raise DataError(f"--out {self.path} exists and is not a directory: give a directory")
+        if not where.is_dir():
+            raise DataError(f"--out {self.path}: {where} is a file, so no directory can be made there: give another "
+                            "--out")
+        with storage.explained(f"cannot write to --out {self.path}", where,
+                               "Give a writable --out (or make this one writable)"):
+            fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=where)
+            os.close(fd)
+            os.unlink(probe)
+
     def lock(self) -> None:
-        """One writer per rank: a second command on the same directory is refused, not interleaved. Taking
-        the lock creates the directory and a file in it, so an unwritable --out is refused here, before work."""
+        """One writer per rank: a second command on the same directory is refused, not interleaved."""
         if self.path.exists() and not self.path.is_dir():
             raise DataError(f"--out {self.path} exists and is not a directory: give a directory")
         self._lock = FileLock(self.path / f".rank{self.rank}.lock")
