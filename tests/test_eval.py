@@ -22,6 +22,7 @@ from dflash_trainer.target import FrozenTarget
 from dflash_trainer.train import run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.helpers.mounts import tmpfs
 from tests.helpers.training import sdpa_step
 
 BLOCK, PROMPTS, NEW = 8, 4, 24
@@ -254,6 +255,49 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(case, extra, message, bad
     err = " ".join(capsys.readouterr().err.split())
     assert re.search(message, err), err
     assert not out.exists()
+
+
+def test_an_unwritable_out_is_refused_before_the_evaluation_runs(drafter_dir, tiny_target, tmp_path, capsys):
+    with tmpfs(tmp_path / "ro", "1m", read_only=True) as mnt:
+        argv = ["--drafter", str(drafter_dir), "--target", tiny_target["target"], "--out", str(mnt / "a" / "out"),
+                "--prompts", tiny_target["eval"]]
+        with mock.patch("dflash_trainer.eval_cli.evaluate") as evaluate:
+            assert main(argv) == 1
+        evaluate.assert_not_called()
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"cannot write to --out {mnt / 'a' / 'out'} (in {mnt}): read-only file system" in err, err
+        assert not (mnt / "a").exists()
+
+
+def test_a_full_disk_after_the_evaluation_keeps_the_numbers_on_the_terminal(drafter_dir, tiny_target, tmp_path,
+                                                                             capsys):
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:
+        with open(mnt / "filler", "wb", buffering=0) as f:  # every byte taken; the writability probe needs none
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+        argv = ["--drafter", str(drafter_dir), "--target", tiny_target["target"], "--out", str(mnt / "out"),
+                "--prompts", tiny_target["eval"], "--limit", "1", "--max-new-tokens", "4"]
+        assert main(argv) == 1
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"writing the results to --out {mnt / 'out'}: disk full (no space left on device), " in err, err
+        assert "MiB free there. Free space" in err and "DFlash drafter evaluation" in err  # the table came first
+        assert not [p.name for p in (mnt / "out").iterdir() if ".tmp" in p.name]
+
+
+def test_a_missing_target_is_refused_without_waiting_on_the_hub(drafter_dir, tmp_path, monkeypatch, capsys):
+    from dflash_trainer import hub
+
+    monkeypatch.setattr(hub, "offline", lambda: True)
+    monkeypatch.chdir(tmp_path)
+    argv = ["--drafter", str(drafter_dir), "--target", "models/Qwen3-8B", "--out", str(tmp_path / "out"),
+            "--prompts", str(tmp_path / "p.jsonl")]
+    assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--target 'models/Qwen3-8B': no such directory ({tmp_path / 'models/Qwen3-8B'})" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_prompt_sets_are_named_by_file_or_by_name(drafter_dir, tiny_target, tmp_path):

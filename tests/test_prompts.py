@@ -38,3 +38,18 @@ def test_render_matches_the_chat_template_and_a_missing_template_is_named(tiny_t
     tok.chat_template = None
     with pytest.raises(DataError, match="no chat template"):
         check_chat_template(tok, tiny_target["target"])
+
+
+def test_prompt_sources_are_classified_as_data_py_does_and_errors_name_the_flag(tmp_path, monkeypatch):
+    from dflash_trainer import hub
+    from dflash_trainer.prompt_sets import default_name, is_local, load_source
+
+    monkeypatch.setattr(hub, "offline", lambda: True)
+    monkeypatch.chdir(tmp_path)
+    assert is_local("../gsm8k") and is_local("data/[ab].jsonl") and is_local("sets/*")
+    assert not is_local("openai/gsm8k:main@test") and not is_local("openai/gsm8k@test")
+    assert default_name("openai/gsm8k:main@test") == "gsm8k" and default_name("data/gsm8k.jsonl.gz") == "gsm8k"
+    with pytest.raises(DataError, match=r"prompt file \.\./gsm8k does not exist: fix the path given to --prompts"):
+        load_source("../gsm8k")  # a path, not a hub name: no hub is asked
+    with pytest.raises(DataError, match=r"hub is switched off .*fix the path in --prompts / --name"):
+        load_source("owner/missing@test")

@@ -18,11 +18,15 @@ from dflash_trainer.data import DataError
 from dflash_trainer.prompts import answer_slots, prompt_messages, render_prompt, row_messages, slot_indices
 from dflash_trainer.regenerate import bench
 from dflash_trainer.regenerate.cli import main
-from dflash_trainer.regenerate.engine_hf import BUCKETS, HFEngine, bucket, stop_ids_of
+from dflash_trainer.regenerate.engine_hf import BUCKETS, HFEngine, bucket
 from dflash_trainer.regenerate.plan import DUPLICATE, NO_CHAT, NO_USER_TURN, check_plan, make_plan
 from dflash_trainer.regenerate.sampling import Sampling, draw, nucleus, row_seed
+from dflash_trainer.regenerate.shards import MANIFEST, OutputDir
+from dflash_trainer.speculative import stop_token_ids
+from dflash_trainer.storage import StorageError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.helpers.mounts import tmpfs
 from tests.helpers.regenerate import (
     chat_target as build_chat_target,
 )
@@ -114,7 +118,7 @@ def test_seeded_draws_follow_softmax_and_top_p():
 def test_batches_share_a_bucket_and_fit_the_budget(chat_target):
     tok = AutoTokenizer.from_pretrained(chat_target["target"])
     model = AutoModelForCausalLM.from_pretrained(chat_target["target"], dtype=torch.float32)
-    engine = HFEngine(model, tok, Sampling(max_new_tokens=16), stop_ids_of(model, tok), batch_size=4)
+    engine = HFEngine(model, tok, Sampling(max_new_tokens=16), stop_token_ids(model, tok), batch_size=4)
     assert bucket(17) == 24 and bucket(16) == 16 and all(b <= 1.5 * a for a, b in pairwise(BUCKETS))
     prompts = [[1] * n for n in (30, 5, 17, 9, 40, 12, 3)]
     batches = list(engine.batches(prompts))
@@ -131,7 +135,7 @@ def test_batches_share_a_bucket_and_fit_the_budget(chat_target):
 def test_answers_equal_greedy_generate_of_each_prompt_alone(chat_target, greedy_run):
     tok = AutoTokenizer.from_pretrained(chat_target["target"])
     model = AutoModelForCausalLM.from_pretrained(chat_target["target"], dtype=torch.float32).eval()
-    stop = stop_ids_of(model, tok)
+    stop = stop_token_ids(model, tok)
     rows = shard_rows(greedy_run)
     summary = json.loads((greedy_run / "summary.json").read_text())
     assert summary["prompts"] == len(rows) == len({r["regen"]["key"] for r in rows})
@@ -154,7 +158,7 @@ def test_answers_equal_greedy_generate_of_each_prompt_alone(chat_target, greedy_
 def test_multi_turn_rows_feed_the_targets_own_answers_back(chat_target, tmp_path):
     tok = AutoTokenizer.from_pretrained(chat_target["target"])
     model = AutoModelForCausalLM.from_pretrained(chat_target["target"], dtype=torch.float32).eval()
-    stop = stop_ids_of(model, tok)
+    stop = stop_token_ids(model, tok)
     chat = {"id": "mt", "messages": [
         {"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "someone else's"},
         {"role": "user", "content": "Count from 15 to 18."}, {"role": "assistant", "content": "old"}]}
@@ -209,7 +213,7 @@ def test_a_killed_run_resumes_to_the_same_shards(chat_target, source, greedy_run
     reference = tmp_path / "uninterrupted"
     assert main(args(chat_target["target"], source, reference, "--batch-size", "5", "--shard-size", "2")) == 0
     assert after == shard_files(reference)  # same names, same bytes
-    assert not list(out.glob(".*.tmp"))
+    assert not list(out.glob(".*.tmp*"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["prompts"] == total and summary["this_run"]["prompts"] == total - sum(
         len(b.splitlines()) for b in before.values())
@@ -276,6 +280,80 @@ def test_bad_input_is_refused_clearly_and_loses_no_shard(chat_target, source, gr
     assert shard_files(greedy_run) == before
 
 
+def test_an_out_that_is_a_file_or_read_only_is_refused_before_the_weights_load(tiny_target, tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("a file\n")
+    assert main(args(tiny_target["target"], tiny_target["train"], taken)) == 2
+    assert f"--out {taken} exists and is not a directory" in capsys.readouterr().err
+    assert taken.read_text() == "a file\n"
+    assert main(args(tiny_target["target"], tiny_target["train"], taken / "sub")) == 2
+    assert f"--out {taken / 'sub'}: {taken} is a file" in " ".join(capsys.readouterr().err.split())
+    with tmpfs(tmp_path / "ro", "1m", read_only=True) as mnt:
+        assert main(args(tiny_target["target"], tiny_target["train"], mnt / "out")) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"cannot write to --out {mnt / 'out'}: read-only file system" in err, err
+        assert "Give a writable --out" in err and not (mnt / "out").exists()
+
+
+def test_a_missing_relative_target_is_refused_without_waiting_on_the_hub(tiny_target, tmp_path, monkeypatch, capsys):
+    from dflash_trainer import hub
+
+    monkeypatch.setattr(hub, "offline", lambda: True)
+    monkeypatch.chdir(tmp_path)
+    assert main(args("models/Qwen3-8B", tiny_target["train"], tmp_path / "out")) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--target 'models/Qwen3-8B': no such directory ({tmp_path / 'models/Qwen3-8B'})" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_target_without_weights_is_a_clear_error(tiny_target, tmp_path, capsys):
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_target["target"], no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert main(args(str(no_weights), tiny_target["train"], tmp_path / "out")) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--target {no_weights}: cannot load the model" in err, err
+    assert not (tmp_path / "out").exists()  # nothing made for a run that could not start
+
+
+def test_an_unknown_stop_token_is_a_data_error(tiny_target):
+    tok = AutoTokenizer.from_pretrained(tiny_target["target"])
+    with pytest.raises(DataError, match="--stop-token '<nope>' is not a token of the target's tokenizer"):
+        stop_token_ids(None, tok, ["<nope>"])
+    assert stop_token_ids(None, tok) == [tok.eos_token_id]  # no generation config: the tokenizer's EOS
+
+
+def test_a_damaged_output_directory_names_the_file_and_the_fix(tmp_path):
+    out = OutputDir(tmp_path / "out")
+    out.check_or_create({"target": "t"})
+    (out.path / MANIFEST).write_text('{"target": "t", ')  # cut off mid-write
+    with pytest.raises(DataError, match=r"out/regenerate.json is damaged \(.*\).* Move .*out aside"):
+        out.check_or_create({"target": "t"})
+    (out.path / MANIFEST).write_text('{"target": "t"}\n')
+    write_jsonl(out.path / "part-000000-foreign0.jsonl", [{"input_ids": [1, 2], "loss_mask": [0, 1]}])
+    with pytest.raises(DataError, match=r"not a regeneration row .*Move it out of .*out and run again"):
+        out.done_keys()
+
+
+def test_a_full_disk_fails_a_shard_in_words_and_leaves_no_temporary(tmp_path):
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:
+        out = OutputDir(mnt / "out")
+        out.lock()
+        out.check_or_create({"target": "t"})
+        rows = [{"regen": {"key": "k"}, "text": "x" * 2**21}]  # 2 MiB into 1 MiB
+        with pytest.raises(StorageError, match=r"writing .*part-000000-\w+\.jsonl: disk full \(no space left on "
+                                               r"device\), [\d.,]+ MiB free there\. Free space"):
+            out.write_shard(0, rows)
+        assert sorted(p.name for p in out.path.iterdir() if not p.name.endswith(".lock")) == [MANIFEST]
+
+
+def test_clean_partial_removes_the_temporaries_a_killed_run_left(tmp_path):
+    out = OutputDir(tmp_path)
+    for name in (".part-000001-abcd1234.jsonl.tmp-x1y2", ".part-000002-abcd1234.4242.tmp", "part-000000-ab.jsonl"):
+        (tmp_path / name).write_text("{}\n")
+    assert out.clean_partial() == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["part-000000-ab.jsonl"]
+
+
 # ---- the benchmark, as a CPU smoke run ------------------------------------------------------------------
 
 @pytest.mark.slow  # generate_batch's warm-up alone takes ~30 s on a CPU
@@ -308,7 +386,7 @@ def test_compiled_hf_engine_on_gpu_equals_greedy_generate(chat_target, source, t
     assert main(args(chat_target["target"], source, out, "--dtype", "float32", "--batch-size", "8")) == 0
     tok = AutoTokenizer.from_pretrained(chat_target["target"])
     model = AutoModelForCausalLM.from_pretrained(chat_target["target"], dtype=torch.float32).cuda().eval()
-    stop = stop_ids_of(model, tok)
+    stop = stop_token_ids(model, tok)
     rows = shard_rows(out)
     same = 0
     for row in rows:

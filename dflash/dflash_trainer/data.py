@@ -28,14 +28,22 @@ class DataError(ValueError):
     """Input data that cannot be used, with what to change."""
 
 
-_DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+TRAINER_FLAGS = "data.train / data.eval"  # where a source was given, named in the fix of an error
 
 
 def _is_glob(source: str) -> bool:
     return any(ch in source for ch in "*?[")
 
 
-def _local_files(sources: list[str]) -> list[str]:
+def is_local_source(source: str) -> bool:
+    """A file (or glob), not a hub dataset name: it exists, is a glob, is named like a data file, or cannot be a
+    hub id (a path such as ../gsm8k)."""
+    return (Path(source).exists() or _is_glob(source) or source.endswith(DATA_SUFFIXES)
+            or not hub.looks_like_hub_id(source))
+
+
+def _local_files(sources: list[str], flags: str = TRAINER_FLAGS) -> list[str]:
     """The files behind local sources (globs expanded); DataError for a missing or empty one."""
     from glob import glob
 
@@ -50,7 +58,7 @@ def _local_files(sources: list[str]) -> list[str]:
             (empty if Path(name).stat().st_size == 0 else files).append(name)
     if missing:
         raise DataError(f"data files not found: {missing} (relative paths are from {Path.cwd()}); fix the "
-                        "path(s) in data.train / data.eval")
+                        f"path(s) in {flags}")
     if empty:
         raise DataError(f"data file(s) {empty} are empty: give files with one JSON object per line")
     return files
@@ -121,20 +129,18 @@ def _load_hub(name: str, split: str):
         ) from exc
 
 
-def _sources(sources: str | Sequence[str]) -> tuple[list[str], str | None]:
+def _sources(sources: str | Sequence[str], flags: str = TRAINER_FLAGS) -> tuple[list[str], str | None]:
     """(local files, or one hub dataset name); DataError when a source cannot be used."""
     sources = [sources] if isinstance(sources, str) else list(sources)
-    # A source is a file when it exists, is a glob, or is named like one; anything else is a hub name.
-    local = [s for s in sources if Path(s).exists() or _is_glob(s) or s.endswith(_DATA_SUFFIXES)
-             or not hub.looks_like_hub_id(s)]
+    local = [s for s in sources if is_local_source(s)]
     if local and len(local) != len(sources):
         raise DataError(f"mix of local files and hub names {sources}: give one or the other")
     if local:
-        return _local_files(local), None
+        return _local_files(local, flags), None
     if len(sources) != 1:
         raise DataError(f"give one hub dataset name, got {sources}")
     if reason := hub.unavailable_reason(sources[0], "file"):
-        raise DataError(f"data file {sources[0]!r}: {reason}; fix the path in data.train / data.eval")
+        raise DataError(f"data file {sources[0]!r}: {reason}; fix the path in {flags}")
     return [], sources[0]
 
 
@@ -144,15 +150,16 @@ def check_sources(sources: Sequence[str]) -> None:
         _sources(sources)
 
 
-def load_rows(sources: str | Sequence[str], split: str = "train"):
-    """A `datasets.Dataset` from JSONL files/globs, or from a hub dataset name."""
+def load_rows(sources: str | Sequence[str], split: str = "train", flags: str = TRAINER_FLAGS):
+    """A `datasets.Dataset` from JSONL files/globs, or from a hub dataset name; `flags`: where the user gave
+    them (a config key, a command-line flag), for the fix in an error."""
     import sys
 
     import datasets
 
     if not sys.stderr.isatty():  # a log file or journald: carriage-return progress bars are just noise
         datasets.disable_progress_bars()
-    files, name = _sources(sources)
+    files, name = _sources(sources, flags)
     rows = _load_local(files, split) if files else _load_hub(name, split)
     rows.info.description = ", ".join(files or [name])  # named in the row errors of tokenize_dataset
     return rows

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -25,10 +27,12 @@ import torch
 
 from . import checkpoint as ckpt
 from . import run_dir as run_dir_lib
+from . import storage
+from .config import ConfigError
 from .data import DataError
 from .eval_report import SetResult, build_report, plot, table, write_json, write_requests
 from .evaluate import EVAL_PROMPTS_FILE
-from .loading import DTYPES, console
+from .loading import DTYPES, check_target, console
 from .prompt_sets import PromptSet, load_prompt_set, name_sources
 from .speculative import AcceptanceStats, greedy_generate, speculative_generate, stop_token_ids
 from .target import FrozenTarget
@@ -190,6 +194,21 @@ def check_fits(raw: dict, drafter_dir: Path, target_config, target: str) -> None
                         f"{context} tokens: no block fits. Use a drafter with a smaller block_size")
 
 
+def check_out_writable(out: Path) -> None:
+    """--out, or the directory it will be made in, takes files: found before the evaluation, not after it.
+    A probe file is made and removed; nothing else is created."""
+    where = out
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        raise EvalError(f"--out {out}: {where} is a file, so no directory can be made there: give another --out")
+    with storage.explained(f"cannot write to --out {out} (in {where})", where,
+                           "Give a writable --out (or make this one writable)"):
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+
+
 def _dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -220,6 +239,7 @@ def plan(args) -> Plan:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise EvalError(f"--out {out} is a file: give a directory")
+    check_out_writable(out)
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as exc:
@@ -233,6 +253,10 @@ def plan(args) -> Plan:
 
     drafter_dir = Path(drafter)
     raw = check_drafter_dir(drafter_dir)
+    try:  # a missing directory, or a hub id while the hub is unreachable: refused in seconds, not after retries
+        check_target(target)
+    except ConfigError as exc:
+        raise EvalError(str(exc).replace("target.path", "--target", 1)) from None
     try:
         target_config = AutoConfig.from_pretrained(target)
         tokenizer = AutoTokenizer.from_pretrained(target)
@@ -367,16 +391,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         p = plan(args)
         report, requests = evaluate(p)
-    except (EvalError, DataError) as exc:
+    except (EvalError, DataError, ConfigError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
+    except storage.StorageError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 1
     except OutputMismatch as exc:
         console.print(f"[red]error: speculative output differs from target-only greedy decoding:[/] {exc}")
         return 1
-    p.out.mkdir(parents=True, exist_ok=True)
-    write_json(p.out / "eval.json", report)
-    write_requests(p.out / "requests.jsonl", requests)
-    plot(report, p.out / "eval.png")
+    try:
+        with storage.explained(f"writing the results to --out {p.out}", p.out,
+                               "Free space or make it writable, then run again (or give another --out)"):
+            p.out.mkdir(parents=True, exist_ok=True)
+            write_json(p.out / "eval.json", report)
+            write_requests(p.out / "requests.jsonl", requests)
+            plot(report, p.out / "eval.png")
+    except storage.StorageError as exc:
+        console.print(table(report))  # the numbers on the terminal at least
+        console.print(f"[red]error:[/] {exc}")
+        return 1
     console.print(table(report))
     console.print(f"eval.json, requests.jsonl and eval.png in {p.out}")
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from . import storage
 from .speculative import AcceptanceStats
 
 # Written into eval.json, so the file explains itself.
@@ -85,15 +86,11 @@ def build_report(meta: dict, results: list[SetResult], block_size: int) -> dict:
 
 
 def write_json(path: Path, data) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    storage.write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def write_requests(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
+    storage.write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def table(report: dict) -> Table:
@@ -150,6 +147,11 @@ def plot(report: dict, path: Path) -> None:
                  f"tau {report['overall']['tau']:.2f}"
                  + (f", {speed:.2f}x vs target-only on {report['device']}" if speed else ""))
     tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        fig.savefig(tmp)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written figure behind
+        raise
+    finally:
+        plt.close(fig)

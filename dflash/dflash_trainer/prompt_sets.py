@@ -16,10 +16,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import DataError, load_rows
+from .data import DATA_SUFFIXES, DataError, is_local_source, load_rows
 from .prompts import check_chat_template, prompt_messages, render_prompt, row_id, row_messages
 
-LOCAL_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+FLAGS = "--prompts / --name"
 
 
 @dataclass
@@ -32,14 +32,15 @@ class PromptSet:
 
 
 def is_local(source: str) -> bool:
-    return Path(source).exists() or any(ch in source for ch in "*?") or source.endswith(LOCAL_SUFFIXES)
+    """data.py's rule, on the dataset name without its `:config` and `@split`."""
+    return Path(source).exists() or source.endswith(DATA_SUFFIXES) or is_local_source(re.split(r"[:@]", source)[0])
 
 
 def default_name(source: str) -> str:
     """gsm8k.jsonl -> gsm8k; openai/gsm8k:main@test -> gsm8k."""
     if is_local(source):
         name = Path(source).name
-        for suffix in sorted(LOCAL_SUFFIXES, key=len, reverse=True):
+        for suffix in sorted(DATA_SUFFIXES, key=len, reverse=True):
             name = name.removesuffix(suffix)
         return name
     return re.split(r"[:@]", source.rsplit("/", 1)[-1])[0]
@@ -67,13 +68,13 @@ def name_sources(prompts: list[str], names: list[str]) -> list[tuple[str, str]]:
 def load_source(source: str):
     """The source's rows as a `datasets.Dataset`."""
     if is_local(source):
-        if not any(ch in source for ch in "*?") and not Path(source).is_file():
-            raise DataError(f"prompt file {source} does not exist: fix the path given to --prompts / --name")
-        return load_rows(source)
+        if not any(ch in source for ch in "*?[") and not Path(source).is_file():
+            raise DataError(f"prompt file {source} does not exist: fix the path given to {FLAGS}")
+        return load_rows(source, flags=FLAGS)
     name, _, split = source.partition("@")
     name, _, config = name.partition(":")
     if not config:
-        return load_rows(name, split=split or "test")
+        return load_rows(name, split=split or "test", flags=FLAGS)
     import datasets
 
     try:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from .data import DataError
 from .model import DFlashDrafter
 from .objective import sdpa_attention
 from .target import FrozenTarget
@@ -29,13 +30,26 @@ class SpecResult:
     accept_lengths: list[int] = field(default_factory=list)  # tokens added by each verify step
 
 
-def stop_token_ids(model, tokenizer) -> set[int]:
-    """The tokenizer's EOS and the target's generation-config EOS ids (Qwen3: <|im_end|> and <|endoftext|>)."""
-    ids = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
-    config = getattr(model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None) if config is not None else None
-    ids |= {eos} if isinstance(eos, int) else set(eos or ())
-    return ids
+def stop_token_ids(model, tokenizer, stop_tokens: list[str] | None = None) -> list[int]:
+    """The tokens that end an answer, in order: `stop_tokens` (--stop-token) when given, else the target's
+    generation-config EOS ids, then the tokenizer's EOS (Qwen3: <|im_end|> and <|endoftext|>). `model` is the
+    target, or only its GenerationConfig (or None) when its weights are not loaded."""
+    if stop_tokens:
+        ids = []
+        for token in stop_tokens:
+            tid = tokenizer.convert_tokens_to_ids(token)
+            if tid is None or tid == tokenizer.unk_token_id:
+                raise DataError(f"--stop-token {token!r} is not a token of the target's tokenizer: give one of its "
+                                "tokens (e.g. its end-of-turn token)")
+            ids.append(tid)
+        return ids
+    config = getattr(model, "generation_config", model)
+    eos = getattr(config, "eos_token_id", None)
+    found = []
+    for tid in ([eos] if isinstance(eos, int) else list(eos or [])) + [getattr(tokenizer, "eos_token_id", None)]:
+        if tid is not None and int(tid) not in found:
+            found.append(int(tid))
+    return found
 
 
 def _crop(cache: DynamicCache, length: int) -> None:

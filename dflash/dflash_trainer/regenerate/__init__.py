@@ -7,7 +7,7 @@ output directory) -> summary. `baseline` keeps the first batched `generate` path
 (`bench`); `regenerate_rows` answers a list of rows in memory (the embedded default's data).
 """
 
-from .baseline import generate_batched, regenerate
+from .baseline import generate_batched
 from .driver import regenerate_rows
 
-__all__ = ["generate_batched", "regenerate", "regenerate_rows"]
+__all__ = ["generate_batched", "regenerate_rows"]

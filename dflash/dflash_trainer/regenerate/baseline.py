@@ -33,16 +33,3 @@ def generate_batched(model, prompts: list[list[int]], max_new_tokens: int, pad: 
             answers.append(answer)
     return answers
 
-
-def regenerate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, batch_size: int = 32,
-               stop_token: str | None = None) -> list[dict]:
-    """Rows {input_ids, loss_mask} answering each conversation's last user turn, greedily."""
-    eos = tokenizer.convert_tokens_to_ids(stop_token) if stop_token else tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    prompts = []
-    for messages in conversations:
-        upto = max(i for i, m in enumerate(messages) if m["role"] == "user") + 1
-        text = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=True)
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    answers = generate_batched(model, prompts, max_new_tokens, pad, eos, batch_size)
-    return [{"input_ids": p + a, "loss_mask": [0] * len(p) + [1] * len(a)} for p, a in zip(prompts, answers)]

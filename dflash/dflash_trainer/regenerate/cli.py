@@ -20,8 +20,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from ..config import ConfigError
 from ..data import DataError, load_rows
+from ..loading import check_target
 from ..prompts import check_chat_template
+from ..speculative import stop_token_ids
+from ..storage import StorageError
 from .driver import Stopped, World, run_chunks
 from .engine_openai import EndpointError
 from .plan import check_plan, make_plan
@@ -109,8 +113,10 @@ def check_args(args) -> list[str]:
 def load_tokenizer(target: str):
     from transformers import AutoTokenizer
 
-    if not Path(target).exists() and (target.startswith((".", "/")) or target.count("/") > 1):
-        raise DataError(f"--target {target}: no such directory; give the target model's directory")
+    try:  # a missing directory, or a hub id while the hub is unreachable: refused in seconds, not after retries
+        check_target(target)
+    except ConfigError as exc:
+        raise DataError(str(exc).replace("target.path", "--target", 1)) from None
     try:
         return AutoTokenizer.from_pretrained(target)
     except Exception as exc:  # not a model directory, unreachable hub
@@ -130,19 +136,18 @@ def max_context(target: str) -> int | None:
 
 def make_engine(args, tokenizer, sampling: Sampling, device, log):
     if args.engine == "openai":
-        from .engine_hf import stop_ids_of
         from .engine_openai import OpenAIEngine
 
-        stop = stop_ids_of(_generation_config_only(args.target), tokenizer, args.stop_token)
+        stop = stop_token_ids(_generation_config(args.target), tokenizer, args.stop_token)
         engine = OpenAIEngine(args.endpoint, args.model, tokenizer, sampling, stop, args.concurrency,
                               args.request_timeout, args.retries, args.retry_backoff, args.api_key, args.extra_body,
                               args.chat_template_kwargs)
         log(f"engine openai: {engine.url}, model {engine.check()!r}, {args.concurrency} requests in flight")
         return engine
-    from .engine_hf import HFEngine, load_target, stop_ids_of
+    from .engine_hf import HFEngine, load_target
 
     model = load_target(args.target, device, args.dtype)
-    stop = stop_ids_of(model, tokenizer, args.stop_token)
+    stop = stop_token_ids(model, tokenizer, args.stop_token)
     if not stop:
         log("[yellow]warning:[/] the target names no EOS token: every answer runs to --max-new-tokens "
             "(give --stop-token)")
@@ -150,16 +155,14 @@ def make_engine(args, tokenizer, sampling: Sampling, device, log):
                     log=log)
 
 
-def _generation_config_only(target: str):
-    """Something with the target's generation_config (its EOS ids), without loading its weights."""
-    from types import SimpleNamespace
-
+def _generation_config(target: str):
+    """The target's generation config (its EOS ids), without loading its weights."""
     from transformers import GenerationConfig
 
     try:
-        return SimpleNamespace(generation_config=GenerationConfig.from_pretrained(target))
+        return GenerationConfig.from_pretrained(target)
     except OSError:  # no generation_config.json: the tokenizer's EOS decides
-        return SimpleNamespace(generation_config=None)
+        return None
 
 
 def run(args) -> dict | None:
@@ -180,13 +183,14 @@ def run(args) -> dict | None:
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.turns)
     tokenizer = load_tokenizer(args.target)
     check_chat_template(tokenizer, args.target)
-    rows = load_rows(args.data, split=args.split)
+    rows = load_rows(args.data, split=args.split, flags="--data")
     context = max_context(args.target)
     plan = make_plan(rows, tokenizer, sampling, args.chat_template_kwargs, args.limit, context)
     check_plan(plan, args.data)
+    out = OutputDir(args.out, world.rank)
+    out.check_writable()  # before the weights load, which takes minutes for a large target
     engine = make_engine(args, tokenizer, sampling, device, log)
 
-    out = OutputDir(args.out, world.rank)
     target_id = str(Path(args.target).resolve()) if Path(args.target).exists() else args.target
     manifest = {"target": target_id, "sampling": sampling.as_dict(), "chat_template_kwargs": args.chat_template_kwargs}
     out.lock()
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         run(args)
-    except (DataError, EndpointError, ValueError, FileNotFoundError) as exc:
+    except (DataError, EndpointError, StorageError, ConfigError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (driver.Stopped)

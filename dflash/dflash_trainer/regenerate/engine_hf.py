@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StaticCache
 
+from ..data import DataError
 from .answers import Answer, Request, answer_from_ids
 from .sampling import Sampling, SeededSampler
 
@@ -32,25 +33,6 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-def stop_ids_of(model, tokenizer, stop_tokens: list[str] | None = None) -> list[int]:
-    """The tokens that end an answer: --stop-token, else the target's generation config EOS ids and the
-    tokenizer's EOS (chat models end a turn with their own end-of-turn token, e.g. Qwen3's <|im_end|>)."""
-    if stop_tokens:
-        ids = []
-        for token in stop_tokens:
-            tid = tokenizer.convert_tokens_to_ids(token)
-            if tid is None or tid == tokenizer.unk_token_id:
-                raise ValueError(f"--stop-token {token!r} is not a token of the target's tokenizer")
-            ids.append(tid)
-        return ids
-    found = []
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for tid in ([gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])) + [tokenizer.eos_token_id]:
-        if tid is not None and tid not in found:
-            found.append(int(tid))
-    return found
 
 
 class HFEngine:
@@ -171,5 +153,9 @@ def load_target(path: str, device: torch.device, dtype: str = "auto"):
         hf_logging.disable_progress_bar()
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as exc:  # no weights beside the tokenizer, a model class transformers lacks
+        raise DataError(f"--target {path}: cannot load the model ({exc}); give the target model's directory "
+                        "(config.json, tokenizer files, weights), or use --engine openai with a tokenizer only") from exc
     return model.to(device).eval()

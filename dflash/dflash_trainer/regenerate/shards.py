@@ -12,11 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from .. import storage
 from ..data import DataError
 
 MANIFEST = "regenerate.json"
@@ -36,7 +38,14 @@ class OutputDir:
         if self.path.exists() and not self.path.is_dir():
             raise DataError(f"--out {self.path} exists and is not a directory")
         if file.is_file():
-            before = json.loads(file.read_text())
+            try:
+                before = json.loads(file.read_text())
+            except ValueError as exc:
+                raise DataError(f"{file} is damaged ({exc}): a run was cut off while writing it, or it was edited. "
+                                f"Move {self.path} aside and run again into a new --out") from None
+            if not isinstance(before, dict):
+                raise DataError(f"{file} is not a JSON object: it is damaged. Move {self.path} aside and run again "
+                                "into a new --out")
             changed = {k: (before.get(k), v) for k, v in manifest.items() if before.get(k) != v}
             if changed:
                 lines = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
@@ -48,21 +57,43 @@ class OutputDir:
                             "output; give another --out")
         if self.rank == 0:
             self.path.mkdir(parents=True, exist_ok=True)
-            _write_atomic(file, json.dumps(manifest, indent=2) + "\n")
+            self._write(file, json.dumps(manifest, indent=2) + "\n")
+
+    def check_writable(self) -> None:
+        """--out, or the directory it will be made in, takes files: checked before the weights load, creating
+        nothing (a probe file is made and removed)."""
+        where = self.path
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if where == self.path and not where.is_dir():
+            raise DataError(f"--out {self.path} exists and is not a directory: give a directory")
+        if not where.is_dir():
+            raise DataError(f"--out {self.path}: {where} is a file, so no directory can be made there: give another "
+                            "--out")
+        with storage.explained(f"cannot write to --out {self.path}", where,
+                               "Give a writable --out (or make this one writable)"):
+            fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=where)
+            os.close(fd)
+            os.unlink(probe)
 
     def lock(self) -> None:
         """One writer per rank: a second command on the same directory is refused, not interleaved."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and not self.path.is_dir():
+            raise DataError(f"--out {self.path} exists and is not a directory: give a directory")
         self._lock = FileLock(self.path / f".rank{self.rank}.lock")
         try:
-            self._lock.acquire(timeout=0)
+            with storage.explained(f"cannot write to --out {self.path}", self.path,
+                                   "Give a writable --out (or make this one writable)"):
+                self.path.mkdir(parents=True, exist_ok=True)
+                self._lock.acquire(timeout=0)
         except Timeout:
             raise DataError(f"another dflash-regenerate (rank {self.rank}) is writing {self.path}; wait for it or "
                             "give another --out") from None
 
     def clean_partial(self) -> int:
         """Remove shards a killed run left half-written (hidden temporaries); the lead rank does it before work."""
-        stale = list(self.path.glob(".*.tmp"))
+        # storage.write_text_atomic's temporaries, and the .NAME.PID.tmp ones that earlier versions wrote
+        stale = list(self.path.glob(".*.tmp-*")) + list(self.path.glob(".*.tmp"))
         for f in stale:
             f.unlink()
         return len(stale)
@@ -82,30 +113,29 @@ class OutputDir:
                                         "written; move it out of the directory and run again") from None
 
     def done_keys(self) -> set[str]:
-        return {row["regen"]["key"] for row in self.rows()}
+        keys = set()
+        for row in self.rows():
+            try:
+                keys.add(row["regen"]["key"])
+            except (KeyError, TypeError):
+                raise DataError(f"{self.path} holds a part-*.jsonl row without regen.key: not a regeneration row "
+                                f"(a file copied in?). Move it out of {self.path} and run again") from None
+        return keys
 
     def write_shard(self, chunk: int, rows: list[dict]) -> Path:
         digest = hashlib.sha256("".join(r["regen"]["key"] for r in rows).encode()).hexdigest()[:8]
         final = self.path / f"part-{chunk:06d}-{digest}.jsonl"
-        _write_atomic(final, "".join(json.dumps(r) + "\n" for r in rows))
+        self._write(final, "".join(json.dumps(r) + "\n" for r in rows))
         return final
 
     def write_summary(self, summary: dict) -> Path:
         file = self.path / SUMMARY
-        _write_atomic(file, json.dumps(summary, indent=2) + "\n")
+        self._write(file, json.dumps(summary, indent=2) + "\n")
         return file
 
+    def _write(self, file: Path, text: str) -> None:
+        """Atomically (a temporary beside it, fsynced, renamed); a failed write leaves no temporary behind."""
+        with storage.explained(f"writing {file}", self.path, "Free space (or give another --out) and run the same "
+                               "command again: the answered shards are kept"):
+            storage.write_text_atomic(file, text)
 
-def _write_atomic(final: Path, text: str) -> None:
-    tmp = final.with_name(f".{final.stem}.{os.getpid()}.tmp" if final.name.startswith("part-")
-                          else f".{final.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a crash
-    finally:
-        os.close(fd)
