@@ -28,6 +28,8 @@ from dflash_trainer.config import RunConfig, load_config
 from dflash_trainer.loading import check_target, target_config
 from dflash_trainer.train import main
 
+from tests.helpers.mounts import tmpfs
+
 STEP3, STEP6 = "checkpoints/step-00000003", "checkpoints/step-00000006"
 
 
@@ -412,21 +414,6 @@ def test_resume_of_a_finished_run_without_checkpoints(run_copy, capsys):
 
 
 # ---- storage faults on real mounts -------------------------------------------------------------
-
-@contextmanager
-def tmpfs(where: Path, size: str):
-    where.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a size-limited tmpfs needs root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
-                          text=True, check=False)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
 
 def test_read_only_output_directory(earlier_run, tmp_path, capsys):
     with tmpfs(tmp_path / "mnt", "64m") as mnt:

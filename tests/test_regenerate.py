@@ -291,7 +291,7 @@ def test_an_out_that_is_a_file_or_read_only_is_refused_before_the_weights_load(t
     with tmpfs(tmp_path / "ro", "1m", read_only=True) as mnt:
         assert main(args(tiny_target["target"], tiny_target["train"], mnt / "out")) == 2
         err = " ".join(capsys.readouterr().err.split())
-        assert f"cannot write to --out {mnt / 'out'}: read-only file system" in err, err
+        assert f"cannot write to --out {mnt / 'out'} (in {mnt}): read-only file system" in err, err
         assert "Give a writable --out" in err and not (mnt / "out").exists()
 
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -195,18 +193,11 @@ def check_fits(raw: dict, drafter_dir: Path, target_config, target: str) -> None
 
 
 def check_out_writable(out: Path) -> None:
-    """--out, or the directory it will be made in, takes files: found before the evaluation, not after it.
-    A probe file is made and removed; nothing else is created."""
-    where = out
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    if not where.is_dir():
-        raise EvalError(f"--out {out}: {where} is a file, so no directory can be made there: give another --out")
-    with storage.explained(f"cannot write to --out {out} (in {where})", where,
-                           "Give a writable --out (or make this one writable)"):
-        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=where)
-        os.close(fd)
-        os.unlink(probe)
+    """--out takes files: found before the evaluation, not after it (nothing is created)."""
+    try:
+        storage.check_can_create(out, "--out")
+    except ValueError as exc:
+        raise EvalError(str(exc)) from None
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:

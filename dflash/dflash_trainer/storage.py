@@ -84,6 +84,25 @@ def check_writable(directory: Path) -> None:
         os.unlink(probe)
 
 
+def check_can_create(path: Path, flag: str) -> None:
+    """path (a directory a command will write, named by its option `flag`), or the directory it will be made
+    in, takes files: checked before the work starts, creating nothing (a probe file is made and removed).
+    A file in the way is a ValueError (the input needs a change), a write that fails a StorageError."""
+    path = Path(path)
+    where = path
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if where == path and not where.is_dir():
+        raise ValueError(f"{flag} {path} exists and is not a directory: give a directory")
+    if not where.is_dir():
+        raise ValueError(f"{flag} {path}: {where} is a file, so no directory can be made there: give another {flag}")
+    with explained(f"cannot write to {flag} {path}" + (f" (in {where})" if where != path else ""), where,
+                   f"Give a writable {flag} (or make this one writable)"):
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+
+
 def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

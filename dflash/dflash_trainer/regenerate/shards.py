@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,21 +58,11 @@ class OutputDir:
             self._write(file, json.dumps(manifest, indent=2) + "\n")
 
     def check_writable(self) -> None:
-        """--out, or the directory it will be made in, takes files: checked before the weights load, creating
-        nothing (a probe file is made and removed)."""
-        where = self.path
-        while not where.exists() and where != where.parent:
-            where = where.parent
-        if where == self.path and not where.is_dir():
-            raise DataError(f"--out {self.path} exists and is not a directory: give a directory")
-        if not where.is_dir():
-            raise DataError(f"--out {self.path}: {where} is a file, so no directory can be made there: give another "
-                            "--out")
-        with storage.explained(f"cannot write to --out {self.path}", where,
-                               "Give a writable --out (or make this one writable)"):
-            fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=where)
-            os.close(fd)
-            os.unlink(probe)
+        """Before the weights load: --out, or the directory it will be made in, takes files (nothing is created)."""
+        try:
+            storage.check_can_create(self.path, "--out")
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
 
     def lock(self) -> None:
         """One writer per rank: a second command on the same directory is refused, not interleaved."""
