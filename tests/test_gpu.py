@@ -66,6 +66,30 @@ def test_compiled_loss_kernel_equals_the_reference_on_gpu():
     torch.testing.assert_close(grad.float(), ref_grad, rtol=0.05, atol=2e-3)
 
 
+def test_triton_ce_kernel_equals_the_reference_on_gpu():
+    """Several column blocks with a ragged last one, ties for the argmax (torch's first-index rule)
+    across blocks, a label at the last column and zero weights."""
+    from dflash_trainer.ce_kernel import BLOCK, ce_and_grad_
+    from dflash_trainer.loss import ce_and_grad
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, vocab = 64, 2 * BLOCK + 1234
+    logits = (torch.randn(rows, vocab, device="cuda", generator=g) * 4).bfloat16()
+    labels = torch.randint(vocab, (rows,), device="cuda", generator=g)
+    logits[0, [5, BLOCK + 7]] = 40.0  # a tie across blocks: the first index wins
+    labels[0], labels[1] = 5, vocab - 1
+    logits[1, vocab - 1] = 50.0
+    logits[2, BLOCK + 7], labels[2] = 50.0, BLOCK + 7  # a hit in a later block
+    weights = torch.rand(rows, device="cuda", generator=g)
+    weights[3] = 0.0
+    ref_sum, ref_grad, ref_hit = ce_and_grad(logits, labels, weights, True)
+    total, grad, hit = ce_and_grad_(logits.clone(), labels, weights)
+    torch.testing.assert_close(total, ref_sum, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=0, atol=1e-5)
+    assert torch.equal(hit, ref_hit) and hit[:3].tolist() == [True, True, True]
+    assert not grad[3].any()
+
+
 def test_fused_optimizer_step_equals_the_cpu_path():
     from dflash_trainer.optim import MasterWeightAdamW
 

@@ -110,3 +110,21 @@ def test_precompile_compiles_the_one_graph_every_parameter_uses():
     finally:
         leave_run_phase()
     assert [s["step"].item() for s in opt.opt.state.values()] == [2.0] * 3
+
+
+def test_the_schedule_after_a_one_pass_step_does_not_warn_of_a_skipped_step():
+    """The one-pass path never calls torch's AdamW.step(), which the LR scheduler watches: without the
+    mark it leaves, every GPU run printed "lr_scheduler.step() before optimizer.step()"."""
+    import warnings
+
+    from dflash_trainer.optim import warmup_cosine
+
+    params = [torch.nn.Parameter(torch.randn(8, 4).bfloat16())]
+    opt = MasterWeightAdamW(params, lr=1e-2, one_pass=True)
+    schedule = warmup_cosine(opt.opt, total_steps=4, warmup_steps=1)
+    params[0].grad = torch.ones(8, 4, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+        schedule.step()
+    assert opt.opt.state[opt.master[0]]["step"].item() == 1.0

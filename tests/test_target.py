@@ -1,6 +1,7 @@
 """The frozen target's features: the tapped forward (layer by layer, causal mask only) equals the model's
 own forward with an attention mask, on right-padded batches, and equals HF's hidden_states[l + 1]."""
 
+import pytest
 import torch
 from dflash_trainer.target import FrozenTarget, tapped_forward_supported
 from transformers import AutoModelForCausalLM
@@ -55,3 +56,45 @@ def test_compiled_layers_trace_after_transformers_installed_its_capture_hooks(ti
     assert any(m._forward_hooks for m in layer.modules())  # restored
     with torch.no_grad():
         torch.testing.assert_close(out, call_target_layer(layer, hidden, rope, position_ids))
+
+
+def test_the_embedding_and_head_are_read_in_the_background_and_equal_the_target(tiny_target, tmp_path):
+    """A drafter rank's borrowed weights: the tensors exist at once, hold the target's values after wait()
+    (cast to the asked dtype); tied embeddings give one tensor; a missing tensor fails before any read."""
+    import json
+    import shutil
+
+    from dflash_trainer.target import load_embed_and_head
+    from safetensors.torch import load_file, save_file
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target["target"])
+    borrowed = load_embed_and_head(tiny_target["target"], "cpu", torch.bfloat16)
+    assert borrowed.embed.dtype == torch.bfloat16 and borrowed.embed.shape == model.model.embed_tokens.weight.shape
+    borrowed.wait()
+    assert torch.equal(borrowed.embed, model.model.embed_tokens.weight.detach().bfloat16())
+    assert torch.equal(borrowed.head, model.lm_head.weight.detach().bfloat16())
+
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny_target["target"], tied)
+    state = load_file(tied / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, tied / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    borrowed = load_embed_and_head(str(tied), "cpu", torch.float32)
+    borrowed.wait()
+    assert borrowed.head is borrowed.embed
+    assert torch.equal(borrowed.embed, model.model.embed_tokens.weight.detach())
+
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(KeyError, match="lm_head.weight"):
+        load_embed_and_head(str(tied), "cpu", torch.float32)
+
+
+def test_a_failed_background_read_is_raised_by_wait(tmp_path):
+    from dflash_trainer.target import BorrowedWeights
+
+    t = torch.empty(4)
+    borrowed = BorrowedWeights(t, t, [(t, str(tmp_path / "gone.safetensors"), "w")])
+    with pytest.raises(RuntimeError, match="embedding and LM head"):
+        borrowed.wait()

@@ -11,6 +11,7 @@ one-GPU run; without it the features are random (the drafter step alone).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -261,7 +262,7 @@ def _profiler(device):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities)
+    return torch.profiler.profile(activities=activities, record_shapes=True)
 
 
 # Kernel-name patterns -> what they are, for the profile summary.
@@ -294,7 +295,29 @@ def _print_profile(profiler, steps: int) -> None:
     print("top kernels (ms per step, calls per step):")
     for name, t, n in rows[:25]:
         print(f"  {t / steps / 1e3:8.2f} ms  x{n / steps:5.1f}  {name[:110]}")
+    _print_gemm_shapes(profiler, steps)
     _print_idle(profiler, steps)
+
+
+def _print_gemm_shapes(profiler, steps: int) -> None:
+    """GEMM time and rate per shape (from the aten ops' recorded input shapes): which GEMMs lag the rest."""
+    rows = []
+    for e in profiler.key_averages(group_by_input_shape=True):
+        if e.key not in ("aten::mm", "aten::addmm") or e.device_time_total <= 0:
+            continue
+        # mm(a, b[, out]) or addmm(bias, a, b): the first two 2-D shapes that chain are a and b.
+        shapes = list(e.input_shapes)
+        pair = next(((a, b) for a, b in itertools.pairwise(shapes) if len(a) == len(b) == 2 and a[1] == b[0]), None)
+        if pair is None:
+            continue
+        (m, k), (_, n) = pair
+        rows.append((e.device_time_total / steps / 1e3, e.count / steps, m, k, n,
+                     2 * m * k * n * e.count / e.device_time_total / 1e6))
+    if not rows:
+        return
+    print("GEMMs by shape (ms per step, calls per step, [M x K] @ [K x N], TFLOP/s):")
+    for ms, calls, m, k, n, rate in sorted(rows, key=lambda r: -r[0])[:20]:
+        print(f"  {ms:8.2f} ms  x{calls:5.1f}  [{m} x {k}] @ [{k} x {n}]  {rate:6.0f} TFLOP/s")
 
 
 def _print_idle(profiler, steps: int) -> None:

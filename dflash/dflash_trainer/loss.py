@@ -8,8 +8,9 @@ gradient (64 MiB for the 8B shape) and drops its logits. The backward is one mul
 incoming scalar. Against activation checkpointing this saves recomputing the head in the backward:
 a third of the head's GEMM work, the largest GEMM of the step.
 
-The elementwise part (log-softmax, CE, softmax - one-hot, argmax) runs as one compiled kernel on
-GPUs (`CE_AND_GRAD`, compiled in the serialized compile step like flex_attention) and eagerly on CPUs.
+The elementwise part (log-softmax, CE, softmax - one-hot, argmax) runs as one Triton kernel on GPUs
+(`ce_kernel.ce_and_grad_`, which writes the gradient over the logits) and eagerly on CPUs and in
+no-grad passes (`ce_and_grad`, the reference).
 """
 
 from __future__ import annotations
@@ -42,18 +43,16 @@ def ce_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
     return (ce * weights).sum(), grad, hit
 
 
-# One compiled object per process: dynamic=False (the chunk shapes are fixed by micro_batch, num_anchors
-# and chunk_rows), compiled in the compile step, so a new shape after it is a RecompileError, not a slow path.
-CE_AND_GRAD = torch.compile(ce_and_grad, dynamic=False, fullgraph=True)
-
-
 class _HeadCrossEntropy(torch.autograd.Function):
     """sum(weights * CE(hidden @ head^T, labels)) with d/d(hidden) computed chunk by chunk in the forward."""
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad):
-        # No-grad passes (evaluation) run eagerly: they come after the compile step, where a new variant is an error.
-        kernel = CE_AND_GRAD if hidden.is_cuda and with_grad else ce_and_grad
+        if hidden.is_cuda and with_grad:
+            from .ce_kernel import ce_and_grad_ as kernel  # Triton; writes the gradient over the logits
+        else:  # CPUs and no-grad passes (evaluation): the reference
+            def kernel(logits, labels, weights):
+                return ce_and_grad(logits, labels, weights, with_grad)
         total = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.zeros(block_size, device=hidden.device)
         count = torch.zeros(block_size, device=hidden.device)
@@ -62,7 +61,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_rows):
             sl = slice(start, start + chunk_rows)
             logits = F.linear(hidden[sl], head_weight)
-            part, grad_logits, hit = kernel(logits, labels[sl], weights[sl], with_grad)
+            part, grad_logits, hit = kernel(logits, labels[sl], weights[sl])
             del logits
             if with_grad:
                 torch.mm(grad_logits, head_weight, out=grad_hidden[sl])

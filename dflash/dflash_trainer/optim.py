@@ -122,6 +122,9 @@ class MasterWeightAdamW:
             torch._foreach_add_([s["step"] for s in states], 1.0)
             for (p, m), s in zip(live, states):
                 self._update(p, p.grad, m, s["exp_avg"], s["exp_avg_sq"], s["step"], self._lr, coef)
+            # The mark torch's step wrapper leaves: the LR scheduler warns "lr_scheduler.step() before
+            # optimizer.step()" on every run otherwise, since this path never calls self.opt.step().
+            self.opt._opt_called = True
             return norm
         cast = [(p, m) for p, m in live if m is not p]
         for p, m in cast:

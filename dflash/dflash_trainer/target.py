@@ -153,8 +153,47 @@ class FrozenTarget:
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
 
 
-def load_embed_and_head(path: str, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Only the target's embedding and LM head (what a drafter rank needs), read by key from safetensors.
+class BorrowedWeights:
+    """The target's embedding and LM head, allocated on the device at once and filled by a thread.
+
+    A drafter rank's next phase, the compile step, is seconds of Python (Dynamo tracing, cache loads)
+    that leave the disk and the copy engine idle: the 2.5 GB read of Qwen3-8B's two matrices goes on
+    beside it instead of before it. The compile step's probe may read the tensors half-filled: its
+    results are thrown away (no weight, no optimizer state changes). `wait()` before the first real use.
+    """
+
+    def __init__(self, embed: torch.Tensor, head: torch.Tensor, sources: list[tuple[torch.Tensor, str, str]]):
+        import threading
+
+        self.embed, self.head = embed, head
+        self._error: BaseException | None = None
+        self._stream = torch.cuda.Stream(embed.device) if embed.is_cuda else None
+        self._thread = threading.Thread(target=self._fill, args=(sources,), name="embed-and-head", daemon=True)
+        self._thread.start()
+
+    def _fill(self, sources) -> None:
+        from safetensors import safe_open
+
+        try:
+            with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+                for dst, file, key in sources:
+                    with safe_open(file, "pt", device="cpu") as f:
+                        dst.copy_(f.get_tensor(key))  # mmap -> device; the copy releases the GIL
+        except BaseException as err:  # noqa: BLE001 - re-raised by wait() in the main thread
+            self._error = err
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"reading the target's embedding and LM head failed: {self._error}") \
+                from self._error
+        if self._stream is not None:
+            torch.cuda.current_stream(self.embed.device).wait_stream(self._stream)
+
+
+def load_embed_and_head(path: str, device, dtype) -> BorrowedWeights:
+    """Only the target's embedding and LM head (what a drafter rank needs), read by key from safetensors,
+    in the background (BorrowedWeights). Missing tensors are an error here, before anything is read.
 
     The parameter names come from the model class itself (built on the meta device, no memory), so
     any causal LM works, tied embeddings included.
@@ -168,24 +207,34 @@ def load_embed_and_head(path: str, device, dtype) -> tuple[torch.Tensor, torch.T
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    names = {id(p): n for n, p in skeleton.named_parameters(remove_duplicate=False)}
-    embed_name = names[id(skeleton.get_input_embeddings().weight)]
-    head_name = names[id(skeleton.get_output_embeddings().weight)]
+    # Every name of each parameter: a tied model's embedding and head are one parameter with two names,
+    # and its checkpoint usually stores only one of them.
+    names: dict[int, list[str]] = {}
+    for n, p in skeleton.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    embed_names = names[id(skeleton.get_input_embeddings().weight)]
+    head_names = names[id(skeleton.get_output_embeddings().weight)]
+    if getattr(config, "tie_word_embeddings", False):
+        head_names = head_names + [n for n in embed_names if n not in head_names]
     root = Path(path)
     index = root / "model.safetensors.index.json"
     weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
 
-    def read(name: str) -> torch.Tensor:
-        candidates = [name] + ([name.split(".", 1)[1]] if "." in name else [])
-        for key in candidates:
+    def locate(candidates: list[str]) -> tuple[str, str, list[int]]:  # (file, key, shape) from the headers only
+        keys = [k for name in candidates for k in [name] + ([name.split(".", 1)[1]] if "." in name else [])]
+        for key in keys:
             file = root / (weight_map.get(key, "") if weight_map else "model.safetensors")
             if file.is_file():
-                # Straight to the device: no pageable CPU copy of a 1.2 GB embedding to move.
-                with safe_open(str(file), "pt", device=str(torch.device(device))) as f:
+                with safe_open(str(file), "pt", device="cpu") as f:
                     if key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                        return f.get_tensor(key).to(dtype=dtype)
-        if name == head_name and getattr(config, "tie_word_embeddings", False):
-            return read(embed_name)
-        raise KeyError(f"{path}: no tensor {name!r} in its safetensors files")
+                        return str(file), key, list(f.get_slice(key).get_shape())
+        raise KeyError(f"{path}: no tensor {' or '.join(map(repr, candidates))} in its safetensors files")
 
-    return read(embed_name), read(head_name)
+    found = {"embed": locate(embed_names), "head": locate(head_names)}
+    tensors = {}
+    for role, (file, key, shape) in found.items():
+        same = next((t for r, t in tensors.items() if found[r][:2] == (file, key)), None)  # tied: one tensor
+        tensors[role] = same if same is not None else torch.empty(shape, dtype=dtype, device=device)
+    sources = [(tensors[role], file, key) for role, (file, key, _) in found.items()
+               if role == "embed" or tensors["head"] is not tensors["embed"]]
+    return BorrowedWeights(tensors["embed"], tensors["head"], sources)

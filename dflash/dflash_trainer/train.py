@@ -59,7 +59,7 @@ from .sources import FeatureBatch, disk_source, local_source, remote_source
 from .step import DrafterStep, StepClock, StepFigures
 from .stop import StopRequest
 from .summary import Startup, print_summary, write_summary
-from .target import FrozenTarget, load_embed_and_head
+from .target import BorrowedWeights, FrozenTarget, load_embed_and_head
 from .target_rank import dump_features, run_target
 
 # ---- a drafter rank: setup, resume, compile, loop, finish -----------------------------------------
@@ -83,6 +83,7 @@ class DrafterRun:
     tokenizer: object = None
     eval_stream: MicroBatches | None = None
     prompts: list[list[int]] = field(default_factory=list)
+    borrowed: BorrowedWeights | None = None  # the embedding and head being read (target-less drafter ranks)
 
     @property
     def out(self) -> Path:
@@ -137,7 +138,7 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool, startup: 
     # Micro-batch i goes to drafter rank i % D.
     my_batches = range(ctx.drafter_index + first_batch, train.steps * train.grad_accum * num_drafters, num_drafters)
 
-    target = stream = eval_stream = None
+    target = stream = eval_stream = borrowed = None
     prompts: list[list[int]] = []
     if ctx.colocated:
         target = load_target(cfg, drafter.target_layer_ids, device)
@@ -148,7 +149,8 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool, startup: 
         source, wait_kind, samples = local_source(stream, target, my_batches, DTYPES[train.dtype], device), \
             "target", len(stream.dataset)
     else:
-        embed, head = load_embed_and_head(cfg.target.path, device, DTYPES[cfg.target.dtype])
+        borrowed = load_embed_and_head(cfg.target.path, device, DTYPES[cfg.target.dtype])  # read in the background
+        embed, head = borrowed.embed, borrowed.head
         startup.mark("embedding + head")
         if ctx.roles.offline:
             shards = FeatureShards(cfg.data.features_dir, drafter.target_layer_ids)
@@ -172,7 +174,7 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool, startup: 
                        vocab_size=drafter.config.vocab_size, model=shard.module,
                        gradient_sync=shard.gradient_sync, scheduler=scheduler)
     run = DrafterRun(cfg, ctx, drafter, shard, optimizer, scheduler, step, source, wait_kind, start_step, latest,
-                     target, tokenizer, eval_stream, prompts)
+                     target, tokenizer, eval_stream, prompts, borrowed)
     config = drafter.config
     run.log(f"drafter: {config.num_hidden_layers} layers, hidden {config.hidden_size}, block {config.block_size}, "
             f"target layers {drafter.target_layer_ids}, {drafter.num_params() / 1e6:.2f}M params; "
@@ -375,6 +377,9 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart,
         startup.mark("evaluation before training")
     report, compile_s = compile_or_check(run)
     startup.mark("compile step")
+    if run.borrowed is not None:
+        run.borrowed.wait()  # read beside the compile step; what it did not cover counts here
+        startup.mark("embedding + head")
     metrics = Metrics(run.out / "tb", cfg.to_dict(), cfg.train.wandb_project, run.out.name, run.log) \
         if run.lead else None
     history = train_loop(run, metrics, startup)
