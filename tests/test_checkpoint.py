@@ -48,6 +48,16 @@ def test_save_writes_model_state_and_latest(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+def test_a_step_directory_has_the_permissions_mkdir_gives(tmp_path):
+    """Not mkdtemp's 0700: a serving engine or a colleague under another uid reads the checkpoints."""
+    old = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path, 1, write_tiny_model("a"), {"step": 1}, keep_last=1)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o755
+
+
 def test_crash_inside_write_model_leaves_no_partial_dir_and_keeps_latest(tmp_path):
     first = save_checkpoint(tmp_path, 1, write_tiny_model("a"), {"step": 1}, keep_last=2)
 

@@ -24,7 +24,6 @@ import random
 import re
 import shutil
 import struct
-import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 from . import storage
-from .storage import fsync_path, fsync_tree, replace_dir
+from .storage import fsync_path
 
 __all__ = [
     "LATEST_LINK",
@@ -355,16 +354,14 @@ def save_checkpoint(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{step:08d}-", dir=root))
-    try:
+
+    def write(tmp: Path) -> None:
         write_model(tmp)
         _save_state(train_state, tmp / TRAIN_STATE_FILE)
         _write_manifest(tmp, step)
-        fsync_tree(tmp)
-        replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    # The temporary's prefix is how inspect() and _prune() recognise a killed save's leftover.
+    storage.publish_dir(final, write, prefix=f"{_TMP_PREFIX}{step:08d}-")
     _point_latest(root, final)
     _prune(root, keep_last, protect=final)
     return final

@@ -182,9 +182,10 @@ def replace_dir(new: Path, final: Path) -> None:
     fsync_path(final.parent)
 
 
-def publish_dir(final: Path, write: Callable[[Path], None]) -> Path:
-    """write(tmp) fills a hidden directory beside `final`, which then replaces `final` whole."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+def publish_dir(final: Path, write: Callable[[Path], None], prefix: str | None = None) -> Path:
+    """write(tmp) fills a hidden directory beside `final` (named prefix + random, by default
+    .<name>.tmp-), which then replaces `final` whole, with the permissions mkdir would have given it."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix or f".{final.name}.tmp-", dir=final.parent))
     try:
         tmp.chmod(0o777 & ~_umask())  # as mkdir would have made it (mkdtemp makes 0700)
         write(tmp)
