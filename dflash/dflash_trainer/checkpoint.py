@@ -257,7 +257,7 @@ def repair(found: Inspection) -> list[str]:
     notes: list[str] = []
     root, resume = found.root, found.resume_from
     for path in found.leftovers:
-        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        storage.remove(path)
         notes.append(f"removed {path.name} (left by a save that was killed)")
     for path in found.empty:
         path.rmdir()

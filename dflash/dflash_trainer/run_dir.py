@@ -16,7 +16,6 @@ run resumes from any working directory, and after the run directory was moved.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -263,18 +262,11 @@ def clean(start: RunStart) -> list[str]:
         return ckpt.repair(start.found)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def commit(start: RunStart, cfg: RunConfig) -> None:
     """The lead drafter, after everything loaded: the run takes over the directory."""
     with storage.explained(f"writing the run's files in {start.out}", start.out,
                            "Free space or fix the directory, then start again."):
         if start.overwrite:
             for name in RUN_OUTPUTS:
-                _remove(start.out / name)
+                storage.remove(start.out / name)
         storage.write_text_atomic(start.out / RUN_CONFIG, json.dumps(stored_config(cfg), indent=2))

@@ -161,10 +161,11 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
+    """A file, a link (not what it points to) or a directory tree; nothing when there is none."""
     if path.is_symlink() or path.is_file():
         path.unlink()
-    else:
+    elif path.exists():
         shutil.rmtree(path)
 
 
@@ -173,7 +174,7 @@ def replace_dir(new: Path, final: Path) -> None:
     if not (final.exists() or final.is_symlink()):
         os.rename(new, final)
     elif _exchange(new, final):
-        _remove(new)  # now the old contents
+        remove(new)  # now the old contents
     else:  # rename(2) cannot replace a non-empty directory: move the old one aside first
         old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
         os.rename(final, old / final.name)
