@@ -147,3 +147,51 @@ def test_compile_lock_excludes_within_a_process_tree(tmp_path):
 def _hold_lock_briefly(lock_path: str, started) -> None:
     with compile_lock(lock_path):
         started.set()
+
+
+def _start_worker(lock_path: str, restart: int, entered, barrier, queue) -> None:
+    """One local rank of a torchrun start (its launcher: the test process, every worker's parent)."""
+    import os
+
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(restart)
+    lines, spans = [], []
+
+    def probe(_variant):
+        start = time.time()
+        with entered.get_lock():
+            entered.value += 1
+            first = entered.value == 1
+        if not first:  # the ranks after the first must be inside their probes at the same time
+            barrier.wait(timeout=60)
+        spans.append((start, time.time()))
+
+    compile_variants(probe, [1], lock_path, log=lines.append, share="drafter")
+    leave_run_phase()
+    queue.put({"spans": spans, "log": lines[0]})
+
+
+def test_after_the_first_rank_of_a_start_the_others_load_side_by_side(tmp_path):
+    """Rank 1 compiles under the lock; ranks 2 and 3 of the same start then run their probes at once (a
+    barrier they both must reach: serialized, the one holding the lock would wait forever). A new start
+    (torchrun's restart) queues behind the lock again: its graphs may differ."""
+    ctx = mp.get_context("fork")
+    lock = str(tmp_path / "compile.lock")
+
+    def start(restart: int, ranks: int) -> list[dict]:
+        entered, barrier, queue = ctx.Value("i", 0), ctx.Barrier(max(1, ranks - 1)), ctx.Queue()
+        procs = [ctx.Process(target=_start_worker, args=(lock, restart, entered, barrier, queue))
+                 for _ in range(ranks)]
+        for p in procs:
+            p.start()
+        results = [queue.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+        return sorted(results, key=lambda r: r["spans"][0][0])
+
+    first, *others = start(0, 3)
+    assert "compiling 1 variant(s)" in first["log"] and "already" not in first["log"]
+    assert all("a rank of this start compiled these graphs already" in r["log"] for r in others)
+    assert all(first["spans"][-1][1] <= r["spans"][0][0] for r in others), "a peer started before rank 1 finished"
+    (again,) = start(1, 1)
+    assert "already" not in again["log"]

@@ -5,7 +5,9 @@ at once, which raced on torch's process-global FX flag, fell back to dense atten
 
 - every rank compiles each (bucket x grad mode) variant, forward AND backward, in its main thread;
 - ranks on a host take turns through a file lock in the shared cache dir, so the first compile fills
-  TORCHINDUCTOR_CACHE_DIR and the others load from it instead of compiling again;
+  TORCHINDUCTOR_CACHE_DIR and the others load from it instead of compiling again; once one rank of a
+  torchrun start has finished, the host's other ranks of that start load theirs side by side (a marker
+  beside the lock names the start), instead of one after another;
 - afterwards the compiler stance is fail_on_recompile: a shape the compile step missed raises, never
   runs eager.
 
@@ -20,13 +22,15 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from filelock import FileLock
+
+from .storage import write_text_atomic
 
 __all__ = [
     "CompileReport",
@@ -106,6 +110,47 @@ def compile_lock(lock_path: str | os.PathLike) -> Iterator[float]:
         yield time.monotonic() - start
 
 
+def launch_id(environ: dict | None = None) -> str | None:
+    """This torchrun start on this host, the same in all its local ranks: their launcher's (torchrun's agent,
+    every worker's parent) pid and start time, and the restart count. None outside torchrun."""
+    environ = os.environ if environ is None else environ
+    if "TORCHELASTIC_RESTART_COUNT" not in environ:
+        return None
+    parent = os.getppid()
+    try:
+        started = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22: start time
+    except (OSError, IndexError):
+        return None
+    return f"{parent}-{started}-{environ['TORCHELASTIC_RESTART_COUNT']}"
+
+
+@contextmanager
+def _compile_turn(lock_path: str | os.PathLike | None, marker: Path | None) -> Iterator[tuple[float, bool]]:
+    """Yields (seconds waited for the lock, whether a rank of this start already compiled these graphs).
+    In that case the lock is given back at once: every graph is in the cache, and loading it needs no turn.
+    Otherwise the lock is held through the block, and the marker written after it succeeded."""
+    if lock_path is None:
+        yield 0.0, False
+        return
+    start_id = launch_id() if marker is not None else None
+    path = Path(lock_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path), thread_local=False)
+    t0 = time.monotonic()
+    lock.acquire()
+    try:
+        waited = time.monotonic() - t0
+        filled = start_id is not None and marker.is_file() and marker.read_text() == start_id
+        if filled:
+            lock.release()
+        yield waited, filled
+        if start_id is not None and not filled:
+            write_text_atomic(marker, start_id)
+    finally:
+        if lock.is_locked:
+            lock.release()
+
+
 def compile_counters() -> dict[str, int]:
     """A flat snapshot of the dynamo/inductor counters the compile step reports (cache hits, graphs, breaks)."""
     from torch._dynamo.utils import counters
@@ -164,6 +209,7 @@ def compile_variants(
     lock_path: str | os.PathLike | None,
     log: Callable[[str], None] = print,
     label: str = "",
+    share: str | None = None,
 ) -> CompileReport:
     """Compile every variant inside the cross-process lock, then forbid compiling.
 
@@ -173,6 +219,8 @@ def compile_variants(
     raises (torch.compiler.set_stance("fail_on_recompile")); leave_run_phase() undoes that.
     lock_path None: no turn-taking, for probes whose forward needs every rank (FSDP's all-gathers); each
     process still compiles only in its main thread, and the ranks may then each fill the cache.
+    share: a name for what the probe compiles (e.g. "drafter"): under torchrun, once one rank of this
+    start compiled it under the lock, the host's other ranks of the start skip the queue (cache hits).
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
@@ -200,9 +248,15 @@ def compile_variants(
     before = compile_counters()
     breaks_before = set(counters["graph_break"])
     variant_s: dict[str, float] = {}
-    with compile_lock(lock_path) if lock_path is not None else nullcontext(0.0) as waited:
-        log(f"{label}compile lock taken after {waited:.1f}s; compiling {len(variants)} variant(s)" if lock_path
-            is not None else f"{label}compiling {len(variants)} variant(s) together with the other ranks (no lock)")
+    marker = Path(f"{lock_path}.{share}") if lock_path is not None and share else None
+    with _compile_turn(lock_path, marker) as (waited, filled):
+        if lock_path is None:
+            log(f"{label}compiling {len(variants)} variant(s) together with the other ranks (no lock)")
+        elif filled:
+            log(f"{label}compile lock taken after {waited:.1f}s; a rank of this start compiled these graphs "
+                f"already: loading {len(variants)} variant(s) from the cache beside the other ranks")
+        else:
+            log(f"{label}compile lock taken after {waited:.1f}s; compiling {len(variants)} variant(s)")
         start = time.monotonic()
         for variant in variants:
             t0 = time.monotonic()

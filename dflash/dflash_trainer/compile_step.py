@@ -69,7 +69,7 @@ def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir
         log(f"{label}  bucket {ctx_len}: forward + backward {t1 - t0:.1f}s, optimizer {time.perf_counter() - t1:.1f}s")
 
     lock = Path(cache_dir) / "compile.lock" if serialized else None
-    return compile_variants(probe, list(buckets), lock, log=log, label=label)
+    return compile_variants(probe, list(buckets), lock, log=log, label=label, share="drafter")
 
 
 def compile_target_step(target, buckets, micro_batch: int, cache_dir: Path, log, label: str = ""):
@@ -87,4 +87,5 @@ def compile_target_step(target, buckets, micro_batch: int, cache_dir: Path, log,
     def probe(ctx_len: int) -> None:
         target.features(torch.randint(vocab, (micro_batch, ctx_len), device=device))
 
-    return compile_variants(probe, list(buckets), Path(cache_dir) / "compile.lock", log=log, label=label)
+    return compile_variants(probe, list(buckets), Path(cache_dir) / "compile.lock", log=log, label=label,
+                            share="target")
