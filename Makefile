@@ -69,7 +69,10 @@ endif
 bench: venv ## drafter-step benchmark (GPU); prints step time, tokens/s, MFU, peak memory
 	$(PY) -m dflash_trainer.bench $(BENCH_ARGS)
 
-.PHONY: regenerate bench-regenerate
+bench-startup: venv ## time to first step of the real trainer (torchrun, offline drafter ranks), cold then warm compile cache (STARTUP_ARGS="--drafter-ranks 2")
+	$(PY) -m dflash_trainer.bench_startup $(STARTUP_ARGS)
+
+.PHONY: regenerate bench-regenerate bench-startup
 regenerate: venv ## the target writes the training answers: REGEN_ARGS="--target DIR --data FILE --out DIR" (see README); INVENTORY=...: in the containers, detached
 ifeq ($(ON_CONTAINER),)
 	$(PY) -m dflash_trainer.regenerate $(REGEN_ARGS)

@@ -46,3 +46,28 @@ def test_idle_gaps_are_charged_to_the_phase_and_op_the_cpu_was_in():
     assert gaps == 2
     assert charged == {("forward", "aten::index_add_"): 25.0, ("sync", "cudaStreamSynchronize"): 60.0}
     assert idle_gaps([ev("kernel", "k", 0, 1)]) == ({}, 0)  # no step phases: nothing to charge
+
+
+@pytest.mark.slow
+def test_startup_bench_starts_the_trainer_cold_then_warm(tmp_path):
+    """Two real torchrun starts of the tiny preset on one cache, their phases as the runs measured them."""
+    from dflash_trainer import bench_startup
+
+    out = tmp_path / "startup.json"
+    assert bench_startup.main(["--preset", "tiny", "--seq", "128", "--anchors", "8", "--starts", "2",
+                               "--work", str(tmp_path / "work"), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [s["cache"] for s in result["starts"]] == ["cold", "warm"]
+    for start in result["starts"]:
+        phases = start["startup_s"]
+        assert {"start-up and imports", "compile step", "step 1"} <= set(phases)
+        assert abs(sum(phases.values()) - start["time_to_first_step_s"]) < 0.05  # the phases add up to the total
+    assert (tmp_path / "work" / "features").is_dir()  # made once, for every start
+
+
+def test_startup_bench_refuses_zero_starts(capsys):
+    from dflash_trainer import bench_startup
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_startup.main(["--starts", "0"])
+    assert exit_.value.code == 2 and "--starts and --drafter-ranks must be >= 1" in capsys.readouterr().err
