@@ -252,3 +252,35 @@ def test_prune_renames_before_it_removes(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
     save_real(tmp_path, 4, keep_last=2)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_inspect_verifies_each_step_directory_once(tmp_path, monkeypatch):
+    """`latest` at a damaged step: the choice falls back to the newest whole one on the verdicts the scan
+    made (it used to verify the link's target and every candidate again); a copied `latest` is one more."""
+    import shutil
+
+    from dflash_trainer import checkpoint
+
+    for step in (1, 2, 3):
+        save_real(tmp_path, step)
+    weights = tmp_path / "step-00000003" / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(b"short")
+    real, verified = checkpoint.verify, []
+    monkeypatch.setattr(checkpoint, "verify", lambda step_dir: verified.append(step_dir.name) or real(step_dir))
+    found = checkpoint.inspect(tmp_path)
+    assert sorted(verified) == ["step-00000001", "step-00000002", "step-00000003"]
+    assert [(p.name, problem) for p, problem in found.damaged] == [
+        ("step-00000003", f"model.safetensors is 5 bytes, the save wrote {size} (truncated or changed)")]
+    assert found.resume_from.name == "step-00000002" and found.resume_step == 2
+
+    (tmp_path / LATEST_LINK).unlink()
+    shutil.copytree(tmp_path / "step-00000002", tmp_path / LATEST_LINK)  # as cp -rL leaves it
+    shutil.rmtree(tmp_path / "step-00000002")
+    verified.clear()
+    found = checkpoint.inspect(tmp_path)
+    assert sorted(verified) == [LATEST_LINK, "step-00000001", "step-00000003"]
+    assert found.resume_from == tmp_path / LATEST_LINK and found.resume_step == 2
+    assert found.resume_dir == tmp_path / "step-00000002"  # where repair renames it
+    checkpoint.repair(found)
+    assert (found.resume_dir / TRAIN_STATE_FILE).is_file()

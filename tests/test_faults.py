@@ -320,6 +320,25 @@ def test_corrupt_latest_checkpoint_resumes_from_the_newest_intact_one(damaged_fi
     assert (run_copy / "checkpoints" / "damaged-step-00000006" / damaged_file).is_file()  # kept for a look
 
 
+def test_a_resumed_start_verifies_each_checkpoint_once(run_copy, capsys, monkeypatch):
+    """prepare's inspection is the start's one look at the checkpoints: what to resume from and the step
+    the ranks start at come from its verdicts (each directory here was verified three times). What a save
+    checks later, to name the previous checkpoint intact in its error, is the loop's, not the start's."""
+    from dflash_trainer import train
+
+    truncate(run_copy / STEP6 / "model.safetensors")  # `latest` points at it: the start falls back to step 3
+    real_verify, verified = ckpt.verify, []
+    monkeypatch.setattr(ckpt, "verify", lambda step_dir: verified.append(Path(step_dir).resolve())
+                        or real_verify(step_dir))
+    real_loop, at_loop = train.train_loop, []
+    monkeypatch.setattr(train, "train_loop", lambda *args: at_loop.extend(verified) or real_loop(*args))
+    code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(run_copy))
+    assert code == 0, err
+    assert f"checkpoint {run_copy / STEP6} is damaged (model.safetensors is" in err  # found, reported
+    assert "resuming from the newest intact one, step-00000003" in err and "resumed from" in err
+    assert sorted(at_loop) == [(run_copy / STEP3).resolve(), (run_copy / STEP6).resolve()]
+
+
 def test_no_intact_checkpoint_refuses_with_the_fix(run_copy, capsys):
     truncate(run_copy / STEP3 / "training_state.pt")
     truncate(run_copy / STEP6 / "model.safetensors")

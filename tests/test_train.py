@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import sys
 
 import pytest
 from dflash_trainer import checkpoint as ckpt
@@ -44,6 +45,37 @@ def test_resume_continues_with_the_same_losses(full_run, tiny_target, tmp_path):
     shutil.copytree(out / "embedded", resumed / "embedded") if (out / "embedded").exists() else None
     again = run(tiny_config(tiny_target, resumed), resume=True)
     assert again["losses"] == summary["losses"][3:]  # bit-identical on CPU: same data, anchors, state
+
+
+def counted(monkeypatch, module, name: str) -> list[tuple]:
+    """Wrap the real module.name in every dflash_trainer module that holds it (`from .x import name` copies
+    it); the list gets one entry per call, and the real function does the work."""
+    real, calls = getattr(module, name), []
+
+    def wrapper(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    holders = [m for m in list(sys.modules.values())
+               if getattr(m, "__name__", "").startswith("dflash_trainer") and vars(m).get(name) is real]
+    for holder in holders:
+        monkeypatch.setattr(holder, name, wrapper)
+    return calls
+
+
+def test_a_resumed_start_reads_the_target_config_and_tokenizer_once(full_run, tiny_target, tmp_path, monkeypatch):
+    """The resume check (the drafter the config builds against the checkpoint's) and the drafter's setup
+    share one read of each: they were read twice on every rank."""
+    from dflash_trainer import loading
+
+    out, summary = full_run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
+    configs = counted(monkeypatch, loading, "target_config")
+    tokenizers = counted(monkeypatch, loading, "load_tokenizer")
+    again = run(tiny_config(tiny_target, resumed), resume=True)
+    assert again["losses"] == summary["losses"][3:]  # resumed from step 3, checked against it
+    assert (len(configs), len(tokenizers)) == (1, 1)
 
 
 def test_config_errors_are_clear(tiny_target, tmp_path, capsys):

@@ -152,14 +152,18 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The step directory `latest` points to when it is whole; else the newest whole one."""
-    root = Path(root)
+    return _latest_whole(Path(root), lambda path: verify(path) is None)
+
+
+def _latest_whole(root: Path, whole: Callable[[Path], bool]) -> Path | None:
+    """latest_checkpoint's choice, with `whole` saying which step directories are (inspect's verdicts)."""
     link = root / LATEST_LINK
     if link.is_symlink():
         target = (root / os.readlink(link)).resolve()
-        if target.is_dir() and step_of(target) is not None and verify(target) is None:
+        if target.is_dir() and step_of(target) is not None and whole(target):
             return target
     for _step, path in reversed(list_checkpoints(root)):
-        if verify(path) is None:
+        if whole(path):
             return path
     return None
 
@@ -177,6 +181,20 @@ class Inspection:
     leftovers: list[Path] = field(default_factory=list)  # temporary dirs and links of killed saves
     latest_copy: Path | None = None  # `latest` as a real directory (a run copied with cp -rL / scp -r)
     latest_copy_step: int | None = None
+
+    @property
+    def resume_step(self) -> int | None:
+        """The step resume_from holds (a copied `latest` says it in its files, not in its name)."""
+        if self.resume_from is None:
+            return None
+        return self.latest_copy_step if self.resume_from == self.latest_copy else step_of(self.resume_from)
+
+    @property
+    def resume_dir(self) -> Path | None:
+        """resume_from where repair leaves it: a copied `latest` that is the newest step is renamed to it."""
+        if self.resume_from is not None and self.resume_from == self.latest_copy:
+            return self.root / step_dir_name(self.latest_copy_step)
+        return self.resume_from
 
     @property
     def anything(self) -> bool:
@@ -200,20 +218,36 @@ def _copy_step(path: Path) -> int | None:
         return None
 
 
-def inspect(root: str | os.PathLike) -> Inspection:
-    root = Path(root)
-    found = Inspection(root)
-    if not root.is_dir():
-        return found
-    for entry in sorted(root.iterdir()):
+def _scan(found: Inspection) -> dict[Path, str | None]:
+    """Sort root's entries into found's leftovers, empty and damaged; verify's answer per step directory."""
+    problems: dict[Path, str | None] = {}  # resolved step directory -> what is wrong with it (None: whole)
+    for entry in sorted(found.root.iterdir()):
         if entry.name.startswith((_TMP_PREFIX, _LATEST_TMP)):
             found.leftovers.append(entry)
         elif step_of(entry) is not None and entry.is_dir() and not entry.is_symlink():
             if not any(entry.iterdir()):
                 found.empty.append(entry)
-            elif (problem := verify(entry)) is not None:
-                found.damaged.append((entry, problem))
-    found.resume_from = latest_checkpoint(root)
+            else:
+                problems[entry.resolve()] = problem = verify(entry)
+                if problem is not None:
+                    found.damaged.append((entry, problem))
+    return problems
+
+
+def inspect(root: str | os.PathLike) -> Inspection:
+    """Every step directory verified once; what to resume from is chosen from those verdicts."""
+    root = Path(root)
+    found = Inspection(root)
+    if not root.is_dir():
+        return found
+    problems = _scan(found)
+
+    def whole(path: Path) -> bool:  # `latest` may point outside root: such a directory is verified here
+        if (key := path.resolve()) not in problems:
+            problems[key] = verify(path)
+        return problems[key] is None
+
+    found.resume_from = _latest_whole(root, whole)
     latest = root / LATEST_LINK
     if latest.is_dir() and not latest.is_symlink() and verify(latest) is None:
         found.latest_copy, found.latest_copy_step = latest, _copy_step(latest)
@@ -262,7 +296,7 @@ def repair(found: Inspection) -> list[str]:
     for path in found.empty:
         path.rmdir()
         notes.append(f"removed the empty {path.name}")
-    resume_step = found.latest_copy_step if resume == found.latest_copy else step_of(resume) if resume else None
+    resume_step = found.resume_step
     for path, problem in found.damaged:
         if resume_step is not None and step_of(path) < resume_step:
             shutil.rmtree(path)

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
 
-from . import checkpoint as ckpt
 from . import parallel
 from .config import ConfigError, RunConfig
 from .data import MicroBatches, check_sources, load_rows, tokenize_dataset
 from .held_out import overlapping, split_by_prompt
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .target import FrozenTarget
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 console = Console(stderr=True)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -92,6 +96,22 @@ def load_tokenizer(cfg: RunConfig):
         return AutoTokenizer.from_pretrained(cfg.target.path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"target.path {cfg.target.path}: cannot load its tokenizer ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class TargetFiles:
+    """The target's config and tokenizer (no weights), read once per start and handed to what needs them:
+    the resume check, the drafter's shape, the data."""
+
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase | None  # None on a rank that needs none (read_target_files)
+
+
+def read_target_files(cfg: RunConfig, ctx: parallel.Context) -> TargetFiles:
+    # Drafter ranks fed by target ranks or disk need the tokenizer only to look up a mask token.
+    mask_lookup = cfg.drafter.mask_token_id is None and not cfg.drafter.init_from
+    needs_tokenizer = ctx.is_target or ctx.colocated or mask_lookup
+    return TargetFiles(target_config(cfg), load_tokenizer(cfg) if needs_tokenizer else None)
 
 
 def mask_token_id(cfg: RunConfig, tokenizer) -> int:
@@ -176,11 +196,3 @@ def attention_backend(cfg: RunConfig, device: torch.device) -> str:
     if cfg.train.attention != "auto":
         return cfg.train.attention
     return "flex" if device.type == "cuda" else "sdpa"  # flex_attention has no backward on CPU
-
-
-def resume_step(cfg: RunConfig, resume: bool) -> tuple[int, Path | None]:
-    """The step to start from and the checkpoint holding it (its directory name says the step)."""
-    latest = ckpt.latest_checkpoint(Path(cfg.output_dir) / "checkpoints") if resume else None
-    if latest is None:
-        return 0, None
-    return ckpt.step_of(latest), latest

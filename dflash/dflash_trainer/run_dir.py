@@ -67,7 +67,16 @@ class RunStart:
 
     @property
     def resume_from(self) -> Path | None:
+        """The checkpoint to resume from as prepare found it (check_model reads it before clean runs)."""
         return self.found.resume_from if self.resume else None
+
+    @property
+    def resume_point(self) -> tuple[int, Path | None]:
+        """The step this start begins at and the checkpoint holding it, where clean leaves it: prepare's
+        verdict on the checkpoints, for every rank once rank 0 has cleaned (nothing verified again)."""
+        if self.resume_from is None:
+            return 0, None
+        return self.found.resume_step, self.found.resume_dir
 
 
 # ---- paths as the run stores them --------------------------------------------------------------
@@ -179,7 +188,7 @@ def _resume_notes(out: Path, found: ckpt.Inspection) -> list[str]:
                               "or start a new run with another --output-dir")
         return [f"--resume: no checkpoint under {root}; starting from step 0"]
     newer = [(p, problem) for p, problem in found.damaged
-             if ckpt.step_of(p) > (ckpt.step_of(found.resume_from) or found.latest_copy_step or 0)]
+             if ckpt.step_of(p) > found.resume_step]
     return [f"checkpoint {p} is damaged ({problem}); resuming from the newest intact one, "
             f"{found.resume_from.name}" for p, problem in newer]
 

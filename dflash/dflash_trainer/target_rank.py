@@ -18,13 +18,13 @@ from .config import RunConfig
 from .evaluate import evaluate_saved
 from .features import write_meta, write_shard
 from .loading import (
+    TargetFiles,
     console,
     drafter_config_for,
     load_data,
     load_target,
     load_tokenizer,
     resolve_target,
-    resume_step,
     target_config,
 )
 from .parallel import SplitWindow
@@ -32,16 +32,17 @@ from .sources import Wait
 from .summary import print_summary, write_summary
 
 
-def run_target(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | None:
-    """Run the frozen target on this rank's micro-batches and send the features to their drafters."""
+def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_files: TargetFiles) -> dict | None:
+    """Run the frozen target on this rank's micro-batches (from start_step on) and send the features to
+    their drafters."""
     from .transport import FeatureSender
 
     device = ctx.device
     # A stop request ends a target rank at once: the drafters write the checkpoint, and a send that
     # waits for a drafter that has stopped would otherwise hold this process until the timeout.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    tokenizer = load_tokenizer(cfg)
-    layer_ids = drafter_config_for(cfg, target_config(cfg), tokenizer).dflash_config["target_layer_ids"]
+    tokenizer = target_files.tokenizer
+    layer_ids = drafter_config_for(cfg, target_files.config, tokenizer).dflash_config["target_layer_ids"]
     target = load_target(cfg, layer_ids, device)
     stream, eval_stream, prompts = load_data(cfg, tokenizer)
     compile_target_step(target, cfg.data.context_buckets, cfg.train.micro_batch,
@@ -49,7 +50,6 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, resume: bool) -> dict | No
                         label=ctx.label)
     batches_per_step = cfg.train.grad_accum * ctx.num_drafters
     num_batches = cfg.train.steps * batches_per_step
-    start_step, _ = resume_step(cfg, resume)
     first_batch = start_step * batches_per_step
     sender = FeatureSender(ctx.roles, ctx.rank, ctx.groups, cfg.parallel.prefetch, start=first_batch)
     intervals: list[Wait] = []  # the target's GPU time per micro-batch, read without a sync per batch

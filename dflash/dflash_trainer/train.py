@@ -38,17 +38,16 @@ from .features import FeatureShards
 from .flops import peak_flops
 from .loading import (
     DTYPES,
+    TargetFiles,
     attention_backend,
     check_inputs,
     console,
     drafter_config_for,
     load_data,
     load_target,
-    load_tokenizer,
     new_drafter,
+    read_target_files,
     resolve_target,
-    resume_step,
-    target_config,
 )
 from .metrics import Metrics
 from .model import DFlashDrafter
@@ -121,14 +120,13 @@ class History:
         self.drafter_s += seconds - figures.step_wait_s
 
 
-def setup_drafter(cfg: RunConfig, ctx: parallel.Context, resume: bool, startup: Startup) -> DrafterRun:
+def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, target_files: TargetFiles,
+                  startup: Startup) -> DrafterRun:
     """Drafter, sharding, optimizer, schedule, the feature source and the one drafter step."""
     device, train = ctx.device, cfg.train
-    # Drafter ranks fed by target ranks or disk need the tokenizer only to look up a mask token.
-    needs_tokenizer = ctx.colocated or (cfg.drafter.mask_token_id is None and not cfg.drafter.init_from)
-    tokenizer = load_tokenizer(cfg) if needs_tokenizer else None
-    start_step, latest = resume_step(cfg, resume)
-    drafter = new_drafter(cfg, target_config(cfg), tokenizer, device=device,
+    tokenizer = target_files.tokenizer
+    start_step, latest = start.resume_point
+    drafter = new_drafter(cfg, target_files.config, tokenizer, device=device,
                           initialise=latest is None)  # a resumed run loads its weights next
     startup.mark("drafter")
     num_drafters = ctx.num_drafters
@@ -361,10 +359,10 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
     return summary
 
 
-def run_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart,
+def run_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, target_files: TargetFiles,
                 startup: Startup | None = None) -> dict | None:
     startup = startup or Startup()
-    run = setup_drafter(cfg, ctx, start.resume, startup)
+    run = setup_drafter(cfg, ctx, start, target_files, startup)
     if run.latest is not None:
         restore(run)
         startup.mark("restore")
@@ -415,12 +413,10 @@ def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict |
     return summary
 
 
-def _accept(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart) -> None:
+def _accept(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, target_files: TargetFiles) -> None:
     """Every rank checks a resumed drafter against its checkpoint; rank 0 then cleans the checkpoints."""
     if start.resume_from is not None:
-        needs_tokenizer = cfg.drafter.mask_token_id is None and not cfg.drafter.init_from  # for the mask token
-        tokenizer = load_tokenizer(cfg) if needs_tokenizer else None
-        run_dir.check_model(start, cfg, drafter_config_for(cfg, target_config(cfg), tokenizer))
+        run_dir.check_model(start, cfg, drafter_config_for(cfg, target_files.config, target_files.tokenizer))
     if ctx.rank == 0:
         for note in start.notes + run_dir.clean(start):
             console.print(escape(note), soft_wrap=True)
@@ -432,10 +428,12 @@ def _run_rank(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, st
     cfg = resolve_target(cfg, ctx)
     if embedded:
         startup.mark("embedded default's assets")
-    _accept(cfg, ctx, start)
+    target_files = read_target_files(cfg, ctx)  # once: the resume check and the setup below share them
+    _accept(cfg, ctx, start, target_files)
     if ctx.is_target:
-        return run_target(cfg, ctx, start.resume)
-    summary = run_drafter(cfg, ctx, start, startup)
+        start_step, _ = start.resume_point  # prepare's look at the checkpoints, as rank 0 has cleaned them
+        return run_target(cfg, ctx, start_step, target_files)
+    summary = run_drafter(cfg, ctx, start, target_files, startup)
     if summary is not None and "stopped_at" in summary:
         if not ctx.colocated:  # the target ranks stop on the same signal; nobody waits for them
             os._exit(0)
