@@ -1,9 +1,12 @@
 """dflash-regenerate with engine hf on CPU: answers equal the target's own greedy `generate`, seeded sampling
 is reproducible, a killed run resumes to the same shards, two torchrun processes split the prompts, the
-shards train as they are, and bad input is refused with a clear error that loses no shard."""
+summary counts the shards from the run's one read of them, the shards train as they are, and bad input
+is refused with a clear error that loses no shard."""
 
 import json
+import math
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -16,12 +19,13 @@ import pytest
 import torch
 from dflash_trainer.data import DataError
 from dflash_trainer.prompts import answer_slots, prompt_messages, render_prompt, row_messages, slot_indices
-from dflash_trainer.regenerate import bench
+from dflash_trainer.regenerate import bench, cli
 from dflash_trainer.regenerate.cli import main
 from dflash_trainer.regenerate.engine_hf import BUCKETS, HFEngine, bucket
 from dflash_trainer.regenerate.plan import DUPLICATE, NO_CHAT, NO_USER_TURN, check_plan, make_plan
 from dflash_trainer.regenerate.sampling import Sampling, draw, nucleus, row_seed
 from dflash_trainer.regenerate.shards import MANIFEST, OutputDir
+from dflash_trainer.regenerate.summary import Figures, collect
 from dflash_trainer.speculative import stop_token_ids
 from dflash_trainer.storage import StorageError
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -58,6 +62,26 @@ def source(tmp_path_factory):
 
 def args(target, data, out, *extra):
     return ["--target", target, "--data", str(data), "--out", str(out), "--max-new-tokens", str(MAX_NEW), *extra]
+
+
+def directory_totals(rows: list[dict]) -> dict:
+    """summary.json's figures over a directory's rows, counted straight from the rows."""
+    lengths = sorted(n for r in rows for n in r["regen"]["answer_tokens"])
+    return {
+        "prompts": len(rows),
+        "answers": len(lengths),
+        "answer_tokens": sum(lengths),
+        "mean_answer_tokens": sum(lengths) / len(lengths) if lengths else 0.0,
+        "p99_answer_tokens": lengths[max(0, math.ceil(0.99 * len(lengths)) - 1)] if lengths else 0,
+        "truncated_fraction": sum(t for r in rows for t in r["regen"]["truncated"]) / len(lengths) if lengths else 0.0,
+        "roundtrip_mismatches": sum(not ok for r in rows for ok in r["regen"]["roundtrip"]),
+        "prompt_mismatches": sum(not r["regen"]["prompt_matches"] for r in rows),
+        "rows_with_unsupervised_earlier_turns": sum(not r["regen"]["all_turns_supervised"] for r in rows),
+    }
+
+
+def totals(summary: dict) -> dict:
+    return {k: summary[k] for k in [*directory_totals([]), "shards"]}
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +151,68 @@ def test_batches_share_a_bucket_and_fit_the_budget(chat_target):
     engine.kv_budget = 2 * (48 + 16) * engine.kv_per_token  # room for two rows at the 48-token bucket
     assert engine.rows_for(48) == 2 and engine.rows_for(16) == 4
     assert [len(b) for b in engine.batches(prompts)] == [4, 2, 1]
+
+
+def test_figures_add_up_to_the_figures_of_all_rows():
+    rng = random.Random(0)
+    rows = []
+    for i in range(500):
+        turns = rng.randint(1, 3)
+        rows.append({"regen": {"key": str(i), "answer_tokens": [rng.choice([0, 1, 7, 40, rng.randint(0, 2048)])
+                                                                for _ in range(turns)],
+                               "truncated": [rng.random() < 0.2 for _ in range(turns)],
+                               "roundtrip": [rng.random() < 0.9 for _ in range(turns)],
+                               "prompt_matches": rng.random() < 0.9, "all_turns_supervised": rng.random() < 0.7}})
+    parts = [Figures(), Figures(), Figures()]
+    for n, row in enumerate(rows):
+        parts[n % 3].add(row["regen"])
+    summary = collect(sum(parts[1:], parts[0]), shards=3, engine="hf", target="t", model=None, sampling={},
+                      chat_kwargs={}, plan_skipped={}, rows_read=500, runs=[], world=1)
+    assert totals(summary) == {**directory_totals(rows), "shards": 3}
+    for few in ([], rows[:1], rows[:2]):  # p99 of none, of one, of a few answers
+        one = Figures()
+        for row in few:
+            one.add(row["regen"])
+        assert one.p99() == directory_totals(few)["p99_answer_tokens"]
+
+
+def test_a_run_reads_the_shards_there_once(tiny_target, tmp_path, monkeypatch, capsys):
+    """The summary counts the rows already there from the start's read (the one that finds what is answered)
+    and the new rows as they are written: shards damaged after the start change nothing in it, and its
+    totals are those of an uninterrupted run, counted straight from the rows."""
+    common = ["--limit", "12", "--shard-size", "3", "--batch-size", "6", "--max-new-tokens", "12"]
+    whole = tmp_path / "whole"
+    assert main(args(tiny_target["target"], tiny_target["train"], whole, *common)) == 0
+    expected = json.loads((whole / "summary.json").read_text())
+    assert totals(expected) == {**directory_totals(shard_rows(whole)), "shards": 4}
+    assert expected["prompts"] == expected["this_run"]["prompts"] == 12
+
+    out = tmp_path / "resumed"  # as a run killed after two of the four shards leaves it
+    shutil.copytree(whole, out, ignore=shutil.ignore_patterns("summary.json", ".*.lock"))
+    names = sorted(p.name for p in out.glob("part-*.jsonl"))
+    for name in names[2:]:
+        (out / name).unlink()
+    kept = sum(len((out / name).read_text().splitlines()) for name in names[:2])
+    real_run_chunks = cli.run_chunks
+
+    def damage_then_run(*a, **kw):  # after the start's read, before any shard is written
+        for name in names[:2]:
+            (out / name).write_text("changed after the start's read\n")
+        return real_run_chunks(*a, **kw)
+
+    monkeypatch.setattr(cli, "run_chunks", damage_then_run)
+    assert main(args(tiny_target["target"], tiny_target["train"], out, *common)) == 0
+    resumed = json.loads((out / "summary.json").read_text())
+    assert totals(resumed) == totals(expected)
+    assert resumed["this_run"]["prompts"] == 12 - kept and resumed["this_run"]["shards_written"] == 2
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(args(tiny_target["target"], tiny_target["train"], out, *common)) == 2  # a read sees the damage
+    assert f"{out / names[0]} line 1 is not JSON" in " ".join(capsys.readouterr().err.split())
+
+    assert main(args(tiny_target["target"], tiny_target["train"], whole, *common)) == 0  # nothing left to do
+    again = json.loads((whole / "summary.json").read_text())
+    assert totals(again) == totals(expected) and again["this_run"]["prompts"] == 0
 
 
 # ---- engine hf end to end --------------------------------------------------------------------------
@@ -233,6 +319,9 @@ def test_two_torchrun_processes_split_the_prompts_into_the_same_shards(chat_targ
     assert shard_files(tmp_path / "two") == shard_files(tmp_path / "one")
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["this_run"]["processes"] == 2 and summary["prompts"] == len(shard_rows(tmp_path / "one"))
+    # rank 0 writes the summary without reading rank 1's shards: their figures come with the gather
+    assert totals(summary) == totals(json.loads((tmp_path / "one" / "summary.json").read_text()))
+    assert totals(summary) == {**directory_totals(shard_rows(tmp_path / "two")), "shards": summary["shards"]}
 
 
 @pytest.mark.slow  # builds the embedded target (~25 s on 2 cores)
@@ -331,6 +420,10 @@ def test_a_damaged_output_directory_names_the_file_and_the_fix(tmp_path):
     (out.path / MANIFEST).write_text('{"target": "t"}\n')
     write_jsonl(out.path / "part-000000-foreign0.jsonl", [{"input_ids": [1, 2], "loss_mask": [0, 1]}])
     with pytest.raises(DataError, match=r"not a regeneration row .*Move it out of .*out and run again"):
+        out.done_keys()
+    write_jsonl(out.path / "part-000000-foreign0.jsonl", [{"regen": {"key": "k", "truncated": [False]}}])
+    with pytest.raises(DataError, match=r"part-000000-foreign0.jsonl line 1 has no regen.answer_tokens: not a "
+                                        r"regeneration row .*Move it out of .*out and run again"):
         out.done_keys()
 
 

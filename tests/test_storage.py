@@ -1,4 +1,4 @@
-"""The run's writes: a published directory replaces the old one whole; failed writes are said in words."""
+"""The run's writes: a published file or directory replaces the old one whole; failed writes are said in words."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import errno
 
 import pytest
 from dflash_trainer import storage
+
+from tests.helpers.mounts import tmpfs
 
 
 def write_files(**files):
@@ -55,3 +57,38 @@ def test_errors_in_words():
         raise_inside(OSError(errno.EROFS, "Read-only file system"))
     with pytest.raises(KeyError):  # not a storage problem: passes through
         raise_inside(KeyError("x"))
+
+
+def test_publish_file_replaces_the_file_in_one_step_and_a_failed_write_leaves_the_old_one(tmp_path):
+    final = tmp_path / "shard.bin"
+    storage.publish_file(final, lambda tmp: tmp.write_bytes(b"old"))
+    storage.publish_file(final, lambda tmp: tmp.write_bytes(b"new"))
+    assert final.read_bytes() == b"new" and oct(final.stat().st_mode & 0o777) == oct(0o666 & ~storage._umask())
+
+    def fails(tmp):
+        tmp.write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError):
+        storage.publish_file(final, fails)
+    assert final.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["shard.bin"]
+
+
+def test_dumped_features_read_back_and_a_full_disk_is_said_in_words(tmp_path):
+    import torch
+    from dflash_trainer import features
+
+    batch = {"features": torch.arange(24, dtype=torch.bfloat16).view(2, 3, 4).transpose(1, 2),  # not contiguous
+             "input_ids": torch.tensor([[1, 2, 3], [4, 5, 6]])}
+    root = tmp_path / "feats"
+    features.write_shard(root, 0, batch)
+    features.write_meta(root, "t", [1, 3], 1, 2)
+    shards = features.FeatureShards(root, [1, 3])
+    assert all(torch.equal(shards.load(5, "cpu")[k], v) for k, v in batch.items())
+    assert sorted(p.name for p in root.iterdir()) == ["mb-00000000.safetensors", "meta.json"]
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:
+        big = {"features": torch.zeros(2**19)}  # 2 MiB into 1 MiB
+        with pytest.raises(storage.StorageError, match=rf"writing features to {mnt / 'feats'}: disk full \(no space "
+                                                       r"left on device\), [\d.,]+ MiB free there\. Free space"):
+            features.write_shard(mnt / "feats", 0, big)
+        assert list((mnt / "feats").iterdir()) == []  # no temporary, no half shard

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from . import storage
+
 META = "meta.json"
 
 
@@ -22,19 +24,23 @@ def shard_path(root: Path, index: int) -> Path:
 
 
 def write_meta(root: Path, target: str, layer_ids: list[int], count: int, micro_batch: int) -> None:
-    root.mkdir(parents=True, exist_ok=True)
     meta = {"target": target, "target_layer_ids": layer_ids, "micro_batches": count, "micro_batch": micro_batch}
-    tmp = root / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2))
-    tmp.replace(root / META)
+    with _explained(root):
+        root.mkdir(parents=True, exist_ok=True)
+        storage.write_text_atomic(root / META, json.dumps(meta, indent=2))
 
 
 def write_shard(root: Path, index: int, batch: dict[str, torch.Tensor]) -> None:
-    Path(root).mkdir(parents=True, exist_ok=True)
-    path = shard_path(root, index)
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous().cpu() for k, v in batch.items()}, str(tmp))
-    tmp.replace(path)  # a reader never sees half a shard
+    tensors = {k: v.contiguous().cpu() for k, v in batch.items()}
+    with _explained(root):
+        Path(root).mkdir(parents=True, exist_ok=True)
+        # a reader never sees half a shard, and a failed write leaves none behind
+        storage.publish_file(shard_path(root, index), lambda tmp: save_file(tensors, str(tmp)))
+
+
+def _explained(root: Path):
+    return storage.explained(f"writing features to {root}", Path(root),
+                             "Free space (or give another --dump-features directory) and dump again")
 
 
 class FeatureShards:

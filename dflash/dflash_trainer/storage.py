@@ -128,19 +128,27 @@ def _umask() -> int:
         return 0o022
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+def publish_file(path: Path, write: Callable[[Path], None]) -> Path:
+    """write(tmp) fills a hidden file beside `path` (.<name>.tmp-random), which is fsynced and then
+    replaces `path` in one step, with the permissions open() would have given it; a failed write
+    leaves no temporary behind."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # as open() would have made it (mkstemp makes 0600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp.chmod(0o666 & ~_umask())  # as open() would have made it (mkstemp makes 0600)
+        write(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
+    return path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    publish_file(path, lambda tmp: tmp.write_text(text))
 
 
 _RENAME_EXCHANGE = 2

@@ -198,7 +198,8 @@ def run(args) -> dict | None:
     if lead and out.clean_partial():
         log("removed the half-written shard of an earlier run that was killed")
     world.barrier()
-    done = out.done_keys()
+    done = out.done_keys()  # the one read of the shards there; the summary counts them from it
+    world.barrier()  # every process has read them before any writes one: none is counted twice
     answered = sum(j.key in done for j in plan.jobs)
     log(f"{len(plan.jobs):,} prompts from {plan.rows_read:,} rows ({sum(plan.skipped.values()):,} skipped); "
         f"{answered:,} already answered in {args.out}, {len(plan.jobs) - answered:,} to go"
@@ -207,10 +208,12 @@ def run(args) -> dict | None:
                        args.shard_size, done, log)
     world.barrier()
     runs = world.gather(stats)
+    added = world.gather(out.added)  # the rows each process wrote: the summary reads no shard again
     summary = None
     if lead:
-        summary = collect(out, engine=args.engine, target=target_id, model=getattr(engine, "model", None)
-                          if args.engine == "openai" else None, sampling=sampling.as_dict(),
+        summary = collect(sum(added, out.found), shards=len(out.shards()), engine=args.engine, target=target_id,
+                          model=getattr(engine, "model", None) if args.engine == "openai" else None,
+                          sampling=sampling.as_dict(),
                           chat_kwargs=args.chat_template_kwargs, plan_skipped=plan.skipped,
                           rows_read=plan.rows_read, runs=runs, world=world.size)
         out.write_summary(summary)

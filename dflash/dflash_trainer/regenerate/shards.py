@@ -5,6 +5,8 @@ fsynced, renamed), so a killed run leaves whole shards and loses only the one in
 says which chunk of the sorted jobs it holds and hashes the keys inside, so a resumed run writes the
 same names as an uninterrupted one and never overwrites a shard. `regenerate.json` pins what every
 shard was made with: a second run into the same directory must use the same target and settings.
+The rows there are read once per run, at its start; the summary's figures are kept from that read and
+from the rows this process writes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from filelock import FileLock, Timeout
 
 from .. import storage
 from ..data import DataError
+from .summary import Figures
 
 MANIFEST = "regenerate.json"
 SUMMARY = "summary.json"
@@ -28,6 +31,8 @@ class OutputDir:
         self.path = Path(path)
         self.rank = rank
         self._lock: FileLock | None = None
+        self.found = Figures()  # the rows there at the start (done_keys)
+        self.added = Figures()  # the rows this process wrote since (write_shard)
 
     # -- setup -------------------------------------------------------------------------------------
     def check_or_create(self, manifest: dict) -> None:
@@ -90,30 +95,42 @@ class OutputDir:
     def shards(self) -> list[Path]:
         return sorted(self.path.glob("part-*.jsonl"))
 
-    def rows(self) -> Iterator[dict]:
+    def rows(self) -> Iterator[tuple[Path, int, dict]]:
+        """Every row there, with its shard and line number."""
         for shard in self.shards():
             with open(shard) as f:
                 for n, line in enumerate(f, 1):
                     try:
-                        yield json.loads(line)
+                        yield shard, n, json.loads(line)
                     except json.JSONDecodeError as exc:
                         raise DataError(f"{shard} line {n} is not JSON ({exc}): the file was changed after it was "
                                         "written; move it out of the directory and run again") from None
 
     def done_keys(self) -> set[str]:
-        keys = set()
-        for row in self.rows():
+        """The keys the shards there answer, in the run's one read of them: their rows' figures are kept
+        in `found` for the summary."""
+        keys, found = set(), Figures()
+        for shard, n, row in self.rows():
             try:
                 keys.add(row["regen"]["key"])
             except (KeyError, TypeError):
                 raise DataError(f"{self.path} holds a part-*.jsonl row without regen.key: not a regeneration row "
                                 f"(a file copied in?). Move it out of {self.path} and run again") from None
+            try:
+                found.add(row["regen"])
+            except (KeyError, TypeError) as exc:
+                what = f"no regen.{exc.args[0]}" if isinstance(exc, KeyError) else "a regen statistic of the wrong type"
+                raise DataError(f"{shard} line {n} has {what}: not a regeneration row (edited, or made by "
+                                f"another tool?). Move it out of {self.path} and run again") from None
+        self.found = found
         return keys
 
     def write_shard(self, chunk: int, rows: list[dict]) -> Path:
         digest = hashlib.sha256("".join(r["regen"]["key"] for r in rows).encode()).hexdigest()[:8]
         final = self.path / f"part-{chunk:06d}-{digest}.jsonl"
         self._write(final, "".join(json.dumps(r) + "\n" for r in rows))
+        for r in rows:  # on disk now: counted without reading it back
+            self.added.add(r["regen"])
         return final
 
     def write_summary(self, summary: dict) -> Path:

@@ -1,45 +1,85 @@
-"""summary.json and the table printed at the end: over every shard in the directory, and this run apart."""
+"""summary.json and the table printed at the end: over every shard in the directory, and this run apart.
+
+The directory's figures are counted as rows pass by: the rows there when the run starts in the one read
+that also finds what is answered (OutputDir.done_keys), the rows each process writes as it writes them
+(OutputDir.write_shard), added up over the processes at the end. No shard is read twice.
+"""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
+from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.table import Table
 
-from .shards import OutputDir
+
+@dataclass
+class Figures:
+    """What summary.json counts over answer rows; two add up to the figures of both sets of rows."""
+
+    rows: int = 0
+    lengths: Counter = field(default_factory=Counter)  # answer length in tokens -> answers that long
+    truncated: int = 0
+    roundtrip_mismatches: int = 0
+    prompt_mismatches: int = 0
+    partly_supervised: int = 0
+
+    def add(self, regen: dict) -> None:
+        """One row's `regen`; KeyError or TypeError (nothing counted) when it lacks the statistics."""
+        lengths = Counter(regen["answer_tokens"])
+        truncated, roundtrip = sum(regen["truncated"]), sum(not ok for ok in regen["roundtrip"])
+        mismatch, partly = not regen["prompt_matches"], not regen["all_turns_supervised"]
+        self.rows += 1
+        self.lengths += lengths
+        self.truncated += truncated
+        self.roundtrip_mismatches += roundtrip
+        self.prompt_mismatches += mismatch
+        self.partly_supervised += partly
+
+    def __add__(self, other: Figures) -> Figures:
+        return Figures(self.rows + other.rows, self.lengths + other.lengths, self.truncated + other.truncated,
+                       self.roundtrip_mismatches + other.roundtrip_mismatches,
+                       self.prompt_mismatches + other.prompt_mismatches,
+                       self.partly_supervised + other.partly_supervised)
+
+    @property
+    def answers(self) -> int:
+        return sum(self.lengths.values())
+
+    @property
+    def answer_tokens(self) -> int:
+        return sum(length * n for length, n in self.lengths.items())
+
+    def p99(self) -> int:
+        """The answer length at rank ceil(0.99 n) of the n answers in order (0 without answers)."""
+        rank = max(0, math.ceil(0.99 * self.answers) - 1)
+        for length in sorted(self.lengths):
+            rank -= self.lengths[length]
+            if rank < 0:
+                return length
+        return 0
 
 
-def _p99(values: list[int]) -> int:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)] if ordered else 0
-
-
-def collect(out: OutputDir, *, engine: str, target: str, model: str | None, sampling: dict, chat_kwargs: dict,
-            plan_skipped: dict, rows_read: int, runs: list, world: int) -> dict:
-    """The directory's totals (all shards, earlier runs included) and what this run did (`runs`: one per rank)."""
-    lengths, truncated, roundtrip_bad, prompt_mismatch, partly_supervised, rows = [], 0, 0, 0, 0, 0
-    for row in out.rows():
-        regen = row["regen"]
-        rows += 1
-        lengths += regen["answer_tokens"]
-        truncated += sum(regen["truncated"])
-        roundtrip_bad += sum(not ok for ok in regen["roundtrip"])
-        prompt_mismatch += not regen["prompt_matches"]
-        partly_supervised += not regen["all_turns_supervised"]
+def collect(figures: Figures, *, shards: int, engine: str, target: str, model: str | None, sampling: dict,
+            chat_kwargs: dict, plan_skipped: dict, rows_read: int, runs: list, world: int) -> dict:
+    """The directory's totals (`figures` of all its rows, earlier runs' included; `shards` there) and what
+    this run did (`runs`: one per rank)."""
+    answers = figures.answers
     tokens = sum(r.answer_tokens for r in runs)
     seconds = max((r.seconds for r in runs), default=0.0)
     return {
-        "prompts": rows,
-        "answers": len(lengths),
-        "answer_tokens": sum(lengths),
-        "mean_answer_tokens": sum(lengths) / len(lengths) if lengths else 0.0,
-        "p99_answer_tokens": _p99(lengths),
-        "truncated_fraction": truncated / len(lengths) if lengths else 0.0,
-        "roundtrip_mismatches": roundtrip_bad,
-        "prompt_mismatches": prompt_mismatch,
-        "rows_with_unsupervised_earlier_turns": partly_supervised,
-        "shards": len(out.shards()),
+        "prompts": figures.rows,
+        "answers": answers,
+        "answer_tokens": figures.answer_tokens,
+        "mean_answer_tokens": figures.answer_tokens / answers if answers else 0.0,
+        "p99_answer_tokens": figures.p99(),
+        "truncated_fraction": figures.truncated / answers if answers else 0.0,
+        "roundtrip_mismatches": figures.roundtrip_mismatches,
+        "prompt_mismatches": figures.prompt_mismatches,
+        "rows_with_unsupervised_earlier_turns": figures.partly_supervised,
+        "shards": shards,
         "engine": engine,
         "target": target,
         "model": model,
