@@ -113,18 +113,22 @@ def _rank_worker(cache_dir: str, queue) -> None:
     queue.put({"spans": spans, "hits": report.cache_hits, "misses": report.cache_misses})
 
 
-@pytest.mark.slow
-def test_lock_serializes_two_processes_and_second_hits_the_cache(tmp_path):
-    ctx = mp.get_context("spawn")
+def run_ranks(ctx, target, args, count: int, timeout: float) -> list[dict]:
+    """`count` processes of target(*args, queue); their results in the order their first probe began."""
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_worker, args=(str(tmp_path), queue)) for _ in range(2)]
+    procs = [ctx.Process(target=target, args=(*args, queue)) for _ in range(count)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=240) for _ in procs]
+    results = [queue.get(timeout=timeout) for _ in procs]
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    first, second = sorted(results, key=lambda r: r["spans"][0][0])
+    return sorted(results, key=lambda r: r["spans"][0][0])
+
+
+@pytest.mark.slow
+def test_lock_serializes_two_processes_and_second_hits_the_cache(tmp_path):
+    first, second = run_ranks(mp.get_context("spawn"), _rank_worker, (str(tmp_path),), 2, timeout=240)
     assert first["spans"][-1][1] <= second["spans"][0][0], "the two compile steps overlapped: the lock did not hold"
     assert first["misses"] > 0 and first["hits"] == 0
     assert second["hits"] > 0 and second["misses"] == 0, second
@@ -178,16 +182,8 @@ def test_after_the_first_rank_of_a_start_the_others_load_side_by_side(tmp_path):
     lock = str(tmp_path / "compile.lock")
 
     def start(restart: int, ranks: int) -> list[dict]:
-        entered, barrier, queue = ctx.Value("i", 0), ctx.Barrier(max(1, ranks - 1)), ctx.Queue()
-        procs = [ctx.Process(target=_start_worker, args=(lock, restart, entered, barrier, queue))
-                 for _ in range(ranks)]
-        for p in procs:
-            p.start()
-        results = [queue.get(timeout=120) for _ in procs]
-        for p in procs:
-            p.join(60)
-            assert p.exitcode == 0
-        return sorted(results, key=lambda r: r["spans"][0][0])
+        entered, barrier = ctx.Value("i", 0), ctx.Barrier(max(1, ranks - 1))
+        return run_ranks(ctx, _start_worker, (lock, restart, entered, barrier), ranks, timeout=120)
 
     first, *others = start(0, 3)
     assert "compiling 1 variant(s)" in first["log"] and "already" not in first["log"]
