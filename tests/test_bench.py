@@ -65,9 +65,15 @@ def test_startup_bench_starts_the_trainer_cold_then_warm(tmp_path):
     assert (tmp_path / "work" / "features").is_dir()  # made once, for every start
 
 
-def test_startup_bench_refuses_zero_starts(capsys):
+@pytest.mark.parametrize("args, says", [
+    (["--starts", "0"], "--starts and --drafter-ranks must be >= 1"),
+    (["--work", "{file}/work"], "is a file, so no directory can be made there"),
+])
+def test_startup_bench_refuses_bad_input_in_words(tmp_path, capsys, args, says):
     from dflash_trainer import bench_startup
 
+    (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit) as exit_:
-        bench_startup.main(["--starts", "0"])
-    assert exit_.value.code == 2 and "--starts and --drafter-ranks must be >= 1" in capsys.readouterr().err
+        bench_startup.main([a.format(file=tmp_path / "file") for a in args])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing made

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import storage
 from .bench import PRESETS
 
 
@@ -51,6 +52,10 @@ def main(argv=None) -> int:
     if args.starts < 1 or args.drafter_ranks < 1:
         p.error("--starts and --drafter-ranks must be >= 1")
     work = Path(args.work).absolute()
+    try:
+        storage.check_can_create(work, "--work")
+    except (ValueError, storage.StorageError) as exc:
+        p.error(str(exc))
     work.mkdir(parents=True, exist_ok=True)
     assets, features, cache = work / "assets", work / "features", work / "compile-cache"
     py = sys.executable
