@@ -62,12 +62,13 @@ def test_startup_bench_starts_the_trainer_cold_then_warm(tmp_path):
         phases = start["startup_s"]
         assert {"start-up and imports", "compile step", "step 1"} <= set(phases)
         assert abs(sum(phases.values()) - start["time_to_first_step_s"]) < 0.05  # the phases add up to the total
-    assert (tmp_path / "work" / "features").is_dir()  # made once, for every start
+    assert (tmp_path / "work" / "tiny-s128-n8-d1" / "features" / "meta.json").is_file()  # made once, for every start
 
 
 @pytest.mark.parametrize("args, says", [
     (["--starts", "0"], "--starts and --drafter-ranks must be >= 1"),
     (["--work", "{file}/work"], "is a file, so no directory can be made there"),
+    (["--json", "{file}/out.json"], "exists and is not a directory"),
 ])
 def test_startup_bench_refuses_bad_input_in_words(tmp_path, capsys, args, says):
     from dflash_trainer import bench_startup

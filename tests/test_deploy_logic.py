@@ -197,6 +197,7 @@ def test_systemd_unit_passes_systemd_analyze(rendered):
     ({"training_run_target_path": ""}, "training_run_target_path must be set"),
     ({"training_run_target_path": "x", "training_run_drafter_gpus": 0}, "training_run_drafter_gpus >= 1 (are 0, 0)"),
     ({"training_run_target_path": "x", "training_run_regenerate_gpus": 0}, "training_run_regenerate_gpus must be >= 1"),
+    ({"training_run_target_path": "x", "training_run_target_gpus": -1}, "training_run_target_gpus must be >= 0"),
     ({"training_run_target_path": "x", "training_run_name": "../etc"}, "training_run_name must be letters"),
     ({"training_run_target_path": "x", "training_run_output_dir": "runs/a"}, "must be absolute paths"),
     # deploy installs the shared trainer wheel with uv: both must be files on the controller, checked first

@@ -64,6 +64,7 @@ def test_the_embedding_and_head_are_read_in_the_background_and_equal_the_target(
     import json
     import shutil
 
+    from dflash_trainer.config import ConfigError
     from dflash_trainer.target import load_embed_and_head
     from safetensors.torch import load_file, save_file
 
@@ -87,7 +88,10 @@ def test_the_embedding_and_head_are_read_in_the_background_and_equal_the_target(
     assert torch.equal(borrowed.embed, model.model.embed_tokens.weight.detach())
 
     (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
-    with pytest.raises(KeyError, match="lm_head.weight"):
+    with pytest.raises(ConfigError, match="lm_head.weight"):
+        load_embed_and_head(str(tied), "cpu", torch.float32)
+    (tied / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="model.safetensors.index.json is damaged"):
         load_embed_and_head(str(tied), "cpu", torch.float32)
 
 

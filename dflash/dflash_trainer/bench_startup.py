@@ -56,21 +56,30 @@ def main(argv=None) -> int:
         storage.check_can_create(work, "--work")
     except (ValueError, storage.StorageError) as exc:
         p.error(str(exc))
+    if args.json:
+        try:
+            storage.check_can_create(Path(args.json).absolute().parent, "--json")
+        except (ValueError, storage.StorageError) as exc:
+            p.error(str(exc))
     work.mkdir(parents=True, exist_ok=True)
-    assets, features, cache = work / "assets", work / "features", work / "compile-cache"
+    # One folder per shape: a rerun with another preset, length or rank count never times the old one.
+    shape = work / f"{args.preset}-s{args.seq}-n{args.anchors}-d{args.drafter_ranks}"
+    assets, features, cache = shape / "assets", shape / "features", shape / "compile-cache"
     py = sys.executable
     if not (assets / "train.jsonl").is_file():
+        shape.mkdir(exist_ok=True)
         run([py, "-m", "dflash_trainer.bench", "--preset", args.preset, "--make-assets", str(assets),
              "--seq", str(args.seq), "--rows", str(4 * args.drafter_ranks)], work / "assets.log", "making the assets")
     base = train_args(args.preset, assets, args.seq, args.anchors)
-    if not features.is_dir():
+    if not (features / "meta.json").is_file():  # written last: a dump that was killed is made again
+        shutil.rmtree(features, ignore_errors=True)
         run([py, "-m", "dflash_trainer.train", *base, "--dump-features", str(features), "--dump-batches",
-             str(2 * args.drafter_ranks), "--output-dir", str(work / "dump"), "--overwrite"],
+             str(2 * args.drafter_ranks), "--output-dir", str(shape / "dump"), "--overwrite"],
             work / "dump.log", "dumping the features")
     shutil.rmtree(cache, ignore_errors=True)  # the first start is cold
     starts = []
     for i in range(args.starts):
-        out = work / f"start-{i}"
+        out = shape / f"start-{i}"
         run([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.drafter_ranks),
              "-m", "dflash_trainer.train", *base, "--set", f"data.features_dir={features}", "--target-gpus", "0",
              "--drafter-gpus", str(args.drafter_ranks), "--set", "train.steps=1", "--set",
@@ -85,7 +94,7 @@ def main(argv=None) -> int:
     result = {"preset": args.preset, "drafter_ranks": args.drafter_ranks, "seq": args.seq, "anchors": args.anchors,
               "starts": starts}
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        storage.write_text_atomic(Path(args.json).absolute(), json.dumps(result, indent=2) + "\n")
     warm = [s["time_to_first_step_s"] for s in starts[1:]]
     print(f"time to first step, {args.drafter_ranks} drafter rank(s): {starts[0]['time_to_first_step_s']:.1f}s cold"
           + (f", {min(warm):.1f}-{max(warm):.1f}s warm" if warm else ""))

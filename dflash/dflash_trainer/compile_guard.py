@@ -101,13 +101,8 @@ def compile_lock(lock_path: str | os.PathLike) -> Iterator[float]:
     flock is released by the kernel when the process dies, so a crashed rank never wedges the others.
     It needs a local filesystem (flock on NFS is not reliable): keep the cache dir on local disk.
     """
-    path = Path(lock_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # thread_local=False: the lock belongs to the process, like the flock it wraps.
-    lock = FileLock(str(path), thread_local=False)
-    start = time.monotonic()
-    with lock:
-        yield time.monotonic() - start
+    with _compile_turn(lock_path, None) as (waited, _):
+        yield waited
 
 
 def launch_id(environ: dict | None = None) -> str | None:
@@ -135,6 +130,7 @@ def _compile_turn(lock_path: str | os.PathLike | None, marker: Path | None) -> I
     start_id = launch_id() if marker is not None else None
     path = Path(lock_path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # thread_local=False: the lock belongs to the process, like the flock it wraps.
     lock = FileLock(str(path), thread_local=False)
     t0 = time.monotonic()
     lock.acquire()
@@ -145,7 +141,10 @@ def _compile_turn(lock_path: str | os.PathLike | None, marker: Path | None) -> I
             lock.release()
         yield waited, filled
         if start_id is not None and not filled:
-            write_text_atomic(marker, start_id)
+            try:
+                write_text_atomic(marker, start_id)
+            except OSError:
+                pass  # only a speed-up: without it the other ranks queue behind the lock, as without torchrun
     finally:
         if lock.is_locked:
             lock.release()

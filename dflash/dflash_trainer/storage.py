@@ -171,10 +171,10 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def remove(path: Path) -> None:
     """A file, a link (not what it points to) or a directory tree; nothing when there is none."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def replace_dir(new: Path, final: Path) -> None:

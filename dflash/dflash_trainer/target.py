@@ -168,6 +168,8 @@ class BorrowedWeights:
         self.embed, self.head = embed, head
         self._error: BaseException | None = None
         self._stream = torch.cuda.Stream(embed.device) if embed.is_cuda else None
+        if self._stream is not None:  # the blocks may have served work still queued on the main stream
+            self._stream.wait_stream(torch.cuda.current_stream(embed.device))
         self._thread = threading.Thread(target=self._fill, args=(sources,), name="embed-and-head", daemon=True)
         self._thread.start()
 
@@ -191,12 +193,12 @@ class BorrowedWeights:
             torch.cuda.current_stream(self.embed.device).wait_stream(self._stream)
 
 
-def load_embed_and_head(path: str, device, dtype) -> BorrowedWeights:
+def load_embed_and_head(path: str, device, dtype, config=None) -> BorrowedWeights:
     """Only the target's embedding and LM head (what a drafter rank needs), read by key from safetensors,
     in the background (BorrowedWeights). Missing tensors are an error here, before anything is read.
 
     The parameter names come from the model class itself (built on the meta device, no memory), so
-    any causal LM works, tied embeddings included.
+    any causal LM works, tied embeddings included. config: the target's, when the caller read it already.
     """
     import json
     from pathlib import Path
@@ -204,7 +206,9 @@ def load_embed_and_head(path: str, device, dtype) -> BorrowedWeights:
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
+    from .config import ConfigError
+
+    config = config if config is not None else AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     # Every name of each parameter: a tied model's embedding and head are one parameter with two names,
@@ -218,7 +222,11 @@ def load_embed_and_head(path: str, device, dtype) -> BorrowedWeights:
         head_names = head_names + [n for n in embed_names if n not in head_names]
     root = Path(path)
     index = root / "model.safetensors.index.json"
-    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"target.path {path}: {index.name} is damaged ({type(exc).__name__}: {exc}); "
+                          "restore it from the model's source") from None
 
     def locate(candidates: list[str]) -> tuple[str, str, list[int]]:  # (file, key, shape) from the headers only
         keys = [k for name in candidates for k in [name] + ([name.split(".", 1)[1]] if "." in name else [])]
@@ -228,13 +236,13 @@ def load_embed_and_head(path: str, device, dtype) -> BorrowedWeights:
                 with safe_open(str(file), "pt", device="cpu") as f:
                     if key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                         return str(file), key, list(f.get_slice(key).get_shape())
-        raise KeyError(f"{path}: no tensor {' or '.join(map(repr, candidates))} in its safetensors files")
+        raise ConfigError(f"target.path {path}: no tensor {' or '.join(map(repr, candidates))} in its *.safetensors "
+                          "files; drafter ranks read the embedding and LM head from safetensors: convert the "
+                          "checkpoint (save_pretrained writes safetensors)")
 
-    found = {"embed": locate(embed_names), "head": locate(head_names)}
-    tensors = {}
-    for role, (file, key, shape) in found.items():
-        same = next((t for r, t in tensors.items() if found[r][:2] == (file, key)), None)  # tied: one tensor
-        tensors[role] = same if same is not None else torch.empty(shape, dtype=dtype, device=device)
-    sources = [(tensors[role], file, key) for role, (file, key, _) in found.items()
-               if role == "embed" or tensors["head"] is not tensors["embed"]]
-    return BorrowedWeights(tensors["embed"], tensors["head"], sources)
+    (e_file, e_key, e_shape), (h_file, h_key, h_shape) = locate(embed_names), locate(head_names)
+    embed = torch.empty(e_shape, dtype=dtype, device=device)
+    if (h_file, h_key) == (e_file, e_key):  # tied: one tensor
+        return BorrowedWeights(embed, embed, [(embed, e_file, e_key)])
+    head = torch.empty(h_shape, dtype=dtype, device=device)
+    return BorrowedWeights(embed, head, [(embed, e_file, e_key), (head, h_file, h_key)])

@@ -147,7 +147,8 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
         source, wait_kind, samples = local_source(stream, target, my_batches, DTYPES[train.dtype], device), \
             "target", len(stream.dataset)
     else:
-        borrowed = load_embed_and_head(cfg.target.path, device, DTYPES[cfg.target.dtype])  # read in the background
+        borrowed = load_embed_and_head(cfg.target.path, device, DTYPES[cfg.target.dtype],
+                                       target_files.config)  # read in the background
         embed, head = borrowed.embed, borrowed.head
         startup.mark("embedding + head")
         if ctx.roles.offline:
