@@ -287,6 +287,34 @@ def test_a_full_disk_after_the_evaluation_keeps_the_numbers_on_the_terminal(draf
         assert not [p.name for p in (mnt / "out").iterdir() if ".tmp" in p.name]
 
 
+def test_a_disk_that_fills_at_the_figure_keeps_the_earlier_figure_whole(evaluated, drafter_dir, tiny_target,
+                                                                         tmp_path, capsys):
+    """eval.json and requests.jsonl fit, eval.png does not: the error says so in words, the earlier run's
+    eval.png is still there whole (replaced in one step or not at all) and no temporary is left."""
+    earlier = (evaluated[0] / "eval.png").read_bytes()
+    assert len(earlier) > 32 * 1024  # too large for the room left below
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:
+        out = mnt / "out"
+        out.mkdir()
+        (out / "eval.png").write_bytes(earlier)
+        with open(mnt / "filler", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+            f.truncate(f.tell() - 32 * 1024)  # room for the two small files, not for a figure
+        argv = ["--drafter", str(drafter_dir), "--target", tiny_target["target"], "--out", str(out),
+                "--prompts", tiny_target["eval"], "--limit", "1", "--max-new-tokens", "4"]
+        assert main(argv) == 1
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"writing the results to --out {out}: disk full (no space left on device), " in err, err
+        assert json.loads((out / "eval.json").read_text())["sets"]["eval"]["prompts"] == 1  # written before it
+        assert len((out / "requests.jsonl").read_text().splitlines()) == 1
+        assert (out / "eval.png").read_bytes() == earlier
+        assert sorted(p.name for p in out.iterdir()) == ["eval.json", "eval.png", "requests.jsonl"]
+
+
 def test_a_missing_target_is_refused_without_waiting_on_the_hub(drafter_dir, tmp_path, monkeypatch, capsys):
     from dflash_trainer import hub
 

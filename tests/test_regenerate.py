@@ -215,6 +215,32 @@ def test_a_run_reads_the_shards_there_once(tiny_target, tmp_path, monkeypatch, c
     assert totals(again) == totals(expected) and again["this_run"]["prompts"] == 0
 
 
+def test_a_run_ends_with_one_collective_that_brings_every_figure(tiny_target, tmp_path, monkeypatch):
+    """What each process did and the rows it wrote come to rank 0 in one gather (they came in two, after a
+    barrier): the summary's figures are still those counted straight from the rows."""
+    from dflash_trainer.regenerate.driver import World
+
+    calls = []
+
+    def counted(name):
+        real = getattr(World, name)
+
+        def call(self, *a):
+            calls.append(name)
+            return real(self, *a)
+        return call
+
+    for name in ("barrier", "gather"):
+        monkeypatch.setattr(World, name, counted(name))
+    out = tmp_path / "regen"
+    assert main(args(tiny_target["target"], tiny_target["train"], out, "--limit", "6", "--shard-size", "3",
+                     "--max-new-tokens", "8")) == 0
+    assert calls[calls.index("gather"):] == ["gather", "barrier"]  # the gather, then the wait for the summary
+    summary = json.loads((out / "summary.json").read_text())
+    assert totals(summary) == {**directory_totals(shard_rows(out)), "shards": 2}
+    assert summary["this_run"]["prompts"] == 6 and summary["this_run"]["shards_written"] == 2
+
+
 # ---- engine hf end to end --------------------------------------------------------------------------
 
 @pytest.mark.slow  # builds the embedded target (~25 s on 2 cores)

@@ -3,6 +3,7 @@
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 from dflash_trainer import checkpoint as ckpt
@@ -76,6 +77,47 @@ def test_a_resumed_start_reads_the_target_config_and_tokenizer_once(full_run, ti
     again = run(tiny_config(tiny_target, resumed), resume=True)
     assert again["losses"] == summary["losses"][3:]  # resumed from step 3, checked against it
     assert (len(configs), len(tokenizers)) == (1, 1)
+
+
+def spied(monkeypatch, cls, name: str, events: list, kind: str) -> None:
+    """Wrap the real classmethod cls.name: events gets (kind, the directory it reads) per call, and the real
+    method does the work."""
+    real = getattr(cls, name).__func__
+
+    def wrapper(klass, directory, *args, **kwargs):
+        events.append((kind, Path(directory).resolve()))
+        return real(klass, directory, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, classmethod(wrapper))
+
+
+def test_a_resumed_start_with_init_from_reads_its_config_once_and_not_its_weights(full_run, tiny_target, tmp_path,
+                                                                                   monkeypatch):
+    """The checkpoint's weights are what a resumed run trains: drafter.init_from's were loaded only to be
+    overwritten, and its config.json read twice (the resume check, then the drafter's setup). They are read
+    once, at the end, for tau before training (the initial drafter, rebuilt)."""
+    from dflash_trainer import train
+    from transformers import Qwen3Config
+
+    out, summary = full_run
+    init_from = out / "drafter"  # the drafter's shape, with step 6's weights rather than step 3's
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
+    events: list[tuple] = []
+    spied(monkeypatch, DFlashDrafter, "from_pretrained", events, "weights")
+    spied(monkeypatch, Qwen3Config, "from_pretrained", events, "config")
+    real_restore = train.restore
+
+    def restore(run_state):
+        events.append(("restore", run_state.latest))
+        return real_restore(run_state)
+
+    monkeypatch.setattr(train, "restore", restore)
+    again = run(tiny_config(tiny_target, resumed, f"drafter.init_from={init_from}"), resume=True)
+    assert again["losses"] == summary["losses"][3:]  # trained on from step 3's weights, bit for bit
+    restored = events.index(("restore", resumed / "checkpoints" / "step-00000003"))
+    assert events[:restored] == [("config", init_from)]  # the start: the resume check's read, nothing else
+    assert events[restored + 1:].count(("weights", init_from)) == 1  # tau before training, at the end
 
 
 def test_config_errors_are_clear(tiny_target, tmp_path, capsys):

@@ -190,10 +190,15 @@ class Inspection:
         return self.latest_copy_step if self.resume_from == self.latest_copy else step_of(self.resume_from)
 
     @property
+    def latest_copy_name(self) -> Path | None:
+        """The step directory a copied `latest` holds (its files say which): where repair renames it to."""
+        return self.root / step_dir_name(self.latest_copy_step) if self.latest_copy_step is not None else None
+
+    @property
     def resume_dir(self) -> Path | None:
         """resume_from where repair leaves it: a copied `latest` that is the newest step is renamed to it."""
         if self.resume_from is not None and self.resume_from == self.latest_copy:
-            return self.root / step_dir_name(self.latest_copy_step)
+            return self.latest_copy_name
         return self.resume_from
 
     @property
@@ -270,8 +275,7 @@ def _aside(path: Path) -> Path:
 
 
 def _repair_latest_copy(found: Inspection, notes: list[str]) -> Path | None:
-    copy, step = found.latest_copy, found.latest_copy_step
-    named = found.root / step_dir_name(step) if step is not None else None
+    copy, named = found.latest_copy, found.latest_copy_name
     if found.resume_from == copy and named is not None and not named.exists():
         os.rename(copy, named)
         notes.append(f"`latest` was a directory (a copy made with cp -rL or scp -r): renamed to {named.name}")

@@ -146,12 +146,7 @@ def plot(report: dict, path: Path) -> None:
     fig.suptitle(f"{short(report['drafter'])} on {short(report['target'])}: "
                  f"tau {report['overall']['tau']:.2f}"
                  + (f", {speed:.2f}x vs target-only on {report['device']}" if speed else ""))
-    tmp = path.with_suffix(".tmp.png")
-    try:
-        fig.savefig(tmp)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written figure behind
-        raise
+    try:  # in one step, and a full disk leaves no half-written figure behind
+        storage.publish_file(path, lambda tmp: fig.savefig(tmp, format="png"))  # tmp's name ends in .tmp-*
     finally:
         plt.close(fig)

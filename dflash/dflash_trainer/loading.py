@@ -141,13 +141,16 @@ def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
         raise ConfigError(f"drafter: {exc}") from exc
 
 
-def new_drafter(cfg: RunConfig, target_config, tokenizer, device="cpu", initialise: bool = True) -> DFlashDrafter:
+def new_drafter(cfg: RunConfig, target_config, tokenizer, device="cpu", initialise: bool = True,
+                config=None) -> DFlashDrafter:
     """The initial drafter, built on `device`: the same weights on every rank (DDP also broadcasts rank
     0's) and in every run with the same seed on the same kind of device. initialise=False: allocated
-    only, for a run that loads a checkpoint next."""
-    if cfg.drafter.init_from:
+    only, for a run that loads a checkpoint next (drafter.init_from's weights are not read either: the
+    checkpoint's replace them). config: drafter_config_for's answer, where the caller has it already."""
+    if cfg.drafter.init_from and initialise:
         return DFlashDrafter.from_pretrained(cfg.drafter.init_from).to(device)
-    config = drafter_config_for(cfg, target_config, tokenizer)
+    if config is None:
+        config = drafter_config_for(cfg, target_config, tokenizer)
     if not initialise:
         return DFlashDrafter.empty(config, device)
     return DFlashDrafter.initialised(config, device, cfg.train.seed)

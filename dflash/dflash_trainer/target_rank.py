@@ -32,9 +32,10 @@ from .sources import Wait
 from .summary import print_summary, write_summary
 
 
-def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_files: TargetFiles) -> dict | None:
+def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_files: TargetFiles,
+               drafter_config=None) -> dict | None:
     """Run the frozen target on this rank's micro-batches (from start_step on) and send the features to
-    their drafters."""
+    their drafters (drafter_config: the one the resume check read, if any)."""
     from .transport import FeatureSender
 
     device = ctx.device
@@ -42,7 +43,9 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
     # waits for a drafter that has stopped would otherwise hold this process until the timeout.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     tokenizer = target_files.tokenizer
-    layer_ids = drafter_config_for(cfg, target_files.config, tokenizer).dflash_config["target_layer_ids"]
+    if drafter_config is None:
+        drafter_config = drafter_config_for(cfg, target_files.config, tokenizer)
+    layer_ids = drafter_config.dflash_config["target_layer_ids"]
     target = load_target(cfg, layer_ids, device)
     stream, eval_stream, prompts = load_data(cfg, tokenizer)
     compile_target_step(target, cfg.data.context_buckets, cfg.train.micro_batch,

@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.markup import escape
@@ -60,6 +61,9 @@ from .stop import StopRequest
 from .summary import Startup, print_summary, write_summary
 from .target import BorrowedWeights, FrozenTarget, load_embed_and_head
 from .target_rank import dump_features, run_target
+
+if TYPE_CHECKING:
+    from transformers import Qwen3Config
 
 # ---- a drafter rank: setup, resume, compile, loop, finish -----------------------------------------
 
@@ -121,13 +125,14 @@ class History:
 
 
 def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, target_files: TargetFiles,
-                  startup: Startup) -> DrafterRun:
-    """Drafter, sharding, optimizer, schedule, the feature source and the one drafter step."""
+                  startup: Startup, drafter_config=None) -> DrafterRun:
+    """Drafter, sharding, optimizer, schedule, the feature source and the one drafter step
+    (drafter_config: the one the resume check read, built from as it is)."""
     device, train = ctx.device, cfg.train
     tokenizer = target_files.tokenizer
     start_step, latest = start.resume_point
-    drafter = new_drafter(cfg, target_files.config, tokenizer, device=device,
-                          initialise=latest is None)  # a resumed run loads its weights next
+    drafter = new_drafter(cfg, target_files.config, tokenizer, device=device, initialise=latest is None,
+                          config=drafter_config)  # a resumed run loads its weights next
     startup.mark("drafter")
     num_drafters = ctx.num_drafters
     shard = shard_drafter(cfg.parallel.drafter_sharding, drafter, device, DTYPES[train.dtype],
@@ -361,9 +366,9 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
 
 
 def run_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, target_files: TargetFiles,
-                startup: Startup | None = None) -> dict | None:
+                startup: Startup | None = None, drafter_config=None) -> dict | None:
     startup = startup or Startup()
-    run = setup_drafter(cfg, ctx, start, target_files, startup)
+    run = setup_drafter(cfg, ctx, start, target_files, startup, drafter_config)
     if run.latest is not None:
         restore(run)
         startup.mark("restore")
@@ -414,14 +419,20 @@ def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict |
     return summary
 
 
-def _accept(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, target_files: TargetFiles) -> None:
-    """Every rank checks a resumed drafter against its checkpoint; rank 0 then cleans the checkpoints."""
+def _accept(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart,
+            target_files: TargetFiles) -> Qwen3Config | None:
+    """Every rank checks a resumed drafter against its checkpoint; rank 0 then cleans the checkpoints.
+    Returns the drafter config it checked (None on a new start): the rest of the start builds from it
+    rather than read drafter.init_from's config.json again."""
+    checked = None
     if start.resume_from is not None:
-        run_dir.check_model(start, cfg, drafter_config_for(cfg, target_files.config, target_files.tokenizer))
+        checked = drafter_config_for(cfg, target_files.config, target_files.tokenizer)
+        run_dir.check_model(start, cfg, checked)
     if ctx.rank == 0:
         for note in start.notes + run_dir.clean(start):
             console.print(escape(note), soft_wrap=True)
     ctx.barrier()  # the others read the checkpoints once they are clean
+    return checked
 
 
 def _run_rank(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, startup: Startup) -> dict | None:
@@ -430,11 +441,11 @@ def _run_rank(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, st
     if embedded:
         startup.mark("embedded default's assets")
     target_files = read_target_files(cfg, ctx)  # once: the resume check and the setup below share them
-    _accept(cfg, ctx, start, target_files)
+    drafter_config = _accept(cfg, ctx, start, target_files)
     if ctx.is_target:
         start_step, _ = start.resume_point  # prepare's look at the checkpoints, as rank 0 has cleaned them
-        return run_target(cfg, ctx, start_step, target_files)
-    summary = run_drafter(cfg, ctx, start, target_files, startup)
+        return run_target(cfg, ctx, start_step, target_files, drafter_config)
+    summary = run_drafter(cfg, ctx, start, target_files, startup, drafter_config)
     if summary is not None and "stopped_at" in summary:
         if not ctx.colocated:  # the target ranks stop on the same signal; nobody waits for them
             os._exit(0)

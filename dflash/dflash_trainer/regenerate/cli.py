@@ -206,9 +206,10 @@ def run(args) -> dict | None:
         + (f" over {world.size} processes" if world.size > 1 else ""))
     stats = run_chunks(engine, rows, tokenizer, plan, out, world, sampling, args.chat_template_kwargs, context,
                        args.shard_size, done, log)
-    world.barrier()
-    runs = world.gather(stats)
-    added = world.gather(out.added)  # the rows each process wrote: the summary reads no shard again
+    # One collective, which waits for every process: what each did and the rows it wrote (the summary
+    # reads no shard again).
+    gathered = world.gather((stats, out.added))
+    runs, added = [s for s, _ in gathered], [a for _, a in gathered]
     summary = None
     if lead:
         summary = collect(sum(added, out.found), shards=len(out.shards()), engine=args.engine, target=target_id,
