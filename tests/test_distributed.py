@@ -211,3 +211,8 @@ def test_a_stopped_run_with_target_ranks_resumes_where_it_stopped(tiny_target, t
     assert published.keys() == reference.keys()
     for name, weight in published.items():
         assert torch.allclose(weight, reference[name], rtol=1e-3, atol=1e-5), name
+    # `make train` once more (--auto-resume): the finished run is reported, once (rank 0), and left as it is
+    files = {p: p.lstat().st_mtime_ns for p in out.rglob("*")}
+    again = torchrun(2, [*args, "--auto-resume"])
+    assert " ".join(again.stderr.split()).count(f"{out} holds a finished run") == 1, again.stderr[-3000:]
+    assert {p: p.lstat().st_mtime_ns for p in out.rglob("*")} == files
