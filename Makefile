@@ -12,7 +12,8 @@ TORCH      ?= torch>=2.11
 # checkpoints we write load in it. Its own pins are not ours, hence --no-deps.
 ZLAB_DFLASH ?= dflash==0.1.0
 RUN_DIR    ?= runs/default
-# make train: extra trainer arguments (--overwrite trains a finished RUN_DIR again, --resume continues one).
+# make train: trainer arguments instead of the default --auto-resume (continue an unfinished RUN_DIR, report
+# a finished one); --overwrite trains a finished RUN_DIR again.
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
 # INVENTORY on the command line or in the environment: train, regenerate, eval and the deploy targets act on
@@ -46,15 +47,7 @@ lint: venv ## ruff on the Python code (ansible/ too), ansible-lint on the playbo
 
 train: venv ## embedded default: tiny target + tiny drafter on this machine (CPU is fine); INVENTORY=...: in the containers
 ifeq ($(ON_CONTAINER),)
-	@if [ -z "$(TRAIN_ARGS)" ] && [ -f $(RUN_DIR)/summary.json ]; then \
-	  echo "$(RUN_DIR) holds a finished run (drafter: $(RUN_DIR)/drafter, figures: $(RUN_DIR)/summary.json)."; \
-	  echo "Train it again with: make train TRAIN_ARGS=--overwrite   (or another RUN_DIR=...)"; \
-	elif [ -z "$(TRAIN_ARGS)" ] && [ -d $(RUN_DIR)/checkpoints ]; then \
-	  echo "$(RUN_DIR) holds an unfinished run: continuing it (--resume)"; \
-	  $(PY) -m dflash_trainer.train --config embedded --output-dir $(RUN_DIR) --resume; \
-	else \
-	  $(PY) -m dflash_trainer.train --config embedded --output-dir $(RUN_DIR) $(TRAIN_ARGS); \
-	fi
+	$(PY) -m dflash_trainer.train --config embedded --output-dir $(RUN_DIR) $(or $(strip $(TRAIN_ARGS)),--auto-resume)
 else
 	$(call JOB_PLAYBOOK,train,start)
 endif

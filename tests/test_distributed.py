@@ -2,17 +2,23 @@
 
 The strongest check is equality: the role split changes who computes what, never the result. A run
 with 1 target + 2 drafter ranks consumes the same micro-batches per step as one process with
-grad_accum = 2, with the same anchors; the step-normalised loss must match.
+grad_accum = 2, with the same anchors; the step-normalised loss must match. A run stopped part-way
+and resumed trains on the same micro-batches as one that was not.
 """
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
+from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.config import load_config
+from dflash_trainer.model import DFlashDrafter
 from dflash_trainer.train import run
 
 pytestmark = pytest.mark.slow
@@ -37,7 +43,15 @@ def torchrun(nproc: int, args: list[str], timeout=420) -> subprocess.CompletedPr
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", "-m", "dflash_trainer.train", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    # A session of its own: a run that hangs past the timeout is killed with its workers, not just torchrun.
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            raise
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -154,3 +168,51 @@ def test_a_failing_drafter_rank_ends_the_whole_run_with_its_error(tiny_target, t
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode != 0
     assert "lower train.lr or check the data" in proc.stdout + proc.stderr
+
+
+
+def test_a_stopped_run_with_target_ranks_resumes_where_it_stopped(tiny_target, tmp_path):
+    """1 target + 1 drafter rank, stopped as the supervisor stops a run (SIGTERM to torchrun's process group)
+    once the first checkpoint is written, then --resume with the same layout: it starts at the stop's step,
+    trains on the micro-batches an uninterrupted run trains on from there (the same per-step losses, so the
+    target rank's data position continued), reaches the last step and publishes a drafter that loads."""
+    steps, out = 32, tmp_path / "stopped"
+    settings = overrides(tiny_target, out) + [f"train.steps={steps}", "train.checkpoint_every=2", "train.keep_last=2"]
+    args = ["--config", "embedded", *[x for o in settings for x in ("--set", o)], "--target-gpus", "1",
+            "--drafter-gpus", "1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "dflash_trainer.train", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not ckpt.list_checkpoints(out / "checkpoints") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)  # torchrun forwards it too: every worker sees it once or twice
+    _, stderr = proc.communicate(timeout=300)
+    kept = ckpt.list_checkpoints(out / "checkpoints")
+    at, latest = kept[-1] if kept else (None, None)
+    assert at is not None and 2 <= at < steps, (kept, stderr[-4000:])
+    assert f"stopped at step {at}" in " ".join(stderr.split()), stderr[-4000:]
+    assert not (out / "summary.json").exists() and not (out / "drafter").exists()
+    assert ckpt.load_train_state(latest)["data_position"] == at  # micro-batches consumed: grad_accum 1, D = 1
+
+    resumed = torchrun(2, [*args, "--resume"])
+    assert f"at step {at}" in " ".join(resumed.stderr.split()), resumed.stderr[-4000:]
+    assert "no checkpoint under" not in resumed.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    straight = run(load_config("embedded", overrides(tiny_target, tmp_path / "straight") + [f"train.steps={steps}"]))
+    assert summary["steps"] == steps and summary["target_ranks"] == 1
+    assert summary["losses"] == pytest.approx(straight["losses"][at:], rel=1e-4)  # steps at+1 .. steps
+    assert ckpt.list_checkpoints(out / "checkpoints")[-1][0] == steps
+    assert summary["tau_before"] == pytest.approx(straight["tau_before"])  # the same initial drafter
+    published = DFlashDrafter.from_pretrained(out / "drafter").state_dict()
+    reference = DFlashDrafter.from_pretrained(tmp_path / "straight" / "drafter").state_dict()
+    assert published.keys() == reference.keys()
+    for name, weight in published.items():
+        assert torch.allclose(weight, reference[name], rtol=1e-3, atol=1e-5), name
+    # `make train` once more (--auto-resume): the finished run is reported, once (rank 0), and left as it is
+    files = {p: p.lstat().st_mtime_ns for p in out.rglob("*")}
+    again = torchrun(2, [*args, "--auto-resume"])
+    assert " ".join(again.stderr.split()).count(f"{out} holds a finished run") == 1, again.stderr[-3000:]
+    assert {p: p.lstat().st_mtime_ns for p in out.rglob("*")} == files

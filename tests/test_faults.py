@@ -432,6 +432,100 @@ def test_resume_of_a_finished_run_without_checkpoints(run_copy, capsys):
     assert snapshot(run_copy) == before
 
 
+# ---- --auto-resume: what `make train` runs --------------------------------------------------------
+
+def stopped_at_step_3(run: Path) -> Path:
+    """The finished run as a stop at step 3 leaves it: checkpoint 3 (latest), config.json, tb/; no drafter."""
+    for name in ("summary.json", "eval_prompts.jsonl"):
+        (run / name).unlink()
+    shutil.rmtree(run / "drafter")
+    shutil.rmtree(run / STEP6)
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "latest").symlink_to("step-00000003")
+    return run
+
+
+def test_auto_resume_reports_a_finished_run_and_changes_nothing(run_copy, capsys):
+    before = snapshot(run_copy)
+    code, err = trainer(capsys, run_copy, "--auto-resume", *_resume_sets(run_copy))
+    assert code == 0, err
+    assert (f"{run_copy} holds a finished run (drafter: {run_copy / 'drafter'}, figures: "
+            f"{run_copy / 'summary.json'})") in err, err
+    assert "--overwrite" in err and "another --output-dir" in err and "step 0" not in err
+    assert snapshot(run_copy) == before
+    # a larger train.steps does not make it unfinished: --resume trains it further, on purpose
+    code, err = trainer(capsys, run_copy, "--auto-resume", *_resume_sets(run_copy), "--set", "train.steps=8")
+    assert code == 0 and "holds a finished run" in err, err
+    assert snapshot(run_copy) == before
+
+
+def test_auto_resume_continues_an_unfinished_run_where_it_stopped(earlier_run, run_copy, capsys):
+    stopped_at_step_3(run_copy)
+    code, err = trainer(capsys, run_copy, "--auto-resume", *_resume_sets(run_copy))
+    assert code == 0, err
+    assert f"{run_copy} holds an unfinished run: continuing it (--resume)" in err
+    assert "resumed from" in err and "at step 3" in err and "no checkpoint under" not in err
+    finished = json.loads((earlier_run / "summary.json").read_text())
+    summary = json.loads((run_copy / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["losses"] == finished["losses"][3:]  # as if never stopped
+    assert (run_copy / "drafter" / "config.json").is_file()
+    code, err = trainer(capsys, run_copy, "--auto-resume", *_resume_sets(run_copy))  # what a third make train does
+    assert code == 0 and "holds a finished run" in err, err
+
+
+def test_auto_resume_continues_a_finished_run_that_was_resumed_further_and_stopped(earlier_run, run_copy, capsys):
+    """Finished at 6, resumed for 8 steps and stopped at 7: the summary (and drafter) of the first finish are
+    still there, but the run did not finish; --auto-resume continues it from step 7."""
+    further = [*_resume_sets(run_copy), "--set", "train.steps=8", "--set", "train.checkpoint_every=1"]
+    code, err = trainer(capsys, run_copy, "--resume", *further)
+    assert code == 0, err
+    to_8 = json.loads((run_copy / "summary.json").read_text())
+    shutil.rmtree(run_copy / "checkpoints" / "step-00000008")  # as the stop at 7 leaves it
+    (run_copy / "checkpoints" / "latest").unlink()
+    (run_copy / "checkpoints" / "latest").symlink_to("step-00000007")
+    shutil.rmtree(run_copy / "drafter")
+    shutil.copytree(earlier_run / "drafter", run_copy / "drafter")
+    shutil.copy(earlier_run / "summary.json", run_copy / "summary.json")
+    code, err = trainer(capsys, run_copy, "--auto-resume", *further)
+    assert code == 0, err
+    assert "holds an unfinished run: continuing it (--resume)" in err and "at step 7" in err, err
+    assert json.loads((run_copy / "summary.json").read_text())["losses"] == to_8["losses"][1:]
+
+
+def test_auto_resume_starts_a_new_run_where_there_is_none(tiny_target, tmp_path, capsys):
+    out = tmp_path / "new"
+    code, err = trainer(capsys, out, "--auto-resume", *sets(tiny_target, "train.steps=3"))
+    assert code == 0, err
+    assert "holds" not in err and "--resume" not in err and "resumed from" not in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and len(summary["losses"]) == 3
+
+
+@pytest.mark.parametrize("flags", [["--resume"], ["--overwrite"], ["--resume", "--overwrite"]])
+def test_auto_resume_with_resume_or_overwrite_is_refused(flags, run_copy, capsys):
+    stopped_at_step_3(run_copy)
+    before = snapshot(run_copy)
+    code, err = trainer(capsys, run_copy, "--auto-resume", *flags, *_resume_sets(run_copy))
+    given = " and ".join(flags)
+    assert code == 2, err
+    assert (f"--auto-resume decides by itself whether to continue the run in {run_copy}, so {given} cannot go "
+            f"with it: give --auto-resume alone, or {' or '.join(flags)} without it") in err
+    assert snapshot(run_copy) == before
+
+
+def test_make_train_on_a_finished_run_dir_reports_it(run_copy):
+    """The Makefile's local `make train`: no TRAIN_ARGS means --auto-resume (the embedded config's own steps
+    do not matter, the run's summary does)."""
+    before = snapshot(run_copy)
+    env = {k: v for k, v in os.environ.items() if k not in ("INVENTORY", "MAKEFLAGS", "TRAIN_ARGS")}
+    proc = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", "train", f"RUN_DIR={run_copy}"],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--auto-resume" in proc.stdout and "holds a finished run" in " ".join(proc.stderr.split()), proc.stderr
+    assert snapshot(run_copy) == before
+
+
 # ---- storage faults on real mounts -------------------------------------------------------------
 
 def test_read_only_output_directory(earlier_run, tmp_path, capsys):

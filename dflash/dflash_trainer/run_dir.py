@@ -2,7 +2,8 @@
 run takes it over.
 
     prepare       before anything loads (every rank, reads only): a new run never lands on an earlier
-                  one; --resume refuses a different target; damaged checkpoints are found
+                  one; --resume refuses a different target; damaged checkpoints are found;
+                  --auto-resume picks --resume, a new run, or nothing (the run finished)
     check_model   once the target's config is known (every rank, reads only): --resume refuses a
                   config that builds a different drafter than the checkpoint holds
     clean         rank 0: leftovers of killed saves and prunes, `latest` copied as a directory
@@ -16,6 +17,7 @@ run resumes from any working directory, and after the run directory was moved.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +66,7 @@ class RunStart:
     found: ckpt.Inspection
     recorded: dict | None = None  # --resume: the settings the run recorded (config.json), if readable
     notes: list[str] = field(default_factory=list)  # printed by rank 0 once the start is accepted
+    finished: bool = False  # --auto-resume found a finished run: this start trains nothing
 
     @property
     def resume_from(self) -> Path | None:
@@ -193,15 +196,57 @@ def _resume_notes(out: Path, found: ckpt.Inspection) -> list[str]:
             f"{found.resume_from.name}" for p, problem in newer]
 
 
-def prepare(cfg: RunConfig, resume: bool, overwrite: bool) -> RunStart:
-    """What this start may do with the run directory; RunDirError when it may not start at all."""
-    out = Path(cfg.output_dir)
+def _check_flags(out: Path, resume: bool, overwrite: bool, auto_resume: bool) -> None:
+    if auto_resume and (resume or overwrite):
+        flags = [flag for flag, on in (("--resume", resume), ("--overwrite", overwrite)) if on]
+        raise RunDirError(f"--auto-resume decides by itself whether to continue the run in {out}, so "
+                          f"{' and '.join(flags)} cannot go with it: give --auto-resume alone, or "
+                          f"{' or '.join(flags)} without it")
     if resume and overwrite:
         raise RunDirError(f"--resume continues the run in {out} and --overwrite replaces it: give one of them")
+
+
+def _finished(out: Path, found: ckpt.Inspection) -> bool:
+    """The run in out wrote its summary, and no later start continued it past the steps the summary has (a
+    finished run resumed for more steps, then stopped, is unfinished)."""
+    try:
+        steps = json.loads((out / "summary.json").read_text())["steps"]
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, KeyError, TypeError):  # there, but unreadable: nothing to compare
+        return True
+    return found.resume_step is None or not isinstance(steps, int) or found.resume_step <= steps
+
+
+def _auto_resume(out: Path, found: ckpt.Inspection, held: list[str]) -> tuple[str, str | None]:
+    """--auto-resume: "finished", "resume" or "new", and what to say about it."""
+    if _finished(out, found):
+        return "finished", (f"{out} holds a finished run (drafter: {out / 'drafter'}, figures: "
+                            f"{out / 'summary.json'}).\nTrain it again with --overwrite (make train "
+                            "TRAIN_ARGS=--overwrite) or in another --output-dir (RUN_DIR=...); --resume with a "
+                            "larger train.steps trains it further")
+    if held:
+        return "resume", f"{out} holds an unfinished run: continuing it (--resume)"
+    return "new", None
+
+
+def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = False,
+            say: Callable[[str], None] = lambda _: None) -> RunStart:
+    """What this start may do with the run directory; RunDirError when it may not start at all. say() hears
+    what --auto-resume chose, before a check of the chosen start can refuse it."""
+    out = Path(cfg.output_dir)
+    _check_flags(out, resume, overwrite, auto_resume)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"output_dir {out} is a file, not a directory: give another --output-dir")
     found = ckpt.inspect(out / CHECKPOINTS)
     held = _held(out, found)
+    if auto_resume:
+        action, chosen = _auto_resume(out, found, held)
+        if chosen:
+            say(chosen)
+        if action == "finished":
+            return RunStart(out, False, False, found, finished=True)
+        resume = action == "resume"
     if held and not resume and not overwrite:
         raise RunDirError(f"{out} already holds a run ({', '.join(held)}): continue it with --resume, start a new "
                           "run with another --output-dir, or replace this one with --overwrite")

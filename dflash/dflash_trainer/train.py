@@ -401,12 +401,20 @@ def anchor_generator(cfg: RunConfig, device, index: int) -> torch.Generator:
 
 # ---- entry points --------------------------------------------------------------------------------
 
-def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict | None:
+def _say_once(text: str) -> None:
+    """Before the process group exists: only global rank 0 (torchrun's RANK) prints."""
+    if os.environ.get("RANK", "0") == "0":
+        console.print(escape(text), soft_wrap=True)
+
+
+def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False, auto_resume: bool = False) -> dict | None:
     startup = Startup()
     startup.mark("start-up and imports")
     cfg.output_dir = str(Path(cfg.output_dir).absolute())
     check_inputs(cfg)  # before anything loads or starts
-    start = run_dir.prepare(cfg, resume, overwrite)
+    start = run_dir.prepare(cfg, resume, overwrite, auto_resume, say=_say_once)
+    if start.finished:  # --auto-resume: said so; nothing to train, nothing changed
+        return None
     p = cfg.parallel
     ctx = parallel.init(p.target_ranks, p.drafter_ranks, offline=bool(cfg.data.features_dir),
                         isolate_gpus=p.isolate_gpus)
@@ -479,6 +487,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", help="where checkpoints, logs and the drafter go (overrides output_dir)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
     p.add_argument("--overwrite", action="store_true", help="replace the run the output dir holds")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="continue the run in the output dir if it holds one that did not finish (--resume: from "
+                        "its last checkpoint); a finished run is reported (where its drafter and summary are, how "
+                        "to train again) and nothing changes, exit 0; otherwise a new run. Not with --resume or "
+                        "--overwrite")
     p.add_argument("--target-gpus", type=int, help="target ranks T (parallel.target_ranks)")
     p.add_argument("--drafter-gpus", type=int, help="drafter ranks D (parallel.drafter_ranks)")
     p.add_argument("--dump-features", metavar="DIR", help="offline mode: write target features to DIR and exit")
@@ -494,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             check_inputs(cfg)
             dump_features(cfg, Path(args.dump_features), args.dump_batches)
         else:
-            run(cfg, resume=args.resume, overwrite=args.overwrite)
+            run(cfg, resume=args.resume, overwrite=args.overwrite, auto_resume=args.auto_resume)
     except KeyboardInterrupt:
         console.print("[red]interrupted[/] (a second signal): the last checkpoint is intact; --resume continues")
         return 130
