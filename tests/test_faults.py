@@ -254,7 +254,7 @@ def test_no_usable_rows(tiny_target, tmp_path, capsys):
 ])
 def test_resume_refuses_a_config_that_changes_the_model(override, expected, run_copy, capsys):
     before = snapshot(run_copy)
-    code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(run_copy), "--set", override)
+    code, err = trainer(capsys, run_copy, "--resume", *_resume_further(run_copy), "--set", override)
     assert code == 2 and expected in err and "A resumed run must" in err, err
     assert "--overwrite" in err and "--output-dir" in err
     assert snapshot(run_copy) == before
@@ -265,6 +265,12 @@ def _resume_sets(out: Path) -> list[str]:
     stored = json.loads((out / "config.json").read_text())
     return sets({"target": stored["target"]["path"], "train": stored["data"]["train"][0],
                  "eval": stored["data"]["eval"][0]})
+
+
+def _resume_further(out: Path) -> list[str]:
+    """_resume_sets and two steps more than the finished run trained: a resume that has work to do (one
+    with nothing left is reported and changes nothing, before the checks that loading would make)."""
+    return [*_resume_sets(out), "--set", "train.steps=8"]
 
 
 def test_resume_refuses_another_target(run_copy, tmp_path, capsys):
@@ -294,10 +300,10 @@ def test_resume_with_a_damaged_run_config_says_so_and_writes_it_anew(recorded, e
     """config.json valid JSON but no object, or no JSON: the start goes on from the checkpoint, and says
     that it could not compare the settings (not an AttributeError from the comparison)."""
     (run_copy / "config.json").write_text(recorded)
-    code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(earlier_run))
+    code, err = trainer(capsys, run_copy, "--resume", *_resume_further(earlier_run))
     assert code == 0, err
     assert f"{run_copy / 'config.json'} is damaged (not a readable JSON object)" in err
-    assert json.loads((run_copy / "config.json").read_text())["train"]["steps"] == 6
+    assert json.loads((run_copy / "config.json").read_text())["train"]["steps"] == 8
 
 
 def truncate(path: Path) -> None:
@@ -362,7 +368,7 @@ def test_checkpoint_whose_bytes_do_not_load(run_copy, capsys):
     at = offset + 30 + name_len + extra_len + 2  # inside the pickle, after its protocol header
     data[at : at + 32] = b"\xff" * 32
     state.write_bytes(bytes(data))
-    code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(run_copy))
+    code, err = trainer(capsys, run_copy, "--resume", *_resume_further(run_copy))
     assert code == 1 and f"checkpoint {run_copy / STEP6} cannot be loaded" in err, err
     assert f"mv {run_copy / STEP6} {run_copy / 'checkpoints' / 'damaged-step-00000006'}" in err
 
@@ -457,6 +463,25 @@ def test_auto_resume_reports_a_finished_run_and_changes_nothing(run_copy, capsys
     code, err = trainer(capsys, run_copy, "--auto-resume", *_resume_sets(run_copy), "--set", "train.steps=8")
     assert code == 0 and "holds a finished run" in err, err
     assert snapshot(run_copy) == before
+
+
+def test_resume_of_a_finished_run_with_nothing_left_keeps_its_figures(run_copy, capsys):
+    """What every `make train INVENTORY=...` after the end does (the supervisor always resumes): it used to
+    publish the drafter again and write a summary with no losses, first/final loss or tokens/s."""
+    before = snapshot(run_copy)
+    summary = json.loads((run_copy / "summary.json").read_text())
+    code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(run_copy))
+    assert code == 0, err
+    assert (f"{run_copy} holds a finished run (its last checkpoint is step 6, train.steps is 6; drafter: "
+            f"{run_copy / 'drafter'}") in err, err
+    assert "nothing changed" in err and "larger train.steps" in err and "--overwrite" in err
+    assert snapshot(run_copy) == before
+    assert json.loads((run_copy / "summary.json").read_text()) == summary and len(summary["losses"]) == 6
+    # without its drafter (removed by hand) the resume publishes it again from the last checkpoint
+    shutil.rmtree(run_copy / "drafter")
+    code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(run_copy))
+    assert code == 0 and "holds a finished run" not in err, err
+    assert (run_copy / "drafter" / "model.safetensors").is_file()
 
 
 def test_auto_resume_continues_an_unfinished_run_where_it_stopped(earlier_run, run_copy, capsys):

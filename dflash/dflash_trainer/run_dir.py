@@ -3,7 +3,8 @@ run takes it over.
 
     prepare       before anything loads (every rank, reads only): a new run never lands on an earlier
                   one; --resume refuses a different target; damaged checkpoints are found;
-                  --auto-resume picks --resume, a new run, or nothing (the run finished)
+                  --auto-resume picks --resume, a new run, or nothing (the run finished); --resume
+                  of a finished run with nothing left to train changes nothing
     check_model   once the target's config is known (every rank, reads only): --resume refuses a
                   config that builds a different drafter than the checkpoint holds
     clean         rank 0: leftovers of killed saves and prunes, `latest` copied as a directory
@@ -66,7 +67,7 @@ class RunStart:
     found: ckpt.Inspection
     recorded: dict | None = None  # --resume: the settings the run recorded (config.json), if readable
     notes: list[str] = field(default_factory=list)  # printed by rank 0 once the start is accepted
-    finished: bool = False  # --auto-resume found a finished run: this start trains nothing
+    finished: bool = False  # --auto-resume or --resume found a finished run: this start trains nothing
 
     @property
     def resume_from(self) -> Path | None:
@@ -261,6 +262,14 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = F
         if recorded is not None and (problems := _kept_settings(cfg, recorded, out)):
             raise RunDirError(f"--resume: this config changes what the run in {out} trains:\n  - "
                               + "\n  - ".join(problems) + f"\nA resumed run must keep these: {_AGAIN}")
+        if _finished(out, found) and (out / "drafter").exists() and (found.resume_step or 0) >= cfg.train.steps:
+            # Nothing left to train: going on would only publish the drafter again and write a summary without
+            # the run's figures (the supervisor resumes every start of a container run, finished or not).
+            say(f"{out} holds a finished run (its last checkpoint is step {found.resume_step}, train.steps is "
+                f"{cfg.train.steps}; drafter: {out / 'drafter'}, figures: {out / 'summary.json'}): nothing to "
+                "continue, nothing changed.\nTrain it further with --resume and a larger train.steps, or again "
+                "with --overwrite")
+            return RunStart(out, False, False, found, finished=True)
     return start
 
 

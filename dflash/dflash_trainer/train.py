@@ -413,7 +413,7 @@ def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False, auto_resu
     cfg.output_dir = str(Path(cfg.output_dir).absolute())
     check_inputs(cfg)  # before anything loads or starts
     start = run_dir.prepare(cfg, resume, overwrite, auto_resume, say=_say_once)
-    if start.finished:  # --auto-resume: said so; nothing to train, nothing changed
+    if start.finished:  # --auto-resume / --resume of a finished run: said so; nothing to train or change
         return None
     p = cfg.parallel
     ctx = parallel.init(p.target_ranks, p.drafter_ranks, offline=bool(cfg.data.features_dir),
