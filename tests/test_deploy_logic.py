@@ -346,6 +346,43 @@ def test_detached_supervisor_stops_after_the_checkpoint_in_progress(tmp_path):
     assert "checkpoint:  step 2" in status.format_report(rep)
 
 
+TERM_THEN_SAVE = textwrap.dedent("""\
+    import pathlib, signal, sys, time
+    run = pathlib.Path.cwd()
+    def term(*_):  # the graceful stop: the final checkpoint takes a while
+        with open(run / "terms", "a") as f:
+            f.write("TERM\\n")
+        time.sleep(4)
+        (run / "saved").write_text("step 7")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, term)
+    print("training", flush=True)
+    time.sleep(120)
+    """)
+
+
+def test_torchrun_job_stops_after_its_workers_final_save(tmp_path):
+    """Under torchrun the stop signals the workers, not torchrun: torchrun would forward the signal and
+    SIGKILL its workers after its shutdown timeout (30 s, hard-coded before torch 2.12; 1 s here), before
+    a long final checkpoint is written, and each worker would see the signal twice."""
+    run = tmp_path / "run"
+    launch(run, TERM_THEN_SAVE)
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    spec = json.loads((run / supervise.LAUNCH).read_text())
+    spec["argv"] = [torchrun, "--standalone", "--nproc-per-node", "2", str(run / "child.py")]
+    (run / supervise.LAUNCH).write_text(json.dumps(spec))
+    env = dict(os.environ, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1")
+    assert subprocess.run([*CLI, "start", "--run-dir", str(run)], env=env, timeout=30, check=False).returncode == 0
+    assert wait_for(lambda: (run / supervise.LOG).read_text().count("training") == 2, timeout=60)
+    stop = subprocess.run([*CLI, "stop", "--run-dir", str(run), "--timeout", "60"], env=env, capture_output=True,
+                          text=True, timeout=90, check=False)
+    assert stop.returncode == 0, stop.stderr
+    assert (run / "saved").read_text() == "step 7"
+    assert (run / "terms").read_text() == "TERM\n" * 2  # once per worker
+    assert "stopped (trainer exit 0)" in (run / supervise.LOG).read_text()
+    assert status.report(run, None)["pids"] == []
+
+
 def test_a_killed_save_does_not_hold_up_the_stop(tmp_path):
     """A .tmp-step-* older than the trainer (a save that was SIGKILLed) is not a checkpoint in progress."""
     run = tmp_path / "run"

@@ -78,3 +78,33 @@ def started_at(pid: int) -> float | None:
         return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5): starttime
     except (OSError, IndexError, ValueError, StopIteration):
         return None
+
+
+def argv_of(pid: int, proc_root: str | os.PathLike = "/proc") -> list[str] | None:
+    try:
+        return [a.decode(errors="replace") for a in (Path(proc_root) / str(pid) / "cmdline").read_bytes().split(b"\0")
+                if a]
+    except OSError:
+        return None
+
+
+def children(pid: int, proc_root: str | os.PathLike = "/proc") -> list[int]:
+    """pid's direct children (the parent pid is field 4 of /proc/<n>/stat)."""
+    found = []
+    for entry in Path(proc_root).iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    return sorted(found)
+
+
+def torchrun_workers(pid: int, proc_root: str | os.PathLike = "/proc") -> list[int]:
+    """The worker processes when pid is torchrun (its console script or python -m torch.distributed.run);
+    [] when it is not, or has started none yet."""
+    argv = argv_of(pid, proc_root) or []
+    launcher = any(Path(a).name == "torchrun" for a in argv[:2]) or "torch.distributed.run" in argv[:3]
+    return children(pid, proc_root) if launcher else []

@@ -9,8 +9,9 @@ its log file.
 
 Graceful stop: SIGTERM to the supervisor waits until no checkpoint is being written (the trainer's
 checkpoints appear atomically from a .tmp-step-* directory), then sends SIGTERM to the trainer's
-process group. Even if a save starts in that instant, the previous checkpoint stays whole. A .tmp-step-*
-older than the trainer is what a killed save left behind: nobody writes it, so the stop does not wait for it.
+process group (to torchrun's workers under torchrun, see graceful_kill). Even if a save starts in that
+instant, the previous checkpoint stays whole. A .tmp-step-* older than the trainer is what a killed save left
+behind: nobody writes it, so the stop does not wait for it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 from .jobs import JOBS, REGENERATE, TRAIN, Job
-from .procs import alive, job_processes, of_run, started_at
+from .procs import alive, job_processes, of_run, started_at, torchrun_workers
 
 LAUNCH = "launch.json"  # written by `make deploy`: the job, its argv and the restart policy
 STATE = "supervisor.json"
@@ -141,9 +142,24 @@ def _group_alive(pgid: int) -> bool:
 
 
 def graceful_kill(pgid: int, run_dir: Path, timeout_s: float, since: float = 0.0) -> None:
-    """Let a checkpoint in progress finish, then SIGTERM the group; SIGKILL after timeout_s."""
-    _stop_gracefully(lambda sig: os.killpg(pgid, sig), lambda: _group_alive(pgid), run_dir, timeout_s, since,
-                     force=True)
+    """Let a checkpoint in progress finish, then SIGTERM the job; SIGKILL the group after timeout_s.
+
+    Under torchrun the SIGTERM goes to its workers, not to torchrun: torchrun forwards a SIGTERM it gets and
+    SIGKILLs its workers 30 s later (hard-coded before torch 2.12), which cuts short the checkpoint a
+    large drafter writes when it stops; it also made each worker see the signal twice. torchrun exits by
+    itself once its workers have. A job that is not torchrun (or torchrun before its workers start) gets it
+    as a group, as before."""
+    def send(sig: signal.Signals) -> None:
+        workers = torchrun_workers(pgid) if sig == signal.SIGTERM else []
+        if not workers:
+            os.killpg(pgid, sig)
+        for pid in workers:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    _stop_gracefully(send, lambda: _group_alive(pgid), run_dir, timeout_s, since, force=True)
 
 
 class Supervisor:
@@ -181,7 +197,7 @@ class Supervisor:
         env = dict(os.environ, **self.launch.get("env", {}), PYTHONUNBUFFERED="1")
         self.note("start: " + " ".join(argv))
         self.child_started = time.time()
-        # Own process group: the graceful stop signals torchrun and all its workers together.
+        # Own process group: the graceful stop finds torchrun's workers in it, and a forced one kills them all.
         self.child = subprocess.Popen(argv, cwd=self.run_dir, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1,
                                       errors="replace")
