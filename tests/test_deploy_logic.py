@@ -425,6 +425,29 @@ def test_foreground_trainer_is_found_and_stopped(tmp_path):
         child.kill()
 
 
+def test_foreground_torchrun_job_is_stopped_through_its_workers(tmp_path):
+    """A local torchrun launch: train-stop signals the workers (each once), torchrun exits by itself after
+    their final save, which outlasts torchrun's own shutdown timeout (1 s here)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(TERM_THEN_SAVE.replace("run = pathlib.Path.cwd()",
+                                             "run = pathlib.Path(sys.argv[sys.argv.index('--output-dir') + 1])"))
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    child = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", str(script), "-m",
+                              "dflash_trainer.train", "--output-dir", str(run)], start_new_session=True,
+                             env=dict(os.environ, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1"))
+    try:
+        assert wait_for(lambda: len(procs.of_run(run, procs.job_processes())) == 3, timeout=60)  # torchrun + 2
+        assert wait_for(lambda: len(procs.torchrun_workers(child.pid)) == 2, timeout=30)
+        assert supervise.stop(run, None, timeout_s=60) == 0
+        assert child.wait(timeout=30) == 0
+        assert (run / "saved").read_text() == "step 7" and (run / "terms").read_text() == "TERM\n" * 2
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+
+
 def test_local_make_targets_without_inventory(tmp_path):
     """No INVENTORY: train-status / train-logs / train-stop act on this machine's run ($(RUN_DIR))."""
     run = tmp_path / "run"

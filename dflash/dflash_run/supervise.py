@@ -335,6 +335,9 @@ def stop(run_dir: Path, unit: str | None, timeout_s: float, job: Job = TRAIN) ->
     if not found:
         print(f"nothing to stop: no {job.what} process writes to {run_dir}")
         return 0
+    # torchrun's workers carry the flag too: signal them, not torchrun (which would kill them 30 s later, see
+    # graceful_kill); it exits once they have.
+    found = [p for p in found if not torchrun_workers(p.pid)]
     for p in found:  # `make train` in the foreground (local): the same graceful rule
         _term_one(p.pid, run_dir, timeout_s)
     print(f"stopped {len(found)} {job.what} process(es) of {run_dir}")
