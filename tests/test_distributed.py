@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from dflash_run.procs import torchrun_workers
 from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.config import load_config
 from dflash_trainer.model import DFlashDrafter
@@ -188,7 +189,8 @@ def test_a_stopped_run_with_target_ranks_resumes_where_it_stopped(tiny_target, t
     deadline = time.monotonic() + 300
     while not ckpt.list_checkpoints(out / "checkpoints") and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGTERM)  # torchrun forwards it too: every worker sees it once or twice
+    for pid in torchrun_workers(proc.pid):  # as dflash-run's stop: the workers, not torchrun
+        os.kill(pid, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     kept = ckpt.list_checkpoints(out / "checkpoints")
     at, latest = kept[-1] if kept else (None, None)
