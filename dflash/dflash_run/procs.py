@@ -38,10 +38,12 @@ def job_processes(proc_root: str | os.PathLike = "/proc", exclude: set[int] | No
     for entry in Path(proc_root).iterdir():
         if not entry.name.isdigit() or int(entry.name) in exclude:
             continue
+        argv = argv_of(int(entry.name), proc_root)
         try:
-            argv = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
             cwd = os.readlink(entry / "cwd") if (entry / "cwd").exists() else "/"
         except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if argv is None:
             continue
         job = job_of(argv)
         if job is not None:
@@ -81,6 +83,7 @@ def started_at(pid: int) -> float | None:
 
 
 def argv_of(pid: int, proc_root: str | os.PathLike = "/proc") -> list[str] | None:
+    """pid's command line; None when it is gone or not ours to read."""
     try:
         return [a.decode(errors="replace") for a in (Path(proc_root) / str(pid) / "cmdline").read_bytes().split(b"\0")
                 if a]

@@ -219,13 +219,17 @@ def _finished(out: Path, found: ckpt.Inspection) -> bool:
     return found.resume_step is None or not isinstance(steps, int) or found.resume_step <= steps
 
 
+def _finished_note(out: Path, detail: str = "") -> str:
+    """What a start that finds a finished run (and changes nothing) says."""
+    return (f"{out} holds a finished run ({detail}drafter: {out / 'drafter'}, figures: {out / 'summary.json'}): "
+            "nothing to continue, nothing changed.\nTrain it further with --resume and a larger train.steps, "
+            "again with --overwrite (make train TRAIN_ARGS=--overwrite), or in another --output-dir (RUN_DIR=...)")
+
+
 def _auto_resume(out: Path, found: ckpt.Inspection, held: list[str]) -> tuple[str, str | None]:
     """--auto-resume: "finished", "resume" or "new", and what to say about it."""
     if _finished(out, found):
-        return "finished", (f"{out} holds a finished run (drafter: {out / 'drafter'}, figures: "
-                            f"{out / 'summary.json'}).\nTrain it again with --overwrite (make train "
-                            "TRAIN_ARGS=--overwrite) or in another --output-dir (RUN_DIR=...); --resume with a "
-                            "larger train.steps trains it further")
+        return "finished", _finished_note(out)
     if held:
         return "resume", f"{out} holds an unfinished run: continuing it (--resume)"
     return "new", None
@@ -265,10 +269,8 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = F
         if _finished(out, found) and (out / "drafter").exists() and (found.resume_step or 0) >= cfg.train.steps:
             # Nothing left to train: going on would only publish the drafter again and write a summary without
             # the run's figures (the supervisor resumes every start of a container run, finished or not).
-            say(f"{out} holds a finished run (its last checkpoint is step {found.resume_step}, train.steps is "
-                f"{cfg.train.steps}; drafter: {out / 'drafter'}, figures: {out / 'summary.json'}): nothing to "
-                "continue, nothing changed.\nTrain it further with --resume and a larger train.steps, or again "
-                "with --overwrite")
+            say(_finished_note(out, f"its last checkpoint is step {found.resume_step}, train.steps is "
+                                    f"{cfg.train.steps}; "))
             return RunStart(out, False, False, found, finished=True)
     return start
 
