@@ -10,6 +10,10 @@ bytes it moves. On GPUs each tensor's update is one compiled kernel (`ONE_PASS_U
 the bf16 gradient, the fp32 master and both moments once and writes the moments, the master and
 the bf16 parameter -- 28 bytes per parameter, against 40 for a cast into fp32 gradient buffers,
 torch's fused AdamW and a copy back (which also needs 4 bytes per parameter of buffers).
+`moments_dtype=torch.bfloat16` (train.moments_dtype) stores both moments in bf16 -- 20 bytes per
+parameter and half their memory -- with the arithmetic still in fp32 and the fp32 masters as they
+are (DeepSeek-V3 trains this way). Only the one-pass update can: torch's AdamW keeps its moments
+in the masters' dtype.
 """
 
 from __future__ import annotations
@@ -24,17 +28,27 @@ def adamw_one_pass_(param, grad, master, exp_avg, exp_avg_sq, step, lr, coef,
     """torch.optim.AdamW's update of one tensor, fed the low-precision gradient times `coef`, writing
     the fp32 master and the low-precision parameter. `step` is the step count after this step and
     `lr`, `coef` are 0-d tensors, so one compiled graph serves every step and every tensor.
+    The moments may be stored in bf16: they are read into fp32, updated and used there, and
+    written back rounded, so only their storage differs. fp32 moments are updated in place, the
+    graph as before (Inductor lowers an in-place addcmul_ to an FMA, an out-of-place one not).
     """
     g = grad.float() * coef
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    m, v = exp_avg.float(), exp_avg_sq.float()  # fp32 moments: the state tensors themselves
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     bias1 = 1 - torch.pow(beta1, step)
     bias2_sqrt = torch.sqrt(1 - torch.pow(beta2, step))
-    denom = exp_avg_sq.sqrt() / bias2_sqrt + eps
-    updated = master * (1 - lr * weight_decay) - (lr / bias1) * exp_avg / denom
+    denom = v.sqrt() / bias2_sqrt + eps
+    updated = master * (1 - lr * weight_decay) - (lr / bias1) * m / denom
+    if exp_avg.dtype != torch.float32:  # fixed per graph: bf16 storage gets the fp32 results, rounded
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
     master.copy_(updated)
     param.copy_(updated)
 
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state tensors that moments_dtype stores
+MOMENTS_DTYPES = (torch.float32, torch.bfloat16)
 
 # One compiled object per process over flattened tensors (dynamic sizes: one graph for all of them),
 # compiled in the serialized compile step (MasterWeightAdamW.precompile) like the drafter's graphs.
@@ -51,6 +65,7 @@ class MasterWeightAdamW:
         eps: float = 1e-8,
         max_grad_norm: float = 1.0,
         one_pass: bool | None = None,
+        moments_dtype: torch.dtype = torch.float32,
     ):
         self.params = [p for p in params if p.requires_grad]
         self.master = [
@@ -66,9 +81,17 @@ class MasterWeightAdamW:
         eligible = bool(self.params) and not _is_dtensor(self.params[0]) and all(
             m is not p and p.is_contiguous() and p.dtype == self.params[0].dtype
             for p, m in zip(self.params, self.master))
+        if moments_dtype not in MOMENTS_DTYPES:
+            raise ValueError(f"moments_dtype {moments_dtype}: use one of {', '.join(map(str, MOMENTS_DTYPES))}")
+        self.moments_dtype = moments_dtype
+        low_moments = moments_dtype != torch.float32  # only the one-pass update keeps them so
+        if low_moments and (one_pass is False or not eligible):
+            raise ValueError(f"moments_dtype {moments_dtype} needs the one-pass update (contiguous, non-sharded "
+                             "low-precision parameters of one dtype): torch's AdamW keeps the moments in the "
+                             "masters' fp32")
         if one_pass and not eligible:
             raise ValueError("one_pass needs contiguous, non-sharded low-precision parameters of one dtype")
-        self.one_pass = eligible and (self.fused if one_pass is None else one_pass)
+        self.one_pass = low_moments or (eligible and (self.fused if one_pass is None else one_pass))
         self._lr = torch.zeros((), device=self.master[0].device) if self.one_pass else None
         self._kernel = ONE_PASS_UPDATE if self.fused else adamw_one_pass_  # CPUs: the same update, eagerly
         self._compiled = False
@@ -84,8 +107,8 @@ class MasterWeightAdamW:
         # call, and on a few thousand elements the choice is noise (the update took 7.3 ms in one H200
         # run and 10.9 ms in another with the same code, compiled on 4,096 elements).
         size = max(p.numel() for p in self.params)
-        scratch = [torch.zeros(size, device=device, dtype=dt) for dt in (low, low, torch.float32, torch.float32,
-                                                                          torch.float32)]
+        scratch = [torch.zeros(size, device=device, dtype=dt)
+                   for dt in (low, low, torch.float32, self.moments_dtype, self.moments_dtype)]
         step, coef = torch.ones((), device=device), torch.ones((), device=device)  # distinct: aliasing is guarded
         with torch.no_grad():
             self._update(*scratch, step, self._lr, coef)
@@ -148,12 +171,13 @@ class MasterWeightAdamW:
         return norm
 
     def _state(self, master: torch.Tensor) -> dict:
-        """torch.optim.AdamW's per-tensor state, created as its fused path does (checkpoints load either way)."""
+        """torch.optim.AdamW's per-tensor state, created as its fused path does (checkpoints load either way),
+        the moments in moments_dtype."""
         state = self.opt.state[master]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
-            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            for key in MOMENTS:
+                state[key] = torch.zeros_like(master, dtype=self.moments_dtype, memory_format=torch.preserve_format)
         return state
 
     def _update(self, param, grad, master, exp_avg, exp_avg_sq, step, lr, coef) -> None:
@@ -180,6 +204,12 @@ class MasterWeightAdamW:
                 if m is not p:
                     p.copy_(m)
         self.opt.load_state_dict(state["adamw"])
+        # torch casts every floating state tensor to its parameter's dtype (the fp32 master): the moments go
+        # back to the dtype this optimizer keeps, whichever one the checkpoint was written with.
+        for saved in self.opt.state.values():
+            for key in MOMENTS:
+                if key in saved:
+                    saved[key] = saved[key].to(self.moments_dtype)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
