@@ -6,19 +6,26 @@ import pytest
 from dflash_trainer import bench
 
 
-@pytest.mark.parametrize("extra", [[], ["--grad-accum", "2", "--with-target"]], ids=["drafter", "accum+target"])
+@pytest.mark.parametrize("extra", [[], ["--grad-accum", "2", "--with-target"], ["--moments-dtype", "bfloat16"]],
+                         ids=["drafter", "accum+target", "bf16-moments"])
 def test_tiny_bench_reports_a_consistent_result(tmp_path, extra):
     out = tmp_path / "bench.json"
     assert bench.main(["--preset", "tiny", "--seq", "128", "--anchors", "8", "--steps", "2", "--untimed-steps", "1",
                        "--json", str(out), *extra]) == 0
     r = json.loads(out.read_text())
-    accum = 2 if extra else 1
+    accum = 2 if "--grad-accum" in extra else 1
+    # the A/B's two arms: the moments as the optimizer held them after the steps, and their bytes (plus the
+    # 4-byte step counters, one per tensor)
+    bf16 = "--moments-dtype" in extra
+    assert r["moments_dtype"] == ["bfloat16" if bf16 else "float32"]
+    assert r["optimizer_state_gib"] * 2**30 == pytest.approx(2 * (2 if bf16 else 4) * r["drafter_params_m"] * 1e6,
+                                                             rel=1e-3)
     assert r["grad_accum"] == accum and r["compiled_layers"] is False and r["device"] == "cpu"
     assert r["drafter_step_ms"] > 0 and r["drafter_step_ms_min"] <= r["drafter_step_ms"]
     # tokens/s counts every micro-batch of the step; the FLOPs are those of all of them
     assert r["context_tokens_per_s_drafter"] == pytest.approx(accum * 128 / (r["drafter_step_ms"] / 1e3))
     assert r["achieved_tflops"] == pytest.approx(r["model_tflop_per_step"] / (r["drafter_step_ms"] / 1e3))
-    assert (r["target_ms"] is not None) == bool(extra) and r["mfu"] is None  # no GPU peak on a CPU
+    assert (r["target_ms"] is not None) == ("--with-target" in extra) and r["mfu"] is None  # no GPU peak here
 
 
 def test_real_presets_need_a_gpu(capsys, monkeypatch):

@@ -131,6 +131,59 @@ def test_config_errors_are_clear(tiny_target, tmp_path, capsys):
     assert "ascending" in capsys.readouterr().err
 
 
+def test_bf16_moments_need_the_one_pass_update(tiny_target, tmp_path, capsys):
+    """train.moments_dtype = bfloat16 where torch's AdamW would step (fp32 parameters, FSDP across ranks)
+    is refused when the config loads, with the fix, before the run directory exists."""
+    with pytest.raises(ConfigError, match='train.moments_dtype = "float16": must be one of float32, bfloat16'):
+        load_config("embedded", ["train.moments_dtype=float16"])
+    with pytest.raises(ConfigError, match="needs low-precision parameters, and train.dtype is float32.*set "
+                                          "train.dtype = bfloat16, or train.moments_dtype = float32"):
+        load_config("embedded", ["train.moments_dtype=bfloat16"])  # the embedded default trains in fp32
+    with pytest.raises(ConfigError, match="cannot go with parallel.drafter_sharding = fsdp.*use drafter_sharding = "
+                                          "ddp, or train.moments_dtype = float32"):
+        load_config("embedded", ["train.moments_dtype=bfloat16", "train.dtype=bfloat16",
+                                 "parallel.drafter_sharding=fsdp", "parallel.drafter_ranks=2"])
+    # one drafter rank under fsdp is replicated (nothing to shard): the one-pass update steps it
+    assert load_config("embedded", ["train.moments_dtype=bfloat16", "train.dtype=bfloat16",
+                                    "parallel.drafter_sharding=fsdp"]).train.moments_dtype == "bfloat16"
+    out = tmp_path / "refused"
+    assert main(["--config", "embedded", "--output-dir", str(out), "--set", "train.moments_dtype=bfloat16"]) == 2
+    assert "train.moments_dtype = bfloat16 needs low-precision parameters" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def _checkpoint_moments(step_dir) -> set:
+    adamw = ckpt.load_train_state(step_dir)["optimizer"]["adamw"]["state"]
+    return {str(s[k].dtype) for s in adamw.values() for k in ("exp_avg", "exp_avg_sq")}
+
+
+def test_bf16_moments_train_checkpoint_and_resume(tiny_target, tmp_path, capsys):
+    """A bf16 run with bf16 moments: its checkpoints hold them in bf16, a resume continues with the same
+    losses (the loaded moments are cast back to bf16), and a resume with fp32 moments continues in fp32 and
+    lists the change."""
+    bf16 = ["target.dtype=bfloat16", "train.dtype=bfloat16", "train.moments_dtype=bfloat16"]
+    out = tmp_path / "run"
+    summary = run(tiny_config(tiny_target, out, *bf16))
+    assert len(summary["losses"]) == 6 and summary["final_loss"] < summary["first_loss"]
+    assert _checkpoint_moments(out / "checkpoints" / "step-00000003") == {"torch.bfloat16"}
+
+    for name, moments in (("same", "bfloat16"), ("widened", "float32")):
+        resumed = tmp_path / name
+        shutil.copytree(out / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
+        (resumed / "config.json").write_text((out / "config.json").read_text())
+        capsys.readouterr()
+        again = run(tiny_config(tiny_target, resumed, *bf16[:2], f"train.moments_dtype={moments}"),
+                    resume=True)
+        said = capsys.readouterr().err
+        assert _checkpoint_moments(resumed / "checkpoints" / "step-00000006") == {f"torch.{moments}"}
+        if moments == "bfloat16":
+            assert again["losses"] == summary["losses"][3:]  # bit-identical on CPU, as with fp32 moments
+            assert "train.moments_dtype" not in said
+        else:
+            assert len(again["losses"]) == 3
+            assert "--resume with changed settings: " in said and "train.moments_dtype: bfloat16 -> float32" in said
+
+
 @pytest.mark.slow  # two trainer processes
 def test_sigterm_finishes_the_step_writes_a_checkpoint_and_resume_continues(tiny_target, tmp_path):
     """What `make train-stop` / `systemctl stop` do: SIGTERM -> checkpoint at the current step -> exit 0."""

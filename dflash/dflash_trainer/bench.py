@@ -27,7 +27,7 @@ from .compile_step import compile_drafter_step
 from .flops import peak_flops
 from .mask import dflash_block_mask
 from .model import DFlashDrafter, DrafterShape, drafter_config
-from .optim import MasterWeightAdamW
+from .optim import MOMENTS, MasterWeightAdamW
 from .sources import FeatureBatch, Wait
 from .step import DrafterStep, StepClock, phase
 
@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--untimed-steps", type=int, default=2, help="steps run after the compile step, before timing")
     p.add_argument("--chunk-rows", type=int, default=2048)
+    p.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="AdamW's moments (train.moments_dtype): the bf16-moment A/B")
     p.add_argument("--with-target", action="store_true", help="features from a random-weight target")
     p.add_argument("--target-sdpa", choices=["default", "cudnn", "flash"], default="default",
                    help="SDPA kernels the target's forward prefers (--with-target)")
@@ -119,7 +121,8 @@ def main(argv=None) -> int:
         print(f"error: --preset {args.preset} needs a CUDA GPU; use --preset tiny for a CPU smoke run",
               file=sys.stderr)
         return 2
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # bf16 moments need bf16 parameters (the one-pass update): a CPU smoke run of them uses bf16 too
+    dtype = torch.bfloat16 if device.type == "cuda" or args.moments_dtype != "float32" else torch.float32
     preset = PRESETS[args.preset]
     tcfg = Qwen3Config(**preset["target"], tie_word_embeddings=False)
     dcfg = drafter_config(tcfg, DrafterShape(**preset["drafter"]))
@@ -139,7 +142,7 @@ def main(argv=None) -> int:
         head = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
     with torch.device(device):
         drafter = DFlashDrafter(dcfg).to(dtype)
-    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4)
+    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4, moments_dtype=getattr(torch, args.moments_dtype))
     b, S, N, B, A = args.micro_batch, args.seq, args.anchors, dcfg.block_size, args.grad_accum
     attention = "flex" if device.type == "cuda" else "sdpa"
     compiled_layers = attention == "flex" and not args.no_compile_layers
@@ -195,6 +198,11 @@ def main(argv=None) -> int:
         "preset": args.preset, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "micro_batch": b, "grad_accum": A, "seq": S, "anchors": N, "block": B,
         "compiled_layers": compiled_layers,
+        # as the optimizer holds them after the steps, not as asked
+        "moments_dtype": sorted({str(s[k].dtype).removeprefix("torch.") for s in opt.opt.state.values()
+                                 for k in MOMENTS}),
+        "optimizer_state_gib": sum(t.numel() * t.element_size() for s in opt.opt.state.values()
+                                   for t in s.values()) / 2**30,
         "drafter_params_m": drafter.num_params() / 1e6,
         "compile_s": compile_s,
         "compile_cache_hits": report.cache_hits if report else None,

@@ -102,6 +102,9 @@ class TrainConfig:
     max_grad_norm: Annotated[float, POSITIVE] = 1.0
     seed: Annotated[int, NOT_NEGATIVE] = 0
     dtype: Annotated[str, DTYPE] = "bfloat16"  # drafter parameters; the optimizer keeps fp32 masters
+    # AdamW's two moments; bfloat16 halves their memory and the update's moment traffic (fp32 math and
+    # masters still); needs low-precision parameters and no FSDP sharding (README "The trainer")
+    moments_dtype: Annotated[str, Rule(choices=("float32", "bfloat16"))] = "float32"
     attention: Annotated[str, Rule(choices=("auto", "flex", "sdpa"))] = "auto"  # auto: flex on CUDA, sdpa on CPU
     loss_chunk_rows: Annotated[int, AT_LEAST_1] = 2048
     compile_layers: bool = True  # flex backend: compile each drafter layer whole (fused norms/RoPE/SwiGLU)
@@ -354,6 +357,16 @@ def semantic_problems(c: RunConfig) -> list[str]:
                         "published rule")
     if c.target.path != "embedded" and not c.data.train and not c.data.features_dir:
         problems.append("data.train is empty: list JSONL files (or a hub dataset name)")
+    if c.train.moments_dtype != "float32":
+        # Only the one-pass update stores moments apart from the fp32 masters (optim.py).
+        if c.train.dtype == "float32":
+            problems.append(f"train.moments_dtype = {c.train.moments_dtype} needs low-precision parameters, and "
+                            "train.dtype is float32 (the parameters are their own fp32 masters, stepped by "
+                            "torch's AdamW): set train.dtype = bfloat16, or train.moments_dtype = float32")
+        if c.parallel.drafter_sharding == "fsdp" and c.parallel.drafter_ranks > 1:
+            problems.append(f"train.moments_dtype = {c.train.moments_dtype} cannot go with "
+                            "parallel.drafter_sharding = fsdp (torch's AdamW steps the sharded masters and keeps "
+                            "the moments in fp32): use drafter_sharding = ddp, or train.moments_dtype = float32")
     return problems
 
 

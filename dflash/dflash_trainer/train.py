@@ -168,7 +168,7 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
             source, wait_kind, samples = remote_source(receiver, DTYPES[train.dtype]), "transfer", None
 
     optimizer = MasterWeightAdamW(drafter.parameters(), lr=train.lr, weight_decay=train.weight_decay,
-                                  max_grad_norm=train.max_grad_norm)
+                                  max_grad_norm=train.max_grad_norm, moments_dtype=DTYPES[train.moments_dtype])
     scheduler = warmup_cosine(optimizer.opt, train.steps, int(train.warmup_ratio * train.steps), train.min_lr_ratio)
     startup.mark("optimizer")
     backend = attention_backend(cfg, device)
