@@ -14,7 +14,7 @@ def test_flex_equals_dense_reference_forward_and_backward_on_gpu():
     from dflash_trainer.anchors import build_blocks, sample_anchors
     from dflash_trainer.compile_guard import leave_run_phase
     from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
-    from dflash_trainer.objective import COMPILED_LAYER, block_attention
+    from dflash_trainer.objective import COMPILED_FUSE, COMPILED_LAYER, COMPILED_NORM, block_attention
     from transformers import Qwen3Config
 
     torch.manual_seed(0)
@@ -33,17 +33,22 @@ def test_flex_equals_dense_reference_forward_and_backward_on_gpu():
     grads = []
     outs = []
     leave_run_phase()
-    # sdpa reference, compiled flex under eager layers, whole layers compiled (flex inlined)
-    for backend, layer_fn in (("sdpa", None), ("flex", None), ("flex", COMPILED_LAYER)):
+    # sdpa reference, compiled flex under eager layers, whole layers compiled (flex inlined), and with
+    # them the compiled norms outside the layers (what training runs)
+    variants = (("sdpa", {}), ("flex", {}), ("flex", {"layer_fn": COMPILED_LAYER}),
+                ("flex", {"layer_fn": COMPILED_LAYER, "fuse_fn": COMPILED_FUSE, "norm_fn": COMPILED_NORM}))
+    for backend, compiled in variants:
         model.zero_grad()
         attn = block_attention(backend, blocks, S, 16, model.config)
-        out = model(feats, x, pos, attn, layer_fn)
+        out = model(feats, x, pos, attn, **compiled)
         (out.float().square() * blocks.weights.unsqueeze(-1)).sum().backward()
         outs.append(out.detach())
-        grads.append(model.layers[0].self_attn.q_proj.weight.grad.clone())
+        grads.append([p.grad.clone() for p in (model.layers[0].self_attn.q_proj.weight, model.fc.weight,
+                                               model.hidden_norm.weight, model.norm.weight)])
     for out, grad in zip(outs[1:], grads[1:]):
         torch.testing.assert_close(out, outs[0], rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(grad, grads[0], rtol=2e-2, atol=2e-3)
+        for g, ref in zip(grad, grads[0]):
+            torch.testing.assert_close(g, ref, rtol=2e-2, atol=2e-3)
 
 
 def test_compiled_loss_kernel_equals_the_reference_on_gpu():

@@ -183,13 +183,16 @@ class DFlashDrafter(nn.Module):
         attention: AttentionFn,
         layer_fn: Callable | None = None,  # (layer, x, context, cos, sin, attention) -> x, e.g. compiled
         context: torch.Tensor | None = None,  # fuse(features), when the caller keeps it (decoding)
+        fuse_fn: Callable | None = None,  # (fc, hidden_norm, features) -> context, e.g. compiled
+        norm_fn: Callable | None = None,  # (norm, x) -> x, e.g. compiled
     ) -> torch.Tensor:
-        context = self.fuse(features) if context is None else context
+        if context is None:
+            context = fuse_fn(self.fc, self.hidden_norm, features) if fuse_fn else self.fuse(features)
         cos, sin = self.rotary_emb(block_embeds, position_ids)
         x = block_embeds
         for layer in self.layers:
             x = layer_fn(layer, x, context, cos, sin, attention) if layer_fn else layer(x, context, cos, sin, attention)
-        return self.norm(x)
+        return norm_fn(self.norm, x) if norm_fn else self.norm(x)
 
     # ---- Hugging Face directory in the published drafters' format -------------------------------
 
