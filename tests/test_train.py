@@ -1,7 +1,9 @@
 """The train loop end to end on CPU: summary, checkpoints, HF export, resume, config errors."""
 
 import json
+import math
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -218,3 +220,26 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_resume_continues(tiny
                   resume=True)
     assert len(resumed["losses"]) == 2  # continued from the stop, not from step 0
     assert os.path.isdir(out / "drafter")
+
+
+def test_a_bf16_drafter_beside_an_fp32_target_trains_colocated_and_offline(tiny_target, tmp_path, monkeypatch):
+    """train.dtype = bfloat16 on the embedded default, whose target stays fp32: the borrowed embedding and
+    head come in the drafter's dtype (the step and the evaluation multiplied fp32 embeddings into bf16
+    layers and stopped with 'expected m1 and m2 to have the same dtype')."""
+    from dflash_trainer.target_rank import dump_features
+
+    bf16 = ["train.dtype=bfloat16", "train.steps=2", "train.checkpoint_every=0"]
+    assert tiny_config(tiny_target, tmp_path / "x", *bf16).target.dtype == "float32"  # the premise
+    colocated = run(tiny_config(tiny_target, tmp_path / "colocated", *bf16))
+    assert len(colocated["losses"]) == 2 and 1.0 <= colocated["tau_after"] <= 8
+    feats = tmp_path / "feats"
+    dump_features(tiny_config(tiny_target, tmp_path / "dump"), feats, 2)
+    with socket.socket() as s:  # a drafter rank reading dumped features: one process, as torchrun starts it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    offline = run(tiny_config(tiny_target, tmp_path / "offline", *bf16, f"data.features_dir={feats}",
+                              "parallel.target_ranks=0"))
+    assert len(offline["losses"]) == 2 and all(math.isfinite(x) for x in offline["losses"])

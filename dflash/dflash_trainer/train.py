@@ -146,13 +146,15 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
     if ctx.colocated:
         target = load_target(cfg, drafter.target_layer_ids, device)
         startup.mark("target")
-        embed, head = target.embed_weight, target.head_weight
+        # The drafter's dtype (a no-op unless the target's differs, e.g. an fp32 target and a bf16 drafter).
+        embed, head = (w.to(DTYPES[train.dtype]) for w in (target.embed_weight, target.head_weight))
         stream, eval_stream, prompts = load_data(cfg, tokenizer)
         startup.mark("data")
         source, wait_kind, samples = local_source(stream, target, my_batches, DTYPES[train.dtype], device), \
             "target", len(stream.dataset)
     else:
-        borrowed = load_embed_and_head(cfg.target.path, device, DTYPES[cfg.target.dtype],
+        # In the drafter's dtype: only the drafter uses them here (target.dtype is the target ranks' forward).
+        borrowed = load_embed_and_head(cfg.target.path, device, DTYPES[train.dtype],
                                        target_files.config)  # read in the background
         embed, head = borrowed.embed, borrowed.head
         startup.mark("embedding + head")
