@@ -465,6 +465,26 @@ def test_auto_resume_reports_a_finished_run_and_changes_nothing(run_copy, capsys
     assert snapshot(run_copy) == before
 
 
+def test_auto_resume_of_a_finished_run_without_its_drafter_publishes_it_again(run_copy, capsys):
+    """As --resume decides: a finished run whose drafter/ was removed is continued from its last checkpoint,
+    which publishes the drafter (it used to be reported as finished, the drafter left missing)."""
+    shutil.rmtree(run_copy / "drafter")
+    code, err = trainer(capsys, run_copy, "--auto-resume", *_resume_sets(run_copy))
+    assert code == 0, err
+    assert f"{run_copy} holds a finished run whose drafter/ is missing: continuing it (--resume)" in err, err
+    assert (run_copy / "drafter" / "model.safetensors").is_file()
+
+
+def test_auto_resume_of_a_finished_run_with_a_damaged_summary_says_so(run_copy, capsys):
+    (run_copy / "summary.json").write_text('{"steps": 6, "loss')  # cut short
+    before = snapshot(run_copy)
+    code, err = trainer(capsys, run_copy, "--auto-resume", *_resume_sets(run_copy))
+    assert code == 0, err
+    said = " ".join(err.split())
+    assert f"holds a finished run (its {run_copy / 'summary.json'} is damaged (not readable JSON" in said, err
+    assert snapshot(run_copy) == before
+
+
 def test_resume_of_a_finished_run_with_nothing_left_keeps_its_figures(run_copy, capsys):
     """What every `make train INVENTORY=...` after the end does (the supervisor always resumes): it used to
     publish the drafter again and write a summary with no losses, first/final loss or tokens/s."""

@@ -229,6 +229,14 @@ def _finished_note(out: Path, detail: str = "") -> str:
 def _auto_resume(out: Path, found: ckpt.Inspection, held: list[str]) -> tuple[str, str | None]:
     """--auto-resume: "finished", "resume" or "new", and what to say about it."""
     if _finished(out, found):
+        if not (out / "drafter").exists():  # as --resume decides: a finished run without its drafter publishes it
+            return "resume", (f"{out} holds a finished run whose drafter/ is missing: continuing it (--resume) "
+                              "to publish the drafter again")
+        try:
+            json.loads((out / "summary.json").read_text())
+        except (OSError, ValueError):
+            return "finished", _finished_note(out, f"its {out / 'summary.json'} is damaged (not readable JSON: "
+                                                   "restore it or remove it to have it written again); ")
         return "finished", _finished_note(out)
     if held:
         return "resume", f"{out} holds an unfinished run: continuing it (--resume)"
