@@ -125,6 +125,7 @@ def drafter_loss(
     block_embeds = F.embedding(blocks.token_ids, embed_weight)
     ctx_pos = torch.arange(ctx_len, device=features.device).expand(b, ctx_len)
     position_ids = torch.cat([ctx_pos, blocks.position_ids], dim=1)
-    compiled = dict(layer_fn=COMPILED_LAYER, fuse_fn=COMPILED_FUSE, norm_fn=COMPILED_NORM) if compiled_layers else {}
+    compiled = ({"layer_fn": COMPILED_LAYER, "fuse_fn": COMPILED_FUSE, "norm_fn": COMPILED_NORM}
+                if compiled_layers else {})
     hidden = (model or drafter)(features, block_embeds, position_ids, attention, **compiled)
     return chunked_block_loss(hidden, head_weight, blocks.labels, blocks.weights, drafter.block_size, chunk_rows)
