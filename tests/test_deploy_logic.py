@@ -356,6 +356,8 @@ TERM_THEN_SAVE = textwrap.dedent("""\
         (run / "saved").write_text("step 7")
         sys.exit(0)
     signal.signal(signal.SIGTERM, term)
+    with open(run / "ready", "a") as f:  # this worker stops gracefully from here on
+        f.write("ready\\n")
     print("training", flush=True)
     time.sleep(120)
     """)
@@ -440,6 +442,9 @@ def test_foreground_torchrun_job_is_stopped_through_its_workers(tmp_path):
     try:
         assert wait_for(lambda: len(procs.of_run(run, procs.job_processes())) == 3, timeout=60)  # torchrun + 2
         assert wait_for(lambda: len(procs.torchrun_workers(child.pid)) == 2, timeout=30)
+        # a worker signalled before its handler is installed dies of the signal (exit -15, torchrun exits 1)
+        assert wait_for(lambda: (run / "ready").is_file() and (run / "ready").read_text().count("ready") == 2,
+                        timeout=60)
         assert supervise.stop(run, None, timeout_s=60) == 0
         assert child.wait(timeout=30) == 0
         assert (run / "saved").read_text() == "step 7" and (run / "terms").read_text() == "TERM\n" * 2
