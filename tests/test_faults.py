@@ -468,20 +468,36 @@ def test_auto_resume_reports_a_finished_run_and_changes_nothing(run_copy, capsys
 def test_auto_resume_of_a_finished_run_without_its_drafter_publishes_it_again(run_copy, capsys):
     """As --resume decides: a finished run whose drafter/ was removed is continued from its last checkpoint,
     which publishes the drafter (it used to be reported as finished, the drafter left missing)."""
+    summary = json.loads((run_copy / "summary.json").read_text())
     shutil.rmtree(run_copy / "drafter")
     code, err = trainer(capsys, run_copy, "--auto-resume", *_resume_sets(run_copy))
     assert code == 0, err
     assert f"{run_copy} holds a finished run whose drafter/ is missing: continuing it (--resume)" in err, err
     assert (run_copy / "drafter" / "model.safetensors").is_file()
-
-
-def test_auto_resume_of_a_finished_run_with_a_damaged_summary_says_so(run_copy, capsys):
-    (run_copy / "summary.json").write_text('{"steps": 6, "loss')  # cut short
+    again = json.loads((run_copy / "summary.json").read_text())  # the run's figures are kept
+    assert [again[k] for k in ("losses", "first_loss", "final_loss", "tokens_per_s")] == \
+        [summary[k] for k in ("losses", "first_loss", "final_loss", "tokens_per_s")] and len(summary["losses"]) == 6
+    # without a checkpoint to publish it from there is nothing to continue: reported, nothing changed
+    shutil.rmtree(run_copy / "drafter")
+    shutil.rmtree(run_copy / "checkpoints")
     before = snapshot(run_copy)
     code, err = trainer(capsys, run_copy, "--auto-resume", *_resume_sets(run_copy))
     assert code == 0, err
+    assert "holds a finished run (its drafter/ is missing and no checkpoint is left to publish it from;" in \
+        " ".join(err.split()), err
+    assert snapshot(run_copy) == before
+
+
+@pytest.mark.parametrize("damage", ['{"steps": 6, "loss', "[]", '{"steps": "6"}'])  # cut short, not a summary
+@pytest.mark.parametrize("flag", ["--auto-resume", "--resume"])
+def test_a_finished_run_with_a_damaged_summary_is_reported_saying_so(damage, flag, run_copy, capsys):
+    (run_copy / "summary.json").write_text(damage)
+    before = snapshot(run_copy)
+    code, err = trainer(capsys, run_copy, flag, *_resume_sets(run_copy))
+    assert code == 0, err
     said = " ".join(err.split())
-    assert f"holds a finished run (its {run_copy / 'summary.json'} is damaged (not readable JSON" in said, err
+    assert "holds a finished run (" in said and f"its {run_copy / 'summary.json'} is damaged (not a readable summary" \
+        in said, err
     assert snapshot(run_copy) == before
 
 

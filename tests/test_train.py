@@ -3,7 +3,6 @@
 import json
 import math
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -12,6 +11,8 @@ from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.model import DFlashDrafter
 from dflash_trainer.train import main, run
+
+from tests.helpers.regenerate import free_port
 
 
 def tiny_config(tiny_target, out, *extra):
@@ -234,11 +235,9 @@ def test_a_bf16_drafter_beside_an_fp32_target_trains_colocated_and_offline(tiny_
     assert len(colocated["losses"]) == 2 and 1.0 <= colocated["tau_after"] <= 8
     feats = tmp_path / "feats"
     dump_features(tiny_config(tiny_target, tmp_path / "dump"), feats, 2)
-    with socket.socket() as s:  # a drafter rank reading dumped features: one process, as torchrun starts it
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # a drafter rank reading dumped features: one process, as torchrun starts it
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)}.items():
+                       "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(key, value)
     offline = run(tiny_config(tiny_target, tmp_path / "offline", *bf16, f"data.features_dir={feats}",
                               "parallel.target_ranks=0"))

@@ -107,7 +107,7 @@ class TrainConfig:
     moments_dtype: Annotated[str, Rule(choices=("float32", "bfloat16"))] = "float32"
     attention: Annotated[str, Rule(choices=("auto", "flex", "sdpa"))] = "auto"  # auto: flex on CUDA, sdpa on CPU
     loss_chunk_rows: Annotated[int, AT_LEAST_1] = 2048
-    compile_layers: bool = True  # flex backend: compile each drafter layer whole (fused norms/RoPE/SwiGLU)
+    compile_layers: bool = True  # flex backend: compile each drafter layer whole (fused norms/RoPE/SwiGLU), and the norms after fc and at the end
     log_every: Annotated[int, AT_LEAST_1] = 10
     checkpoint_every: Annotated[int, NOT_NEGATIVE] = 500  # steps; 0: none (the final drafter is always saved)
     keep_last: Annotated[int, AT_LEAST_1] = 3

@@ -207,20 +207,35 @@ def _check_flags(out: Path, resume: bool, overwrite: bool, auto_resume: bool) ->
         raise RunDirError(f"--resume continues the run in {out} and --overwrite replaces it: give one of them")
 
 
+DAMAGED = "damaged"
+
+
+def recorded_summary(out: Path) -> dict | str | None:
+    """summary.json of the run in out: its contents, None when there is none, DAMAGED when it does not read
+    as a summary (cut short, not JSON, not an object with an integer `steps`)."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return DAMAGED
+    return summary if isinstance(summary, dict) and isinstance(summary.get("steps"), int) else DAMAGED
+
+
 def _finished(out: Path, found: ckpt.Inspection) -> bool:
     """The run in out wrote its summary, and no later start continued it past the steps the summary has (a
-    finished run resumed for more steps, then stopped, is unfinished)."""
-    try:
-        steps = json.loads((out / "summary.json").read_text())["steps"]
-    except FileNotFoundError:
+    finished run resumed for more steps, then stopped, is unfinished). A damaged summary counts as written."""
+    summary = recorded_summary(out)
+    if summary is None:
         return False
-    except (OSError, ValueError, KeyError, TypeError):  # there, but unreadable: nothing to compare
-        return True
-    return found.resume_step is None or not isinstance(steps, int) or found.resume_step <= steps
+    return summary == DAMAGED or found.resume_step is None or found.resume_step <= summary["steps"]
 
 
 def _finished_note(out: Path, detail: str = "") -> str:
     """What a start that finds a finished run (and changes nothing) says."""
+    if recorded_summary(out) == DAMAGED:
+        detail += (f"its {out / 'summary.json'} is damaged (not a readable summary: restore it, or remove it to "
+                   "have it written again); ")
     return (f"{out} holds a finished run ({detail}drafter: {out / 'drafter'}, figures: {out / 'summary.json'}): "
             "nothing to continue, nothing changed.\nTrain it further with --resume and a larger train.steps, "
             "again with --overwrite (make train TRAIN_ARGS=--overwrite), or in another --output-dir (RUN_DIR=...)")
@@ -229,15 +244,13 @@ def _finished_note(out: Path, detail: str = "") -> str:
 def _auto_resume(out: Path, found: ckpt.Inspection, held: list[str]) -> tuple[str, str | None]:
     """--auto-resume: "finished", "resume" or "new", and what to say about it."""
     if _finished(out, found):
-        if not (out / "drafter").exists():  # as --resume decides: a finished run without its drafter publishes it
+        if (out / "drafter").exists():
+            return "finished", _finished_note(out)
+        if found.resume_from is not None:  # as --resume decides: the last checkpoint publishes the drafter again
             return "resume", (f"{out} holds a finished run whose drafter/ is missing: continuing it (--resume) "
                               "to publish the drafter again")
-        try:
-            json.loads((out / "summary.json").read_text())
-        except (OSError, ValueError):
-            return "finished", _finished_note(out, f"its {out / 'summary.json'} is damaged (not readable JSON: "
-                                                   "restore it or remove it to have it written again); ")
-        return "finished", _finished_note(out)
+        return "finished", _finished_note(out, "its drafter/ is missing and no checkpoint is left to publish it "
+                                               "from; ")
     if held:
         return "resume", f"{out} holds an unfinished run: continuing it (--resume)"
     return "new", None

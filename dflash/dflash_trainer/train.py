@@ -349,6 +349,12 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
         "checkpoints": str(out / "checkpoints"),
         "losses": history.losses,
     }
+    previous = run_dir.recorded_summary(out)
+    if not history.losses and isinstance(previous, dict):
+        # A resume that trained nothing (a finished run whose drafter/ was removed) published the drafter
+        # again: the run's figures are the ones its summary already holds.
+        summary.update({k: previous[k] for k in ("first_loss", "final_loss", "tokens_per_s", "mfu", "time_split_s",
+                                                 "time_to_first_step_s", "losses") if k in previous})
     if run.ctx.colocated:
         leave_run_phase()  # evaluation shapes (batch sizes) differ from the training step's
         if before is None:  # resumed: rebuild the initial drafter for the comparison
