@@ -24,7 +24,9 @@ from transformers import Qwen3Config
 from .anchors import sample_anchors
 from .attention import dense_scores_bytes
 from .compile_step import compile_drafter_step
+from .config import MOMENTS_DTYPE_NAMES
 from .flops import peak_flops
+from .loading import DTYPES
 from .mask import dflash_block_mask
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .optim import MOMENTS, MasterWeightAdamW
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--untimed-steps", type=int, default=2, help="steps run after the compile step, before timing")
     p.add_argument("--chunk-rows", type=int, default=2048)
-    p.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32",
+    p.add_argument("--moments-dtype", choices=MOMENTS_DTYPE_NAMES, default="float32",
                    help="AdamW's moments (train.moments_dtype): the bf16-moment A/B")
     p.add_argument("--with-target", action="store_true", help="features from a random-weight target")
     p.add_argument("--target-sdpa", choices=["default", "cudnn", "flash"], default="default",
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
         head = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
     with torch.device(device):
         drafter = DFlashDrafter(dcfg).to(dtype)
-    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4, moments_dtype=getattr(torch, args.moments_dtype))
+    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4, moments_dtype=DTYPES[args.moments_dtype])
     b, S, N, B, A = args.micro_batch, args.seq, args.anchors, dcfg.block_size, args.grad_accum
     attention = "flex" if device.type == "cuda" else "sdpa"
     compiled_layers = attention == "flex" and not args.no_compile_layers

@@ -51,6 +51,8 @@ NOT_NEGATIVE = Rule(ge=0)
 FRACTION = Rule(ge=0, le=1)
 DTYPE = Rule(choices=DTYPE_NAMES)
 
+# What train.moments_dtype may be (AdamW's moments: fp32, or bf16 beside fp32 masters).
+MOMENTS_DTYPE_NAMES = ("float32", "bfloat16")
 
 @dataclass
 class TargetConfig:
@@ -104,7 +106,7 @@ class TrainConfig:
     dtype: Annotated[str, DTYPE] = "bfloat16"  # drafter parameters; the optimizer keeps fp32 masters
     # AdamW's two moments; bfloat16 halves their memory and the update's moment traffic (fp32 math and
     # masters still); needs low-precision parameters and no FSDP sharding (README "The trainer")
-    moments_dtype: Annotated[str, Rule(choices=("float32", "bfloat16"))] = "float32"
+    moments_dtype: Annotated[str, Rule(choices=MOMENTS_DTYPE_NAMES)] = "float32"
     attention: Annotated[str, Rule(choices=("auto", "flex", "sdpa"))] = "auto"  # auto: flex on CUDA, sdpa on CPU
     loss_chunk_rows: Annotated[int, AT_LEAST_1] = 2048
     compile_layers: bool = True  # flex backend: compile each drafter layer whole (fused norms/RoPE/SwiGLU), and the norms after fc and at the end
