@@ -26,6 +26,7 @@ def test_tiny_bench_reports_a_consistent_result(tmp_path, extra):
     assert r["context_tokens_per_s_drafter"] == pytest.approx(accum * 128 / (r["drafter_step_ms"] / 1e3))
     assert r["achieved_tflops"] == pytest.approx(r["model_tflop_per_step"] / (r["drafter_step_ms"] / 1e3))
     assert (r["target_ms"] is not None) == ("--with-target" in extra) and r["mfu"] is None  # no GPU peak here
+    assert r["clock_unavailable"] == "not a CUDA device" and "sm_clock_mhz_mean" not in r
 
 
 def test_real_presets_need_a_gpu(capsys, monkeypatch):

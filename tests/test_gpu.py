@@ -136,3 +136,25 @@ def test_embedded_default_trains_with_compiled_flex(tmp_path):
     assert summary["tau_after"] > summary["tau_before"]
     print(json.dumps({k: v for k, v in summary.items() if k != "losses"}))
 
+
+
+def test_clock_sampler_reads_the_real_nvidia_smi_under_load():
+    """The bench's clock figure from the driver's own nvidia-smi, for the board torch calls cuda:0."""
+    import shutil
+    import time
+
+    from dflash_trainer.gpu_clock import ClockSampler
+
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("no nvidia-smi on PATH")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    with ClockSampler(torch.device("cuda", 0), interval_ms=50) as sampler:
+        end = time.time() + 1.5
+        while time.time() < end:
+            for _ in range(20):
+                a @ a
+            torch.cuda.synchronize()
+    s = sampler.summary()
+    assert sampler.unavailable is None and s is not None and s["clock_samples"] >= 5, sampler.unavailable
+    assert 100 < s["sm_clock_mhz_min"] <= s["sm_clock_mhz_mean"] <= s["sm_clock_mhz_max"] < 5000
+    assert 10 < s["power_w_mean"] < 2000

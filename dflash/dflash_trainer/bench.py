@@ -26,6 +26,7 @@ from .attention import dense_scores_bytes
 from .compile_step import compile_drafter_step
 from .config import MOMENTS_DTYPE_NAMES
 from .flops import peak_flops
+from .gpu_clock import ClockSampler
 from .loading import DTYPES
 from .mask import dflash_block_mask
 from .model import DFlashDrafter, DrafterShape, drafter_config
@@ -178,16 +179,21 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     profiler = _profiler(device) if args.profile else None
+    sampler = ClockSampler(device)  # the SM clock and power over the timed steps (gpu_clock: why)
     launched = []
-    for it in range(args.untimed_steps + args.steps):
-        if it == args.untimed_steps:
-            if profiler is not None:
-                profiler.start()
-            clock = StepClock(device)  # as the train loop: no host sync between steps
-        done = step.run(batches, A)  # A micro-batches (features, blocks, forward, backward), then AdamW
-        if it >= args.untimed_steps:
-            launched.append((done, clock.lap()))
-    figures = [(done.read(), StepClock.seconds(lap)) for done, lap in launched]
+    try:
+        for it in range(args.untimed_steps + args.steps):
+            if it == args.untimed_steps:
+                if profiler is not None:
+                    profiler.start()
+                sampler.start()
+                clock = StepClock(device)  # as the train loop: no host sync between steps
+            done = step.run(batches, A)  # A micro-batches (features, blocks, forward, backward), then AdamW
+            if it >= args.untimed_steps:
+                launched.append((done, clock.lap()))
+        figures = [(done.read(), StepClock.seconds(lap)) for done, lap in launched]
+    finally:
+        sampler.stop()
     if profiler is not None:
         profiler.stop()
         _print_profile(profiler, args.steps)
@@ -219,8 +225,13 @@ def main(argv=None) -> int:
         "achieved_tflops": flops / step_s / 1e12,
         "mfu": flops / step_s / peak if peak else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        **(sampler.summary() or {"clock_unavailable": sampler.unavailable}),
         "dense_scores_gib_per_layer": dense_scores_bytes(b, dcfg.num_attention_heads, N * B, S + N * B) / 2**30,
     }
+    clock = sampler.summary()
+    print(f"SM clock over the timed steps: {clock['sm_clock_mhz_mean']:,.0f} MHz mean (min {clock['sm_clock_mhz_min']:,.0f}), "
+          f"{clock['power_w_mean']:.0f} W, {clock['clock_samples']} samples" if clock
+          else f"SM clock over the timed steps: not sampled ({sampler.unavailable})")
     if attention == "flex" and not args.no_memory_probe:
         result.update(attention_memory_probe(dcfg, lm, N))
     print(json.dumps(result, indent=2))

@@ -1,0 +1,73 @@
+"""gpu_clock: nvidia-smi's CSV samples -> the bench's clock and power figures, and the sampler's lifecycle.
+
+The sampler runs here against a stand-in `nvidia-smi` (a script printing the lines the real one prints
+with `--format=csv,noheader,nounits`); tests/test_gpu.py runs it against the real one on a GPU."""
+
+import stat
+import sys
+import time
+
+import pytest
+import torch
+from dflash_trainer.gpu_clock import ClockSampler, parse_sample, summarize
+
+
+@pytest.mark.parametrize("line, expected", [("1500, 612.34\n", (1500.0, 612.34)), ("1980, 75.10", (1980.0, 75.1)),
+                                            ("1500, [N/A]", None), ("", None), ("No devices were found", None),
+                                            ("1, 2, 3", None)])
+def test_parse_sample_reads_nvidia_smis_csv_and_skips_anything_else(line, expected):
+    assert parse_sample(line) == expected
+
+
+def test_summarize_gives_mean_min_max_clock_and_mean_power():
+    s = summarize([(1500.0, 600.0), (1700.0, 640.0), (1600.0, 620.0)])
+    assert s == {"sm_clock_mhz_mean": 1600.0, "sm_clock_mhz_min": 1500.0, "sm_clock_mhz_max": 1700.0,
+                 "power_w_mean": 620.0, "clock_samples": 3}
+    assert summarize([]) is None
+
+
+def _standin(tmp_path, body: str):
+    path = tmp_path / "nvidia-smi"
+    path.write_text(f"#!{sys.executable}\n{body}")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_sampler_collects_the_lines_it_is_sent_and_stops_the_loop(tmp_path, monkeypatch):
+    args_file = tmp_path / "args"
+    smi = _standin(tmp_path, f"""import sys, time
+open({str(args_file)!r}, "w").write(" ".join(sys.argv[1:]))
+for clock in (1500, 1600, 1700):
+    print(f"{{clock}}, 600.5", flush=True)
+print("[N/A], [N/A]", flush=True)
+time.sleep(60)  # the real one loops until it is stopped
+""")
+    monkeypatch.setattr(ClockSampler, "_target", lambda self: "GPU-0000")
+    sampler = ClockSampler(torch.device("cuda", 0), smi=smi)
+    with sampler:
+        for _ in range(250):  # until the stand-in's three samples are read (5 s at most)
+            if len(sampler.samples) == 3:
+                break
+            time.sleep(0.02)
+    assert sampler._proc.poll() is not None  # stopped, not left looping
+    assert sampler.summary()["sm_clock_mhz_mean"] == 1600.0 and sampler.unavailable is None
+    assert args_file.read_text() == "--query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -i GPU-0000 --loop-ms=100"
+
+
+def test_sampler_says_why_it_has_nothing(tmp_path, monkeypatch):
+    cpu = ClockSampler(torch.device("cpu"))
+    with cpu:
+        pass
+    assert cpu.summary() is None and cpu.unavailable == "not a CUDA device"
+
+    missing = ClockSampler(torch.device("cuda", 0), smi=str(tmp_path / "no-such-nvidia-smi"))
+    with missing:
+        pass
+    assert missing.summary() is None and "not found on PATH" in missing.unavailable
+
+    monkeypatch.setattr(ClockSampler, "_target", lambda self: "GPU-0000")
+    failing = ClockSampler(torch.device("cuda", 0),
+                           smi=_standin(tmp_path, 'import sys\nprint("No devices were found", file=sys.stderr)\nsys.exit(6)\n'))
+    with failing:
+        time.sleep(0.5)
+    assert failing.summary() is None and failing.unavailable.endswith("exited 6: No devices were found")
