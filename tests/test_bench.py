@@ -29,6 +29,18 @@ def test_tiny_bench_reports_a_consistent_result(tmp_path, extra):
     assert r["clock_unavailable"] == "not a CUDA device" and "sm_clock_mhz_mean" not in r
 
 
+@pytest.mark.parametrize("bad, says", [(["--steps", "0"], "--steps 0"), (["--seq", "0"], "--seq 0"),
+                                       (["--untimed-steps", "-1"], "--untimed-steps -1"),
+                                       (["--chunk-rows", "0", "--micro-batch", "-1"], "--micro-batch -1, --chunk-rows 0")])
+def test_bench_refuses_counts_below_one_in_words(bad, says, capsys, tmp_path):
+    out = tmp_path / "bench.json"
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--preset", "tiny", "--json", str(out), *bad])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and says in err and "must be 1 or more, --untimed-steps 0 or more" in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
 def test_real_presets_need_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
     assert bench.main(["--preset", "qwen3-8b"]) == 2

@@ -137,7 +137,6 @@ def test_embedded_default_trains_with_compiled_flex(tmp_path):
     print(json.dumps({k: v for k, v in summary.items() if k != "losses"}))
 
 
-
 def test_clock_sampler_reads_the_real_nvidia_smi_under_load():
     """The bench's clock figure from the driver's own nvidia-smi, for the board torch calls cuda:0."""
     import shutil

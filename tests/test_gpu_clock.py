@@ -51,6 +51,7 @@ time.sleep(60)  # the real one loops until it is stopped
             time.sleep(0.02)
     assert sampler._proc.poll() is not None  # stopped, not left looping
     assert sampler.summary()["sm_clock_mhz_mean"] == 1600.0 and sampler.unavailable is None
+    assert sampler.describe() == "SM clock 1,600 MHz mean (min 1,500), 600 W, 3 samples"
     assert args_file.read_text() == "--query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -i GPU-0000 --loop-ms=100"
 
 
@@ -59,6 +60,7 @@ def test_sampler_says_why_it_has_nothing(tmp_path, monkeypatch):
     with cpu:
         pass
     assert cpu.summary() is None and cpu.unavailable == "not a CUDA device"
+    assert cpu.describe() == "SM clock: not sampled (not a CUDA device)"
 
     missing = ClockSampler(torch.device("cuda", 0), smi=str(tmp_path / "no-such-nvidia-smi"))
     with missing:

@@ -111,6 +111,14 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=64, help="data rows for --make-assets")
     p.add_argument("--stack-dump-after", type=float, help="dump every thread's stack after N s (diagnosis)")
     args = p.parse_args(argv)
+    counts = {"--seq": args.seq, "--anchors": args.anchors, "--micro-batch": args.micro_batch,
+              "--grad-accum": args.grad_accum, "--steps": args.steps, "--chunk-rows": args.chunk_rows,
+              "--rows": args.rows}
+    too_small = [f"{flag} {value}" for flag, value in counts.items() if value < 1]
+    if args.untimed_steps < 0:
+        too_small.append(f"--untimed-steps {args.untimed_steps}")
+    if too_small:
+        p.error(f"{', '.join(too_small)}: {', '.join(counts)} must be 1 or more, --untimed-steps 0 or more")
     if args.stack_dump_after:
         import faulthandler
 
@@ -197,6 +205,8 @@ def main(argv=None) -> int:
     if profiler is not None:
         profiler.stop()
         _print_profile(profiler, args.steps)
+    board = sampler.summary()  # the SM clock and power
+    print(sampler.describe())
     flops = figures[-1][0].flops
     times = [seconds - f.step_wait_s for f, seconds in figures]  # the drafter's share of each step
     target_times = [f.step_wait_s for f, _ in figures]
@@ -225,13 +235,9 @@ def main(argv=None) -> int:
         "achieved_tflops": flops / step_s / 1e12,
         "mfu": flops / step_s / peak if peak else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        **(sampler.summary() or {"clock_unavailable": sampler.unavailable}),
+        **(board or {"clock_unavailable": sampler.unavailable}),
         "dense_scores_gib_per_layer": dense_scores_bytes(b, dcfg.num_attention_heads, N * B, S + N * B) / 2**30,
     }
-    clock = sampler.summary()
-    print(f"SM clock over the timed steps: {clock['sm_clock_mhz_mean']:,.0f} MHz mean (min {clock['sm_clock_mhz_min']:,.0f}), "
-          f"{clock['power_w_mean']:.0f} W, {clock['clock_samples']} samples" if clock
-          else f"SM clock over the timed steps: not sampled ({sampler.unavailable})")
     if attention == "flex" and not args.no_memory_probe:
         result.update(attention_memory_probe(dcfg, lm, N))
     print(json.dumps(result, indent=2))

@@ -107,3 +107,11 @@ class ClockSampler:
 
     def summary(self) -> dict | None:
         return summarize(self.samples)
+
+    def describe(self) -> str:
+        """One line for the run's output."""
+        s = self.summary()
+        if s is None:
+            return f"SM clock: not sampled ({self.unavailable})"
+        return (f"SM clock {s['sm_clock_mhz_mean']:,.0f} MHz mean (min {s['sm_clock_mhz_min']:,.0f}), "
+                f"{s['power_w_mean']:.0f} W, {s['clock_samples']} samples")
