@@ -4,6 +4,7 @@ through the file lock and the second one loads the first one's compiled graphs f
 from __future__ import annotations
 
 import multiprocessing as mp
+import sys
 import threading
 import time
 import unittest
@@ -191,3 +192,25 @@ def test_after_the_first_rank_of_a_start_the_others_load_side_by_side(tmp_path):
     assert all(first["spans"][-1][1] <= r["spans"][0][0] for r in others), "a peer started before rank 1 finished"
     (again,) = start(1, 1)
     assert "already" not in again["log"]
+
+
+def test_triton_key_is_hashed_on_a_thread_and_the_switch_interval_restored():
+    triton_cache = pytest.importorskip("triton.runtime.cache")
+    from dflash_trainer.compile_guard import prefetch_triton_key
+
+    assert prefetch_triton_key(torch.device("cpu")) is None  # nothing compiles with Inductor there
+    triton_cache.triton_key.cache_clear()
+    interval = sys.getswitchinterval()
+    thread = prefetch_triton_key(torch.device("cuda", 0))  # only hashes files: no GPU needed
+    assert thread is not None and thread.name == "triton-key"
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert triton_cache.triton_key.cache_info().currsize == 1  # the compile step's lookup finds it cached
+    assert sys.getswitchinterval() == interval
+
+
+def test_no_triton_means_no_thread(monkeypatch):
+    from dflash_trainer.compile_guard import prefetch_triton_key
+
+    monkeypatch.setitem(sys.modules, "triton.runtime.cache", None)  # `import` raises ImportError
+    assert prefetch_triton_key(torch.device("cuda", 0)) is None
