@@ -214,3 +214,29 @@ def test_no_triton_means_no_thread(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "triton.runtime.cache", None)  # `import` raises ImportError
     assert prefetch_triton_key(torch.device("cuda", 0)) is None
+
+
+def test_the_thread_hashes_with_a_short_switch_interval_where_triton_is_a_stand_in(monkeypatch):
+    """The mechanism without Triton installed (CI): the thread calls triton_key once, with the interval lowered."""
+    import functools
+    import types
+
+    from dflash_trainer.compile_guard import prefetch_triton_key
+
+    seen = []
+
+    @functools.lru_cache
+    def triton_key():
+        seen.append(sys.getswitchinterval())
+        return "3.x-abc"
+
+    cache = types.ModuleType("triton.runtime.cache")
+    cache.triton_key = triton_key
+    for name, module in (("triton", types.ModuleType("triton")), ("triton.runtime", types.ModuleType("triton.runtime")),
+                         ("triton.runtime.cache", cache)):
+        monkeypatch.setitem(sys.modules, name, module)
+    interval = sys.getswitchinterval()
+    thread = prefetch_triton_key(torch.device("cuda", 0))
+    thread.join(timeout=30)
+    assert seen and seen[0] <= 2e-4 < interval  # the busy main thread hands the GIL over every 0.2 ms meanwhile
+    assert triton_key.cache_info().currsize == 1 and sys.getswitchinterval() == interval
