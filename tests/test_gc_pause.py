@@ -1,4 +1,4 @@
-"""gc_pause: the collector is off inside, frozen and back as it was after; the trainer imports under it."""
+"""gc_pause: the collector is off inside, frozen and back as it was after; the entry points import under it."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import gc
 import subprocess
 import sys
 
+import pytest
 from dflash_trainer.gc_pause import gc_paused
 
 
@@ -42,8 +43,10 @@ def test_a_collector_that_was_off_stays_off_and_an_error_still_restores():
     assert gc.isenabled()
 
 
-def test_the_trainer_imports_with_the_collector_paused_and_leaves_it_on():
-    code = ("import gc, dflash_trainer.train; "
+@pytest.mark.parametrize("entry_point", ["dflash_trainer.train", "dflash_trainer.eval_cli",
+                                         "dflash_trainer.regenerate.cli"])
+def test_each_entry_point_imports_with_the_collector_paused_and_leaves_it_on(entry_point):
+    code = (f"import gc, {entry_point}; "
             "print(gc.isenabled(), gc.get_freeze_count() > 100_000)")  # torch + transformers: ~10^5-10^6 objects
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True"]
