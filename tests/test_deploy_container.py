@@ -19,7 +19,11 @@ import json
 
 import pytest
 
-from tests.helpers.deploy import EVERY, RUN, STEPS, VENV, Site, out, venv_inputs, wait_for
+from tests.helpers.deploy import EVERY, RUN, VENV, Site, out, venv_inputs, wait_for
+
+# Enough steps that the run outlasts the status, busy-start and log checks made while it trains (at 120, one CI
+# run finished training before `make train-stop` came); the resumed run then trains the rest.
+STEPS = 480
 
 pytest_plugins = ["tests.image_standins"]
 pytestmark = [pytest.mark.lxc, pytest.mark.slow]
@@ -27,7 +31,8 @@ pytestmark = [pytest.mark.lxc, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def site(pve_host, tmp_path_factory, standins, stocked_wheelhouse, tiny_target):
-    s = Site(pve_host, tmp_path_factory.mktemp("deploy"), venv_inputs(standins, stocked_wheelhouse), tiny_target)
+    s = Site(pve_host, tmp_path_factory.mktemp("deploy"), venv_inputs(standins, stocked_wheelhouse), tiny_target,
+             steps=STEPS)
     yield s
     s.destroy()
 
