@@ -16,7 +16,7 @@ def readme_file_list() -> str:
 
 
 def test_the_readme_names_every_trainer_module_and_only_those():
-    named = set(re.findall(r"`([a-z_]+\.py|[a-z_]+/)`", readme_file_list()))
+    named = set(re.findall(r"`([a-z0-9_]+\.py|[a-z0-9_]+/)`", readme_file_list()))
     modules = {p.name for p in TRAINER.glob("*.py") if p.name != "__init__.py"}
     folders = {p.name + "/" for p in TRAINER.iterdir() if p.is_dir() and not p.name.startswith("__")}
     regenerate = {p.name for p in (TRAINER / "regenerate").glob("*.py") if p.name not in ("__init__.py", "__main__.py")}

@@ -24,7 +24,7 @@ from transformers import Qwen3Config
 from .anchors import sample_anchors
 from .attention import dense_scores_bytes
 from .compile_step import compile_drafter_step
-from .config import MOMENTS_DTYPE_NAMES
+from .config import MOMENTS_DTYPE_NAMES, TARGET_QUANTIZATIONS
 from .flops import peak_flops
 from .gpu_clock import ClockSampler
 from .loading import DTYPES
@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--with-target", action="store_true", help="features from a random-weight target")
     p.add_argument("--target-sdpa", choices=["default", "cudnn", "flash"], default="default",
                    help="SDPA kernels the target's forward prefers (--with-target)")
+    p.add_argument("--target-quantization", choices=TARGET_QUANTIZATIONS, default="none",
+                   help="the target's decoder GEMMs: bf16, or fp8 (FP8-dynamic, target.quantization; --with-target)")
     p.add_argument("--cache-dir", default="runs/bench/compile-cache")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--make-assets", metavar="DIR", help="write a random target + data for end-to-end runs")
@@ -146,7 +148,8 @@ def main(argv=None) -> int:
 
         backends = {"default": None, "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
                     "flash": [SDPBackend.FLASH_ATTENTION]}[args.target_sdpa]
-        frozen = FrozenTarget(target, dcfg.dflash_config["target_layer_ids"], sdpa_backends=backends)
+        frozen = FrozenTarget(target, dcfg.dflash_config["target_layer_ids"], sdpa_backends=backends,
+                              quantization=args.target_quantization)
         embed, head = frozen.embed_weight, frozen.head_weight
     else:
         embed = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
@@ -228,6 +231,7 @@ def main(argv=None) -> int:
         "drafter_step_ms": 1e3 * step_s,
         "drafter_step_ms_min": 1e3 * min(times),
         "target_ms": 1e3 * statistics.mean(target_times) if target is not None else None,
+        "target_quantization": args.target_quantization if target is not None else None,
         "context_tokens_per_s_drafter": A * b * S / step_s,
         "context_tokens_per_s_one_gpu": A * b * S / (step_s + statistics.mean(target_times)) if target is not None
         else None,

@@ -53,11 +53,16 @@ DTYPE = Rule(choices=DTYPE_NAMES)
 
 # What train.moments_dtype may be (AdamW's moments: fp32, or bf16 beside fp32 masters).
 MOMENTS_DTYPE_NAMES = ("float32", "bfloat16")
+# What target.quantization may be (fp8.py: the target's decoder layers as FP8-dynamic GEMMs).
+TARGET_QUANTIZATIONS = ("none", "fp8")
 
 @dataclass
 class TargetConfig:
     path: Annotated[str, PATH] = ""  # HF directory or hub id of the target; "embedded" builds the tiny one
     dtype: Annotated[str, DTYPE] = "bfloat16"
+    # fp8: the decoder layers' GEMMs in FP8 (weights per channel, activations per token, as vLLM serves
+    # *-FP8-dynamic checkpoints): features as an FP8-served target computes them, faster (fp8.py)
+    quantization: Annotated[str, Rule(choices=TARGET_QUANTIZATIONS)] = "none"
 
 
 @dataclass
@@ -359,6 +364,10 @@ def semantic_problems(c: RunConfig) -> list[str]:
                         "published rule")
     if c.target.path != "embedded" and not c.data.train and not c.data.features_dir:
         problems.append("data.train is empty: list JSONL files (or a hub dataset name)")
+    if c.target.quantization == "fp8" and c.target.dtype != "bfloat16":
+        problems.append(f"target.quantization = fp8 needs target.dtype = bfloat16 (the FP8 GEMMs write bf16 "
+                        f"features), and target.dtype is {c.target.dtype}: set target.dtype = bfloat16, or "
+                        "target.quantization = none")
     if c.train.moments_dtype != "float32":
         # Only the one-pass update stores moments apart from the fp32 masters (optim.py).
         if c.train.dtype == "float32":

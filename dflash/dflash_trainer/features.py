@@ -23,8 +23,10 @@ def shard_path(root: Path, index: int) -> Path:
     return Path(root) / f"mb-{index:08d}.safetensors"
 
 
-def write_meta(root: Path, target: str, layer_ids: list[int], count: int, micro_batch: int) -> None:
-    meta = {"target": target, "target_layer_ids": layer_ids, "micro_batches": count, "micro_batch": micro_batch}
+def write_meta(root: Path, target: str, layer_ids: list[int], count: int, micro_batch: int,
+               quantization: str = "none") -> None:
+    meta = {"target": target, "target_layer_ids": layer_ids, "micro_batches": count, "micro_batch": micro_batch,
+            "target_quantization": quantization}
     with _explained(root):
         root.mkdir(parents=True, exist_ok=True)
         storage.write_text_atomic(root / META, json.dumps(meta, indent=2))

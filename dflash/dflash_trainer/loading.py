@@ -12,6 +12,7 @@ from rich.console import Console
 from . import parallel
 from .config import ConfigError, RunConfig
 from .data import MicroBatches, check_sources, load_rows, tokenize_dataset
+from .fp8 import check_fp8_device
 from .held_out import overlapping, split_by_prompt
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .target import FrozenTarget
@@ -165,10 +166,16 @@ def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:
     if not sys.stderr.isatty():  # a log file or journald: no carriage-return progress bars
         hf_logging.disable_progress_bar()
 
+    if cfg.target.quantization == "fp8":  # refused before 16 GB are read, not after
+        check_fp8_device(torch.device(device))
     # SDPA: its flash / cuDNN kernels for the features (target.py), and what evaluation has always used.
     model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype],
                                                  attn_implementation="sdpa").to(device)
-    return FrozenTarget(model, layer_ids)
+    target = FrozenTarget(model, layer_ids, quantization=cfg.target.quantization)
+    if target.quantized_linears:
+        console.print(f"target: {target.quantized_linears} linears of its decoder layers as FP8-dynamic GEMMs "
+                      "(target.quantization = fp8); the embedding and LM head as they are", soft_wrap=True)
+    return target
 
 
 def load_data(cfg: RunConfig, tokenizer) -> tuple[MicroBatches, MicroBatches | None, list[list[int]]]:

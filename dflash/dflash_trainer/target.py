@@ -12,6 +12,10 @@ Two ways to run it, same features:
   on GPUs), with no attention mask: the training batches are right-padded, so a causal mask alone is
   exact for every real token, and SDPA then takes its flash/cuDNN kernels.
 - otherwise, the model's own forward with hooks that capture the K outputs and stop it after the last.
+
+quantization="fp8" (target.quantization, opt-in) replaces the linears of every decoder layer with
+FP8-dynamic GEMMs (fp8.py; the embedding and LM head stay as they are, as in an FP8-dynamic checkpoint):
+the features, and in a colocated run's evaluation the verifying target, of an FP8-served target.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
+
+from .fp8 import check_fp8_device, quantize_linears
 
 
 class _StopForward(Exception):
@@ -77,10 +83,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 class FrozenTarget:
     def __init__(self, model: nn.Module, layer_ids: list[int], compile_layers: bool | None = None,
-                 sdpa_backends: list | None = None):
+                 sdpa_backends: list | None = None, quantization: str = "none"):
         """compile_layers: run the tapped forward's layers compiled (default: on CUDA, where supported).
         sdpa_backends: SDPA kernels to prefer, in order, for the tapped forward (torch.nn.attention
-        SDPBackend; None: torch's own choice)."""
+        SDPBackend; None: torch's own choice). quantization: "none", or "fp8" (fp8.py)."""
         self.model = model.eval().requires_grad_(False)
         self.layers = decoder_layers(model)
         # Run the backbone (no LM head); get_decoder() is the HF accessor for it.
@@ -88,6 +94,15 @@ class FrozenTarget:
         if any(not 0 <= i < len(self.layers) for i in layer_ids):
             raise ValueError(f"target layer ids {layer_ids} outside the target's {len(self.layers)} layers")
         self.layer_ids = list(layer_ids)
+        self.quantization, self.quantized_linears = quantization, 0
+        if quantization == "fp8":
+            check_fp8_device(next(model.parameters()).device)
+            self.quantized_linears = quantize_linears(list(self.layers))
+            if not self.quantized_linears:
+                raise ValueError("target.quantization = 'fp8': none of the decoder layers' linears has dimensions "
+                                 "divisible by 16, which FP8 GEMMs need; set target.quantization = 'none'")
+        elif quantization != "none":
+            raise ValueError(f"target quantization {quantization!r}: use 'none' or 'fp8'")
         self.tapped = tapped_forward_supported(model, self.backbone)
         on_cuda = next(model.parameters()).is_cuda
         self.compile_layers = self.tapped and (on_cuda if compile_layers is None else compile_layers)

@@ -114,5 +114,5 @@ def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
         write_shard(root, i, {"features": feats, "input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
                               "attention_mask": batch.attention_mask})
     if rank == 0:
-        write_meta(root, cfg.target.path, layer_ids, count, cfg.train.micro_batch)
+        write_meta(root, cfg.target.path, layer_ids, count, cfg.train.micro_batch, cfg.target.quantization)
     console.print(f"rank {rank}: features of {len(range(rank, count, world))} micro-batches in {root}")
