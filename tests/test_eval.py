@@ -241,6 +241,7 @@ def bad_inputs(tiny_target, drafter_dir, tmp_path_factory):
     ("no_prompt", [], r"holds no usable prompt \(1 no prompt field, 1 no user turn\)"),
     ("max_new_tokens", ["--max-new-tokens", "0"], "--max-new-tokens 0: give at least 1"),
     ("temperature", ["--temperature", "0.7"], "decodes greedily"),
+    ("fp8_fp32", ["--target-quantization", "fp8", "--dtype", "float32"], "fp8 needs a bf16 target.*add --dtype bfloat16"),
 ])
 def test_bad_input_is_a_clear_error_and_writes_nothing(case, extra, message, bad_inputs, drafter_dir, tiny_target,
                                                        tmp_path, capsys):

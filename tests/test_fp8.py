@@ -104,10 +104,11 @@ def test_unknown_quantization_and_fp32_targets_are_refused(tiny_target):
     assert load_config("embedded", ["target.quantization=fp8", "target.dtype=bfloat16"]).target.quantization == "fp8"
 
 
-def test_a_colocated_run_trains_on_the_fp8_targets_features_and_a_dump_records_them(tiny_target, tmp_path,
+def test_a_colocated_run_trains_on_the_fp8_targets_features_and_dumps_and_evaluation_follow_it(tiny_target, tmp_path,
                                                                                      capsys):
     import json
 
+    from dflash_trainer.eval_cli import main as eval_main
     from dflash_trainer.target_rank import dump_features
     from dflash_trainer.train import run
 
@@ -121,3 +122,10 @@ def test_a_colocated_run_trains_on_the_fp8_targets_features_and_a_dump_records_t
     assert "target: 42 linears of its decoder layers as FP8-dynamic GEMMs (target.quantization = fp8)" in said  # 7 in each of 6
     dump_features(tiny_config(tiny_target, tmp_path / "dump", *fp8), tmp_path / "feats", 1)
     assert json.loads((tmp_path / "feats" / "meta.json").read_text())["target_quantization"] == "fp8"
+    # dflash-eval --run judges against the target as the run had it, unless told otherwise
+    for extra, expected in (([], "fp8"), (["--target-quantization", "none"], "none")):
+        where = tmp_path / f"eval-{expected}"
+        assert eval_main(["--run", str(tmp_path / "run"), "--out", str(where), "--limit", "1",
+                          "--max-new-tokens", "8", *extra]) == 0
+        report = json.loads((where / "eval.json").read_text())
+        assert report["target_quantization"] == expected and report["dtype"] == "bfloat16"

@@ -29,10 +29,11 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     from . import checkpoint as ckpt
     from . import run_dir as run_dir_lib
     from . import storage
-    from .config import ConfigError
+    from .config import TARGET_QUANTIZATIONS, ConfigError
     from .data import DataError
     from .eval_report import SetResult, build_report, plot, table, write_json, write_requests
     from .evaluate import EVAL_PROMPTS_FILE
+    from .fp8 import check_fp8_device
     from .loading import DTYPES, check_target, console
     from .prompt_sets import PromptSet, load_prompt_set, name_sources
     from .speculative import AcceptanceStats, greedy_generate, speculative_generate, stop_token_ids
@@ -65,6 +66,7 @@ class Plan:
     device: torch.device
     target_dtype: torch.dtype
     drafter_dtype: torch.dtype
+    target_quantization: str
     max_new_tokens: int
     limit: int | None
     tie_tolerance: float
@@ -90,6 +92,9 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.0, help="0 only: greedy decoding")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="target and drafter dtype (auto: bfloat16 on CUDA, float32 on CPU; --run: the run's)")
+    p.add_argument("--target-quantization", choices=TARGET_QUANTIZATIONS,
+                   help="the target's decoder GEMMs: none, or fp8 as an FP8-dynamic target is served "
+                        "(target.quantization; default none; --run: the run's)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--tie-tolerance", type=float,
                    help="near-tie threshold, a share of the largest logit (default by dtype: fp32 1e-4, bf16 3e-2)")
@@ -134,7 +139,8 @@ def _run_settings(cfg: dict, run_dir: Path, drafter: Path) -> dict:
     recorded = run_dir / EVAL_PROMPTS_FILE
     defaults = {"drafter": str(drafter), "target": run_dir_lib.resolve_stored(cfg["target"]["path"], run_dir),
                 "max_new_tokens": cfg["eval"]["max_new_tokens"],
-                "target_dtype": cfg["target"]["dtype"], "drafter_dtype": cfg["train"]["dtype"]}
+                "target_dtype": cfg["target"]["dtype"], "drafter_dtype": cfg["train"]["dtype"],
+                "target_quantization": cfg["target"].get("quantization", "none")}  # older runs: none
     if recorded.is_file():  # exactly the prompts the run's tau was measured on
         defaults["names"] = [f"held-out={recorded}"]
     elif cfg["data"]["eval"]:
@@ -245,6 +251,16 @@ def plan(args) -> Plan:
         target_dtype, drafter_dtype = DTYPES[defaults["target_dtype"]], DTYPES[defaults["drafter_dtype"]]
     else:
         target_dtype = drafter_dtype = _dtype(args.dtype, device)
+    quantization = args.target_quantization or defaults.get("target_quantization", "none")
+    if quantization == "fp8":
+        if target_dtype != torch.bfloat16:
+            raise EvalError(f"--target-quantization fp8 needs a bf16 target (the FP8 GEMMs write bf16), and the "
+                            f"target's dtype is {str(target_dtype).removeprefix('torch.')}: add --dtype bfloat16")
+        try:
+            check_fp8_device(device)
+        except ConfigError as exc:
+            raise EvalError(f"--target-quantization fp8: {exc}".replace("Set target.quantization = 'none'",
+                                                                        "Give --target-quantization none")) from None
 
     drafter_dir = Path(drafter)
     raw = check_drafter_dir(drafter_dir)
@@ -268,8 +284,8 @@ def plan(args) -> Plan:
     sets = [load_prompt_set(name, source, tokenizer, target, limit, context - max_new, tc.vocab_size)
             for name, source in sources]
     tolerance = args.tie_tolerance if args.tie_tolerance is not None else TIE_TOLERANCE[target_dtype]
-    return Plan(drafter_dir, target, out, device, target_dtype, drafter_dtype, max_new, limit, tolerance, raw,
-                tokenizer, sets)
+    return Plan(drafter_dir, target, out, device, target_dtype, drafter_dtype, quantization, max_new, limit,
+                tolerance, raw, tokenizer, sets)
 
 
 def load_models(p: Plan):
@@ -289,7 +305,7 @@ def load_models(p: Plan):
         model = AutoModelForCausalLM.from_pretrained(p.target_path, dtype=p.target_dtype).to(p.device)
     except (OSError, ValueError) as exc:  # no weights beside the config, a model class transformers lacks
         raise EvalError(f"--target {p.target_path}: cannot load the model ({exc})") from exc
-    return drafter, FrozenTarget(model, drafter.target_layer_ids)
+    return drafter, FrozenTarget(model, drafter.target_layer_ids, quantization=p.target_quantization)
 
 
 # ---- decoding ------------------------------------------------------------------------------------
@@ -375,7 +391,7 @@ def evaluate(p: Plan) -> tuple[dict, list[dict]]:
         "drafter": str(p.drafter_dir), "target": p.target_path,
         "device": torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu",
         "dtype": str(p.target_dtype).removeprefix("torch."), "drafter_dtype": str(p.drafter_dtype).removeprefix("torch."),
-        "block_size": drafter.block_size, "max_new_tokens": p.max_new_tokens, "limit": p.limit, "temperature": 0.0,
+        "target_quantization": p.target_quantization, "block_size": drafter.block_size, "max_new_tokens": p.max_new_tokens, "limit": p.limit, "temperature": 0.0,
         "stop_token_ids": sorted(stop), "torch": torch.__version__,
     }
     return build_report(meta, results, drafter.block_size), requests
