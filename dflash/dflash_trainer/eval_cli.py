@@ -391,7 +391,8 @@ def evaluate(p: Plan) -> tuple[dict, list[dict]]:
         "drafter": str(p.drafter_dir), "target": p.target_path,
         "device": torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu",
         "dtype": str(p.target_dtype).removeprefix("torch."), "drafter_dtype": str(p.drafter_dtype).removeprefix("torch."),
-        "target_quantization": p.target_quantization, "block_size": drafter.block_size, "max_new_tokens": p.max_new_tokens, "limit": p.limit, "temperature": 0.0,
+        "target_quantization": p.target_quantization,
+        "block_size": drafter.block_size, "max_new_tokens": p.max_new_tokens, "limit": p.limit, "temperature": 0.0,
         "stop_token_ids": sorted(stop), "torch": torch.__version__,
     }
     return build_report(meta, results, drafter.block_size), requests
