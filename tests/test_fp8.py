@@ -46,6 +46,37 @@ def test_quantize_linears_replaces_only_the_shapes_fp8_gemms_take():
     assert block(torch.randn(4, 64)).shape == (4, 10)
 
 
+def test_a_checkpoints_own_quantized_layers_are_left_alone_and_a_quantized_checkpoint_refused(tiny_target,
+                                                                                               tmp_path):
+    """Qwen's *-FP8 and llm-compressor's checkpoints come with their own nn.Linear subclasses holding packed
+    weights and scales: quantizing them again would read those as plain weights. They are refused from their
+    config.json, before the weights are read."""
+    import json
+    import shutil
+
+    from dflash_trainer.loading import load_target
+
+    from tests.test_train import tiny_config
+
+    class PackedLinear(nn.Linear):  # stands in for a checkpoint's own quantized layer class
+        pass
+
+    block = nn.Sequential(PackedLinear(64, 64), nn.Linear(64, 64))
+    assert quantize_linears([block]) == 1 and type(block[0]) is PackedLinear
+
+    quantized = tmp_path / "target-fp8"
+    shutil.copytree(tiny_target["target"], quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}  # as Qwen3-8B-FP8's
+    (quantized / "config.json").write_text(json.dumps(config))
+    (quantized / "model.safetensors").unlink()  # the refusal must come before any weight is read
+    cfg = tiny_config({**tiny_target, "target": str(quantized)}, tmp_path / "run", "target.dtype=bfloat16",
+                      "target.quantization=fp8")
+    with pytest.raises(ConfigError, match=r"is quantized already .*quant_method fp8\): set target.quantization = "
+                                          "'none' to run it as it is"):
+        load_target(cfg, [1], "cpu")
+
+
 def test_gpus_without_fp8_tensor_cores_are_refused_with_the_fix():
     check_fp8_device(torch.device("cpu"))
     check_fp8_device(torch.device("cuda"), capability=(9, 0))  # H100 / H200

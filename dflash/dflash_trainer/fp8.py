@@ -75,7 +75,8 @@ def quantize_linears(modules: list[nn.Module]) -> int:
     for module in modules:
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear) and quantizable(child):
+                # plain linears only: a subclass (a checkpoint's own FP8 or int4 layer) holds other weights
+                if type(child) is nn.Linear and quantizable(child):
                     setattr(parent, name, Float8Linear(child))
                     replaced += 1
     return replaced
@@ -92,3 +93,15 @@ def check_fp8_device(device: torch.device, capability: tuple[int, int] | None = 
         raise ConfigError(f"target.quantization = 'fp8' needs a GPU with FP8 tensor cores (compute capability 8.9 "
                          f"or newer: L40S, H100, H200, B200); {name} is {capability[0]}.{capability[1]}. "
                          "Set target.quantization = 'none' (the bf16 target).")
+
+
+def check_not_prequantized(config, where: str) -> None:
+    """A checkpoint quantized already (Qwen's *-FP8, llm-compressor's *-FP8-dynamic, AWQ, GPTQ ...) brings
+    its own layers and kernels; quantizing those again would read their packed weights as plain ones."""
+    quantized = getattr(config, "quantization_config", None)
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else \
+            getattr(quantized, "quant_method", "?")
+        raise ConfigError(f"target.quantization = 'fp8', but {where} is quantized already (its config.json has a "
+                          f"quantization_config, quant_method {method}): set target.quantization = 'none' to run "
+                          "it as it is, or give the bf16 checkpoint to have this trainer quantize it")

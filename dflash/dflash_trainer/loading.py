@@ -12,7 +12,7 @@ from rich.console import Console
 from . import parallel
 from .config import ConfigError, RunConfig
 from .data import MicroBatches, check_sources, load_rows, tokenize_dataset
-from .fp8 import check_fp8_device
+from .fp8 import check_fp8_device, check_not_prequantized
 from .held_out import overlapping, split_by_prompt
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .target import FrozenTarget
@@ -168,6 +168,7 @@ def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:
 
     if cfg.target.quantization == "fp8":  # refused before 16 GB are read, not after
         check_fp8_device(torch.device(device))
+        check_not_prequantized(target_config(cfg), f"target.path {cfg.target.path}")
     # SDPA: its flash / cuDNN kernels for the features (target.py), and what evaluation has always used.
     model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype],
                                                  attn_implementation="sdpa").to(device)

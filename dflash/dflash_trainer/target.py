@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from .fp8 import check_fp8_device, quantize_linears
+from .fp8 import check_fp8_device, check_not_prequantized, quantize_linears
 
 
 class _StopForward(Exception):
@@ -97,6 +97,7 @@ class FrozenTarget:
         self.quantization, self.quantized_linears = quantization, 0
         if quantization == "fp8":
             check_fp8_device(next(model.parameters()).device)
+            check_not_prequantized(model.config, "the target")
             self.quantized_linears = quantize_linears(list(self.layers))
             if not self.quantized_linears:
                 raise ValueError("target.quantization = 'fp8': none of the decoder layers' linears has dimensions "
