@@ -1,5 +1,6 @@
 """The FP8-dynamic target (target.quantization = "fp8"): weights per output channel and activations per
-token in float8_e4m3fn through torch._scaled_mm, which runs on CPU too (slowly), so these are real runs."""
+token in float8_e4m3fn. On a GPU the product is torch._scaled_mm's; on the CPU (here) the same product of the
+same FP8 values, dequantized in fp32 (fp8.fp8_matmul; tests/test_gpu.py checks the two agree)."""
 
 import pytest
 import torch
