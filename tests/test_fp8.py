@@ -55,7 +55,7 @@ def test_a_checkpoints_own_quantized_layers_are_left_alone_and_a_quantized_check
     import json
     import shutil
 
-    from dflash_trainer.loading import load_target
+    from dflash_trainer.loading import check_inputs
 
     from tests.test_train import tiny_config
 
@@ -75,7 +75,14 @@ def test_a_checkpoints_own_quantized_layers_are_left_alone_and_a_quantized_check
                       "target.quantization=fp8")
     with pytest.raises(ConfigError, match=r"is quantized already .*quant_method fp8\): set target.quantization = "
                                           "'none' to run it as it is"):
-        load_target(cfg, [1], "cpu")
+        check_inputs(cfg)  # what a start checks before its run directory or any weight
+    from dflash_trainer.train import main
+
+    out = tmp_path / "refused"
+    assert main(["--config", "embedded", "--output-dir", str(out), "--set", f"target.path={quantized}",
+                 "--set", f"data.train={json.dumps([tiny_target['train']])}", "--set", "target.dtype=bfloat16",
+                 "--set", "target.quantization=fp8"]) == 2
+    assert not out.exists()
 
 
 def test_gpus_without_fp8_tensor_cores_are_refused_with_the_fix():
@@ -161,3 +168,18 @@ def test_a_colocated_run_trains_on_the_fp8_targets_features_and_dumps_and_evalua
                           "--max-new-tokens", "8", *extra]) == 0
         report = json.loads((where / "eval.json").read_text())
         assert report["target_quantization"] == expected and report["dtype"] == "bfloat16"
+    # a target quantized already is refused by dflash-eval too, from its config.json, with the flag to give
+    import shutil
+
+    quantized = tmp_path / "target-quantized"
+    shutil.copytree(tiny_target["target"], quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    capsys.readouterr()
+    refused = tmp_path / "eval-refused"
+    assert eval_main(["--drafter", str(tmp_path / "run" / "drafter"), "--target", str(quantized), "--prompts",
+                      tiny_target["eval"], "--out", str(refused), "--dtype", "bfloat16",
+                      "--target-quantization", "fp8"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "is quantized already" in err and "give --target-quantization none to run it as it is" in err
+    assert not refused.exists()

@@ -33,7 +33,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     from .data import DataError
     from .eval_report import SetResult, build_report, plot, table, write_json, write_requests
     from .evaluate import EVAL_PROMPTS_FILE
-    from .fp8 import check_fp8_device
+    from .fp8 import check_fp8_device, check_not_prequantized
     from .loading import DTYPES, check_target, console
     from .prompt_sets import PromptSet, load_prompt_set, name_sources
     from .speculative import AcceptanceStats, greedy_generate, speculative_generate, stop_token_ids
@@ -73,6 +73,9 @@ class Plan:
     drafter_config: dict
     tokenizer: object
     sets: list[PromptSet] = field(default_factory=list)
+
+
+EVAL_FP8_SETTING = ("--target-quantization fp8", "give --target-quantization none")
 
 
 def parse_args(argv):
@@ -257,10 +260,9 @@ def plan(args) -> Plan:
             raise EvalError(f"--target-quantization fp8 needs a bf16 target (the FP8 GEMMs write bf16), and the "
                             f"target's dtype is {str(target_dtype).removeprefix('torch.')}: add --dtype bfloat16")
         try:
-            check_fp8_device(device)
+            check_fp8_device(device, setting=EVAL_FP8_SETTING)
         except ConfigError as exc:
-            raise EvalError(f"--target-quantization fp8: {exc}".replace("Set target.quantization = 'none'",
-                                                                        "Give --target-quantization none")) from None
+            raise EvalError(str(exc)) from None
 
     drafter_dir = Path(drafter)
     raw = check_drafter_dir(drafter_dir)
@@ -275,6 +277,11 @@ def plan(args) -> Plan:
         raise EvalError(f"--target {target}: cannot load its config and tokenizer ({exc}). Give the target's "
                         "Hugging Face directory (config.json, tokenizer, weights) or a reachable hub id") from exc
     check_fits(raw, drafter_dir, target_config, target)
+    if quantization == "fp8":
+        try:
+            check_not_prequantized(target_config, f"--target {target}", setting=EVAL_FP8_SETTING)
+        except ConfigError as exc:
+            raise EvalError(str(exc)) from None
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     context = getattr(tc, "max_position_embeddings", None) or 1 << 30
     if max_new >= context:

@@ -82,26 +82,33 @@ def quantize_linears(modules: list[nn.Module]) -> int:
     return replaced
 
 
-def check_fp8_device(device: torch.device, capability: tuple[int, int] | None = None) -> None:
+# How the refusals below name the setting and its way out; dflash-eval passes its flag's.
+TRAINER_SETTING = ("target.quantization = 'fp8'", "set target.quantization = 'none'")
+
+
+def check_fp8_device(device: torch.device, capability: tuple[int, int] | None = None,
+                     setting: tuple[str, str] = TRAINER_SETTING) -> None:
     """FP8 GEMMs need FP8 tensor cores (compute capability 8.9: L40S/Ada, 9.0: H100/H200, 10.x: Blackwell);
     CPUs emulate them (slowly: the tests use that). Raises ConfigError naming the GPU and the fix."""
     if device.type != "cuda":
         return
     capability = capability or torch.cuda.get_device_capability(device)
     if capability < (8, 9):
+        asked, instead = setting
         name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "this GPU"
-        raise ConfigError(f"target.quantization = 'fp8' needs a GPU with FP8 tensor cores (compute capability 8.9 "
-                         f"or newer: L40S, H100, H200, B200); {name} is {capability[0]}.{capability[1]}. "
-                         "Set target.quantization = 'none' (the bf16 target).")
+        raise ConfigError(f"{asked} needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: L40S, "
+                          f"H100, H200, B200); {name} is {capability[0]}.{capability[1]}. "
+                          f"{instead[0].upper()}{instead[1:]} (the bf16 target).")
 
 
-def check_not_prequantized(config, where: str) -> None:
+def check_not_prequantized(config, where: str, setting: tuple[str, str] = TRAINER_SETTING) -> None:
     """A checkpoint quantized already (Qwen's *-FP8, llm-compressor's *-FP8-dynamic, AWQ, GPTQ ...) brings
     its own layers and kernels; quantizing those again would read their packed weights as plain ones."""
     quantized = getattr(config, "quantization_config", None)
     if quantized:
+        asked, instead = setting
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else \
             getattr(quantized, "quant_method", "?")
-        raise ConfigError(f"target.quantization = 'fp8', but {where} is quantized already (its config.json has a "
-                          f"quantization_config, quant_method {method}): set target.quantization = 'none' to run "
-                          "it as it is, or give the bf16 checkpoint to have this trainer quantize it")
+        raise ConfigError(f"{asked}, but {where} is quantized already (its config.json has a "
+                          f"quantization_config, quant_method {method}): {instead} to run it as it is, or "
+                          "give the bf16 checkpoint to have this trainer quantize it")

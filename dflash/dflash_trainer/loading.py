@@ -78,6 +78,8 @@ def check_inputs(cfg: RunConfig) -> None:
     if not features:
         check_sources(cfg.data.train)
         check_sources(cfg.data.eval)
+        if cfg.target.quantization == "fp8" and cfg.target.path != "embedded":  # from config.json alone
+            check_not_prequantized(target_config(cfg), f"target.path {cfg.target.path}")
 
 
 def target_config(cfg: RunConfig):
@@ -167,8 +169,7 @@ def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:
         hf_logging.disable_progress_bar()
 
     if cfg.target.quantization == "fp8":  # refused before 16 GB are read, not after
-        check_fp8_device(torch.device(device))
-        check_not_prequantized(target_config(cfg), f"target.path {cfg.target.path}")
+        check_fp8_device(torch.device(device))  # here, not in check_inputs: CUDA starts only after parallel.init
     # SDPA: its flash / cuDNN kernels for the features (target.py), and what evaluation has always used.
     model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype],
                                                  attn_implementation="sdpa").to(device)
