@@ -157,6 +157,9 @@ def test_clock_sampler_reads_the_real_nvidia_smi_under_load():
     assert sampler.unavailable is None and s is not None and s["clock_samples"] >= 5, sampler.unavailable
     assert 100 < s["sm_clock_mhz_min"] <= s["sm_clock_mhz_mean"] <= s["sm_clock_mhz_max"] < 5000
     assert 10 < s["power_w_mean"] < 2000
+    # The driver's power limit and its power-cap clock event (R535+ drivers answer both).
+    assert 100 < s["power_limit_w"] < 2000 and 0.0 <= s["power_capped_share"] <= 1.0, s
+    print(sampler.describe())
 
 
 def test_the_fp8_target_compiled_on_gpu_equals_its_eager_forward_and_stays_near_bf16():
