@@ -15,7 +15,7 @@ except ImportError:  # a control-only environment without torch
     pass
 
 
-# --- Proxmox VE test host (tests/pve_testhost, issue 5) -----------------------------------------
+# --- Proxmox VE test host (tests/pve_testhost) --------------------------------------------------
 @pytest.fixture(scope="session")
 def pve_host(tmp_path_factory):
     """A PVE node stand-in: HTTPS API, real LXC containers, SSH with pct (see tests/pve_testhost/README.md)."""

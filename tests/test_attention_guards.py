@@ -67,7 +67,7 @@ class GuardTest(unittest.TestCase):
         reason="torch >= 2.14 keeps the FX flag per thread: another thread's trace is invisible",
     )
     def test_fx_trace_in_another_thread_raises_compile_race(self):
-        # The race from the issue: thread A traces, thread B enters a compiled call meanwhile.
+        # The race: thread A traces, thread B enters a compiled call meanwhile.
         q, k, v = qkv()
         mask = causal_block_mask(L, "cpu")
         entered, release = threading.Event(), threading.Event()

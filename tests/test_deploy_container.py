@@ -1,4 +1,4 @@
-"""`make deploy / train / train-status / train-logs / train-stop / rebuild / doctor` end to end (issue 7):
+"""`make deploy / train / train-status / train-logs / train-stop / rebuild / doctor` end to end:
 real `make` and ansible-playbook runs against the Proxmox VE test host, the real trainer inside a real LXC
 container (CPU, a tiny target), supervised, stopped gracefully and resumed from its checkpoint.
 

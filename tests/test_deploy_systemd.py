@@ -1,4 +1,4 @@
-"""`make deploy / train / train-status / train-logs / train-stop` through the systemd unit (issue 7), end to
+"""`make deploy / train / train-status / train-logs / train-stop` through the systemd unit, end to
 end: the training_run role's production path (templates/dflash-train.service.j2) in a real LXC container of
 the Proxmox VE test host whose init is systemd, with the real trainer (CPU, a tiny target).
 

@@ -1,4 +1,4 @@
-"""The trainer under bad input and damaged run directories (issue 16), as a user meets them.
+"""The trainer under bad input and damaged run directories, as a user meets them.
 
 Every case: exit 2 (config, data, usage, run directory) or 1 (a fault while running), one message that
 names the key, file or directory and the fix, no traceback, and the output directory's earlier

@@ -1,4 +1,4 @@
-"""GPU checks (run through the device tool; skipped without CUDA): flex == dense reference with
+"""GPU checks (a CUDA GPU; skipped without one): flex == dense reference with
 gradients, and the embedded default trained with compiled flex after the serialized compile step."""
 
 import json

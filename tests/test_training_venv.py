@@ -1,4 +1,4 @@
-"""The pinned training venv end to end (issue 6): real ansible-playbook runs of ansible/provision.yml against
+"""The pinned training venv end to end: real ansible-playbook runs of ansible/provision.yml against
 the Proxmox VE test host, the training_venv role working through `pct push` / `pct exec` only.
 
 Stock template path: a container from a template with Python but no venv gets it from the stand-in lock and

@@ -41,7 +41,7 @@ def interval_mask_mod(ctx_hi: torch.Tensor, blk_lo: torch.Tensor, block_size: in
     # Two int32 row lookups and three compares per pair: flex evaluates this on every partial tile, and
     # deriving the block from q_idx there (divide, clamp, gather anchors and keep, in int64) made one
     # layer's forward + backward 4.5-5% slower at the 8B bench shape on an H200 (3.16 vs 3.02 ms and
-    # 3.36 vs 3.19 ms in two machine starts).
+    # 3.36 vs 3.19 ms in two runs).
     def mask_mod(b, h, q_idx, kv_idx):
         lo = blk_lo[b, q_idx]
         return (kv_idx < ctx_hi[b, q_idx]) | ((kv_idx >= lo) & (kv_idx < lo + block_size))
