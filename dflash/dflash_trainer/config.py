@@ -63,6 +63,8 @@ class TargetConfig:
     # fp8: the decoder layers' GEMMs in FP8 (weights per channel, activations per token, as vLLM serves
     # *-FP8-dynamic checkpoints): features as an FP8-served target computes them, faster (fp8.py)
     quantization: Annotated[str, Rule(choices=TARGET_QUANTIZATIONS)] = "none"
+    # Run the modelling code the target's directory ships (a family transformers lacks): opt-in, recorded
+    trust_remote_code: bool = False
 
 
 @dataclass
