@@ -37,15 +37,13 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     from .loading import DTYPES, check_target, console
     from .prompt_sets import PromptSet, load_prompt_set, name_sources
     from .speculative import AcceptanceStats, greedy_generate, speculative_generate, stop_token_ids
-    from .target import FrozenTarget
+    from .target import FrozenTarget, attention_implementation, check_supported_target, meta_skeleton
 
 
 # A divergence between speculative and target-only decoding is a near tie when the target's logits for the two
 # tokens differ by less than this share of the largest logit: the rounding a one-token forward and a block
 # forward can disagree by in that dtype (bf16 keeps 8 significant bits, and the error grows over the layers).
 TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-# z-lab drafter options this evaluation does not implement (dflash 0.1.0 reads them from the config).
-UNSUPPORTED = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 
 
 class EvalError(ValueError):
@@ -73,6 +71,7 @@ class Plan:
     drafter_config: dict
     tokenizer: object
     sets: list[PromptSet] = field(default_factory=list)
+    trust_remote_code: bool = False
 
 
 EVAL_FP8_SETTING = ("--target-quantization fp8", "give --target-quantization none")
@@ -99,6 +98,9 @@ def parse_args(argv):
                    help="the target's decoder GEMMs: none, or fp8 as an FP8-dynamic target is served "
                         "(target.quantization; default none; --run: the run's)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="run the modelling code the target's directory ships (target.trust_remote_code; --run: "
+                        "the run's)")
     p.add_argument("--tie-tolerance", type=float,
                    help="near-tie threshold, a share of the largest logit (default by dtype: fp32 1e-4, bf16 3e-2)")
     return p.parse_args(argv)
@@ -143,7 +145,8 @@ def _run_settings(cfg: dict, run_dir: Path, drafter: Path) -> dict:
     defaults = {"drafter": str(drafter), "target": run_dir_lib.resolve_stored(cfg["target"]["path"], run_dir),
                 "max_new_tokens": cfg["eval"]["max_new_tokens"],
                 "target_dtype": cfg["target"]["dtype"], "drafter_dtype": cfg["train"]["dtype"],
-                "target_quantization": cfg["target"].get("quantization", "none")}  # older runs: none
+                "target_quantization": cfg["target"].get("quantization", "none"),  # older runs: none
+                "trust_remote_code": cfg["target"].get("trust_remote_code", False)}
     if recorded.is_file():  # exactly the prompts the run's tau was measured on
         defaults["names"] = [f"held-out={recorded}"]
     elif cfg["data"]["eval"]:
@@ -173,10 +176,6 @@ def check_drafter_dir(path: Path) -> dict:
     if layer_types != {"full_attention"} or raw.get("is_causal"):
         raise EvalError(f"{path}: drafter layers {sorted(layer_types)} (sliding-window or causal drafter attention) "
                         "are not implemented by dflash-eval, which drafts with full attention over the block")
-    for key, default in UNSUPPORTED.items():
-        value = dflash.get(key, raw.get(key, default))
-        if value not in (default, 0):
-            raise EvalError(f"{path}: {key} = {value} is not implemented by dflash-eval")
     return raw
 
 
@@ -270,12 +269,18 @@ def plan(args) -> Plan:
         check_target(target)
     except ConfigError as exc:
         raise EvalError(str(exc).replace("target.path", "--target", 1)) from None
+    trust = bool(args.trust_remote_code or defaults.get("trust_remote_code", False))
     try:
-        target_config = AutoConfig.from_pretrained(target)
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        target_config = AutoConfig.from_pretrained(target, trust_remote_code=trust)
+        tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust)
     except (OSError, ValueError) as exc:
+        hint = " (or add --trust-remote-code if you trust the code it ships)" * ("trust_remote_code" in str(exc))
         raise EvalError(f"--target {target}: cannot load its config and tokenizer ({exc}). Give the target's "
-                        "Hugging Face directory (config.json, tokenizer, weights) or a reachable hub id") from exc
+                        f"Hugging Face directory (config.json, tokenizer, weights) or a reachable hub id{hint}") from exc
+    try:  # a family the decoding loop cannot serve: refused before its weights are read
+        check_supported_target(target_config, f"--target {target}", trust)
+    except ConfigError as exc:
+        raise EvalError(str(exc)) from None
     check_fits(raw, drafter_dir, target_config, target)
     if quantization == "fp8":
         try:
@@ -292,11 +297,11 @@ def plan(args) -> Plan:
             for name, source in sources]
     tolerance = args.tie_tolerance if args.tie_tolerance is not None else TIE_TOLERANCE[target_dtype]
     return Plan(drafter_dir, target, out, device, target_dtype, drafter_dtype, quantization, max_new, limit,
-                tolerance, raw, tokenizer, sets)
+                tolerance, raw, tokenizer, sets, trust)
 
 
 def load_models(p: Plan):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from .model import DFlashDrafter
@@ -308,8 +313,11 @@ def load_models(p: Plan):
     except (ValueError, RuntimeError, OSError) as exc:  # key or shape mismatch, unreadable safetensors
         raise EvalError(f"--drafter {p.drafter_dir}: cannot load its weights ({exc})") from exc
     drafter = drafter.to(device=p.device, dtype=p.drafter_dtype).eval()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(p.target_path, dtype=p.target_dtype).to(p.device)
+    try:  # the attention implementation the trainer chose for this family (target.attention_implementation)
+        attention = attention_implementation(meta_skeleton(AutoConfig.from_pretrained(
+            p.target_path, trust_remote_code=p.trust_remote_code), p.trust_remote_code))
+        model = AutoModelForCausalLM.from_pretrained(p.target_path, dtype=p.target_dtype, attn_implementation=attention,
+                                                     trust_remote_code=p.trust_remote_code).to(p.device)
     except (OSError, ValueError) as exc:  # no weights beside the config, a model class transformers lacks
         raise EvalError(f"--target {p.target_path}: cannot load the model ({exc})") from exc
     return drafter, FrozenTarget(model, drafter.target_layer_ids, quantization=p.target_quantization)
@@ -398,7 +406,7 @@ def evaluate(p: Plan) -> tuple[dict, list[dict]]:
         "drafter": str(p.drafter_dir), "target": p.target_path,
         "device": torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu",
         "dtype": str(p.target_dtype).removeprefix("torch."), "drafter_dtype": str(p.drafter_dtype).removeprefix("torch."),
-        "target_quantization": p.target_quantization,
+        "target_quantization": p.target_quantization, "target_attention": target.attention,
         "block_size": drafter.block_size, "max_new_tokens": p.max_new_tokens, "limit": p.limit, "temperature": 0.0,
         "stop_token_ids": sorted(stop), "torch": torch.__version__,
     }

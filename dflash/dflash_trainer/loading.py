@@ -15,7 +15,13 @@ from .data import MicroBatches, check_sources, load_rows, tokenize_dataset
 from .fp8 import check_fp8_device, check_not_prequantized
 from .held_out import overlapping, split_by_prompt
 from .model import DFlashDrafter, DrafterShape, drafter_config
-from .target import FrozenTarget
+from .target import (
+    FrozenTarget,
+    attention_implementation,
+    borrowed_scales,
+    check_supported_target,
+    meta_skeleton,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -75,11 +81,14 @@ def check_inputs(cfg: RunConfig) -> None:
     if features and not (Path(features) / "meta.json").is_file():
         raise ConfigError(f"data.features_dir {features}: no meta.json in {Path(features).absolute()}; dump "
                           f"features first with --dump-features {features}")
+    if cfg.target.path != "embedded":  # the family, from config.json and the model class alone
+        config = target_config(cfg)
+        check_supported_target(config, f"target.path {cfg.target.path}", cfg.target.trust_remote_code)
     if not features:
         check_sources(cfg.data.train)
         check_sources(cfg.data.eval)
         if cfg.target.quantization == "fp8" and cfg.target.path != "embedded":  # from config.json alone
-            check_not_prequantized(target_config(cfg), f"target.path {cfg.target.path}")
+            check_not_prequantized(config, f"target.path {cfg.target.path}")
 
 
 def target_config(cfg: RunConfig):
@@ -87,18 +96,25 @@ def target_config(cfg: RunConfig):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(cfg.target.path)
+        return AutoConfig.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"target.path {cfg.target.path}: cannot read the model config ({exc})") from exc
+        raise ConfigError(f"target.path {cfg.target.path}: cannot read the model config ({exc})"
+                          + REMOTE_CODE_HINT * ("trust_remote_code" in str(exc))) from exc
+
+
+# transformers' refusal of a checkpoint that ships its own modelling code names its keyword argument.
+REMOTE_CODE_HINT = ("; its family is not in the installed transformers and the directory ships its own modelling "
+                    "code: run it only if you trust it, with --set target.trust_remote_code=true")
 
 
 def load_tokenizer(cfg: RunConfig):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(cfg.target.path)
+        return AutoTokenizer.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"target.path {cfg.target.path}: cannot load its tokenizer ({exc})") from exc
+        raise ConfigError(f"target.path {cfg.target.path}: cannot load its tokenizer ({exc})"
+                          + REMOTE_CODE_HINT * ("trust_remote_code" in str(exc))) from exc
 
 
 @dataclass(frozen=True)
@@ -134,12 +150,13 @@ def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
         from transformers import Qwen3Config
 
         return Qwen3Config.from_pretrained(d.init_from)
+    borrowed = borrowed_scales(target_config, trust_remote_code=cfg.target.trust_remote_code)
     try:
         return drafter_config(target_config, DrafterShape(
             num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_token_id(cfg, tokenizer),
             target_layer_ids=tuple(d.target_layer_ids) if d.target_layer_ids else None,
             intermediate_size=d.intermediate_size,
-        ))
+        ), borrowed)
     except ValueError as exc:  # layer ids or mask token outside the target
         raise ConfigError(f"drafter: {exc}") from exc
 
@@ -170,10 +187,12 @@ def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:
 
     if cfg.target.quantization == "fp8":  # refused before 16 GB are read, not after
         check_fp8_device(torch.device(device))  # here, not in check_inputs: CUDA starts only after parallel.init
-    # SDPA: its flash / cuDNN kernels for the features (target.py), and what evaluation has always used.
+    trust = cfg.target.trust_remote_code
+    attention = attention_implementation(meta_skeleton(target_config(cfg), trust))
     model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype],
-                                                 attn_implementation="sdpa").to(device)
+                                                 attn_implementation=attention, trust_remote_code=trust).to(device)
     target = FrozenTarget(model, layer_ids, quantization=cfg.target.quantization)
+    console.print(f"target: {target.describe()}", soft_wrap=True)
     if target.quantized_linears:
         console.print(f"target: {target.quantized_linears} linears of its decoder layers as FP8-dynamic GEMMs "
                       "(target.quantization = fp8); the embedding and LM head as they are", soft_wrap=True)

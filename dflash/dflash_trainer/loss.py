@@ -47,7 +47,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
     """sum(weights * CE(hidden @ head^T, labels)) with d/d(hidden) computed chunk by chunk in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad):
+    def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad, shaping):
         if hidden.is_cuda and with_grad:
             from .ce_kernel import ce_and_grad_ as kernel  # Triton; writes the gradient over the logits
         else:  # CPUs and no-grad passes (evaluation): the reference
@@ -61,9 +61,13 @@ class _HeadCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_rows):
             sl = slice(start, start + chunk_rows)
             logits = F.linear(hidden[sl], head_weight)
+            if shaping is not None:  # the target's logit transform (Gemma 2's soft-cap): chain rule through it
+                logits, slope = _shaped_with_slope(logits, *shaping)
             part, grad_logits, hit = kernel(logits, labels[sl], weights[sl])
             del logits
             if with_grad:
+                if shaping is not None:
+                    grad_logits = grad_logits * slope
                 torch.mm(grad_logits, head_weight, out=grad_hidden[sl])
             total += part
             correct.index_add_(0, slots[sl], (hit & scored[sl]).float())
@@ -75,7 +79,16 @@ class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_correct, _grad_count):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
+
+
+def _shaped_with_slope(raw: torch.Tensor, multiplier: float, softcap: float | None):
+    """c * tanh(m * raw / c) (or m * raw without a cap), and its derivative with respect to raw."""
+    scaled = raw * multiplier
+    if not softcap:
+        return scaled, multiplier
+    capped = torch.tanh(scaled / softcap) * softcap
+    return capped, (1 - (capped.float() / softcap) ** 2).mul_(multiplier).to(raw.dtype)
 
 
 def chunked_block_loss(
@@ -85,6 +98,8 @@ def chunked_block_loss(
     weights: torch.Tensor,  # [b, N*B]; slot 0 of each block must be 0 (it is ignored)
     block_size: int,
     chunk_rows: int = 2048,
+    output_multiplier: float = 1.0,  # the target's logit transform (model.shape_logits), as serving applies it
+    final_logit_softcapping: float | None = None,
 ) -> LossSums:
     if head_weight.requires_grad:
         raise ValueError("the LM head is the target's and must be frozen (requires_grad=False): DFlash does "
@@ -99,6 +114,9 @@ def chunked_block_loss(
     h = scored(hidden)
     slots = torch.arange(1, block_size, device=h.device).repeat(h.shape[0] // (block_size - 1))
     with_grad = torch.is_grad_enabled() and h.requires_grad
+    shaping = (None if output_multiplier == 1.0 and not final_logit_softcapping
+               else (output_multiplier, final_logit_softcapping))
     total, correct, count = _HeadCrossEntropy.apply(
-        h, head_weight, scored(labels), scored(weights).to(torch.float32), slots, block_size, chunk_rows, with_grad)
+        h, head_weight, scored(labels), scored(weights).to(torch.float32), slots, block_size, chunk_rows, with_grad,
+        shaping)
     return LossSums(total, correct, count)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import (
@@ -56,9 +57,34 @@ class DrafterShape:
     intermediate_size: int | None = None  # None: the target's
 
 
-def drafter_config(target_config, shape: DrafterShape) -> Qwen3Config:
-    """A Qwen3Config in the published drafters' format, derived from the target's config."""
-    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+def text_config(config):
+    """The decoder's config: a multimodal wrapper's text tower (get_text_config), else the config itself."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _first_attr(config, names: tuple[str, ...], default=None):
+    return next((getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
+
+
+def drafter_rope(tc) -> dict | None:
+    """The drafter's RoPE: the target's full-attention parameters (a per-layer-type `rope_parameters`, as
+    Gemma 3 and gpt-oss-style configs have, holds one entry per attention type). The drafter rotates whole
+    heads, as the published drafters do, so a partial rotary factor is not carried over."""
+    rope = getattr(tc, "rope_parameters", None)
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    if not rope:
+        return None
+    return {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+
+
+def drafter_config(target_config, shape: DrafterShape, borrowed: dict | None = None) -> Qwen3Config:
+    """A Qwen3Config in the published drafters' format, derived from the target's config.
+
+    borrowed: how the target scales what the drafter borrows (target.borrowed_scales; None: read from the
+    target's model class). Values other than the identity go into dflash_config under z-lab's names, which
+    the trainer trains with and z-lab's loop and dflash-eval serve with."""
+    tc = text_config(target_config)
     num_target_layers = tc.num_hidden_layers
     layer_ids = list(shape.target_layer_ids or build_target_layer_ids(num_target_layers, shape.num_layers))
     if any(not 0 <= i < num_target_layers for i in layer_ids):
@@ -69,32 +95,54 @@ def drafter_config(target_config, shape: DrafterShape) -> Qwen3Config:
             f"mask_token_id {shape.mask_token_id} is not a row of the target embedding (vocab {vocab}); "
             "pick a reserved or padded row of the target's vocabulary"
         )
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    intermediate = shape.intermediate_size or _first_attr(tc, ("intermediate_size", "ffn_dim", "n_inner"))
+    if intermediate is None:
+        raise ValueError(f"the target's config ({tc.model_type}) names no intermediate_size: set "
+                         "drafter.intermediate_size")
+    if borrowed is None:
+        from .target import borrowed_scales
+
+        borrowed = borrowed_scales(target_config)
+    heads = tc.num_attention_heads
     config = Qwen3Config(
         vocab_size=vocab,
         hidden_size=tc.hidden_size,
-        intermediate_size=shape.intermediate_size or tc.intermediate_size,
+        intermediate_size=intermediate,
         num_hidden_layers=shape.num_layers,
-        num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads,
-        head_dim=head_dim,
-        hidden_act=getattr(tc, "hidden_act", "silu"),
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        hidden_act=_first_attr(tc, ("hidden_activation", "hidden_act"), "silu"),
         max_position_embeddings=tc.max_position_embeddings,
-        rms_norm_eps=tc.rms_norm_eps,
-        rope_parameters=getattr(tc, "rope_parameters", None),
+        rms_norm_eps=_first_attr(tc, ("rms_norm_eps", "layer_norm_eps", "norm_eps"), 1e-6),
+        rope_parameters=drafter_rope(tc),
         attention_bias=getattr(tc, "attention_bias", False),
         tie_word_embeddings=False,
         layer_types=["full_attention"] * shape.num_layers,
         architectures=[ARCHITECTURE],
         block_size=shape.block_size,
         num_target_layers=num_target_layers,
-        dflash_config={"mask_token_id": shape.mask_token_id, "target_layer_ids": layer_ids},
+        dflash_config={"mask_token_id": shape.mask_token_id, "target_layer_ids": layer_ids,
+                       **{k: v for k, v in borrowed.items() if v != IDENTITY_SCALES[k]}},
     )
     # Serving engines that predate transformers 5 read rope_theta at the top level.
     rope = getattr(config, "rope_parameters", None) or {}
     if "rope_theta" in rope:
         config.rope_theta = rope["rope_theta"]
     return config
+
+
+# z-lab's names for how the target scales its embedding and logits, with the values that change nothing.
+IDENTITY_SCALES = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+
+
+def shape_logits(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
+    """The target's logit transform on the LM head's output, as z-lab's compute_logits applies it."""
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
 
 
 class DrafterAttention(nn.Module):
@@ -154,6 +202,15 @@ class DFlashDrafter(nn.Module):
         self.block_size = int(config.block_size)
         self.mask_token_id = int(dflash["mask_token_id"])
         self.target_layer_ids = list(dflash["target_layer_ids"])
+        # What the target applies to the embedding and logits the drafter borrows (drafter_config); read as
+        # z-lab's loop reads them: dflash_config first, then the config's top level.
+        def value(name):
+            return dflash.get(name, getattr(config, name, IDENTITY_SCALES[name]))
+
+        self.input_embedding_scale = float(value("input_embedding_scale"))
+        self.output_multiplier = float(value("output_multiplier"))
+        softcap = value("final_logit_softcapping")
+        self.final_logit_softcapping = float(softcap) if softcap else None
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -178,7 +235,7 @@ class DFlashDrafter(nn.Module):
     def forward(
         self,
         features: torch.Tensor | None,  # [b, S, K*H] target features of the context
-        block_embeds: torch.Tensor,  # [b, Q, H] target embedding of the block tokens
+        block_embeds: torch.Tensor,  # [b, Q, H] rows of the target's embedding matrix for the block tokens
         position_ids: torch.Tensor,  # [b, S + Q] context positions, then block positions
         attention: AttentionFn,
         layer_fn: Callable | None = None,  # (layer, x, context, cos, sin, attention) -> x, e.g. compiled
@@ -189,10 +246,15 @@ class DFlashDrafter(nn.Module):
         if context is None:
             context = fuse_fn(self.fc, self.hidden_norm, features) if fuse_fn else self.fuse(features)
         cos, sin = self.rotary_emb(block_embeds, position_ids)
-        x = block_embeds
+        # The target's own embedding scale (Gemma's sqrt(hidden)), as z-lab's loop applies it when serving.
+        x = block_embeds * self.input_embedding_scale if self.input_embedding_scale != 1.0 else block_embeds
         for layer in self.layers:
             x = layer_fn(layer, x, context, cos, sin, attention) if layer_fn else layer(x, context, cos, sin, attention)
         return norm_fn(self.norm, x) if norm_fn else self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """Logits through the target's LM head and its logit transform (z-lab's compute_logits)."""
+        return shape_logits(F.linear(hidden, head_weight), self.output_multiplier, self.final_logit_softcapping)
 
     # ---- Hugging Face directory in the published drafters' format -------------------------------
 

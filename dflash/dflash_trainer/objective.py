@@ -128,4 +128,5 @@ def drafter_loss(
     compiled = ({"layer_fn": COMPILED_LAYER, "fuse_fn": COMPILED_FUSE, "norm_fn": COMPILED_NORM}
                 if compiled_layers else {})
     hidden = (model or drafter)(features, block_embeds, position_ids, attention, **compiled)
-    return chunked_block_loss(hidden, head_weight, blocks.labels, blocks.weights, drafter.block_size, chunk_rows)
+    return chunked_block_loss(hidden, head_weight, blocks.labels, blocks.weights, drafter.block_size, chunk_rows,
+                              drafter.output_multiplier, drafter.final_logit_softcapping)

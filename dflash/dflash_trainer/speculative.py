@@ -53,10 +53,20 @@ def stop_token_ids(model, tokenizer, stop_tokens: list[str] | None = None) -> li
 
 
 def _crop(cache: DynamicCache, length: int) -> None:
-    """Drop the rejected draft tokens from the target's cache (crop takes a negative count in 5.x)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+    """Drop the rejected draft tokens from the target's cache (crop takes a negative count in 5.x). Called
+    after every verify, as z-lab's loop does: on sliding-window layers crop(0) also trims the recorded past
+    back to the window (_new_cache)."""
+    cache.crop(-(cache.get_seq_length() - length))
+
+
+def _new_cache(model, rollback: bool) -> DynamicCache:
+    """The target's cache. rollback: recording the past of its sliding-window layers, so that a verify step
+    can be rolled back on every layer type (transformers refuses to crop a sliding layer past its window
+    otherwise)."""
+    cache = DynamicCache(config=model.config)
+    if rollback:
+        cache.activate_past_recording()
+    return cache
 
 
 def _features(hidden_states, layer_ids) -> torch.Tensor:
@@ -65,9 +75,10 @@ def _features(hidden_states, layer_ids) -> torch.Tensor:
 
 
 def _prefill(model, prompt_ids: list[int], device, hidden: bool):
+    """hidden: the speculative loop's prefill (hidden states, a cache that can be rolled back)."""
     if not prompt_ids:
         raise ValueError("empty prompt: a prompt needs at least one token")
-    cache = DynamicCache(config=model.config)
+    cache = _new_cache(model, rollback=hidden)
     out = model(torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True,
                 output_hidden_states=hidden, logits_to_keep=1)
     return cache, out
@@ -85,6 +96,7 @@ def speculative_generate(
     embed, head = target.embed_weight, target.head_weight
     device, dtype = embed.device, drafter.fc.weight.dtype
     cache, out = _prefill(model, prompt_ids, device, hidden=True)
+    _crop(cache, len(prompt_ids))
     # The fused context of every verified token except the newest (its feature comes with the next verify).
     context = drafter.fuse(_features(out.hidden_states, drafter.target_layer_ids).to(dtype))
     seq = list(prompt_ids) + [int(out.logits[0, -1].argmax())]
@@ -98,7 +110,7 @@ def speculative_generate(
         draft[0, 0] = seq[start]
         pos = torch.arange(start + size, device=device).unsqueeze(0)
         hidden = drafter(None, F.embedding(draft, embed).to(dtype), pos, attention, context=context)
-        draft[0, 1:] = F.linear(hidden[0, 1:].to(head.dtype), head).argmax(-1)
+        draft[0, 1:] = drafter.logits(hidden[0, 1:].to(head.dtype), head).argmax(-1)
         out = model(draft, past_key_values=cache, use_cache=True, output_hidden_states=True)
         posterior = out.logits[0].argmax(-1)
         accepted = int((draft[0, 1:] == posterior[:-1]).cumprod(0).sum())

@@ -60,13 +60,106 @@ def hooks_suspended(module: nn.Module):
 COMPILED_TARGET_LAYER = torch.compile(call_target_layer, dynamic=False, fullgraph=True)
 
 
+# Families whose decoder layers run exactly as their own forward runs them, given the embedding module's
+# output, the rotary embedding and a causal mask (tests/test_families.py checks each against
+# output_hidden_states). Others, or these with sliding-window layers, take the hooked forward.
+TAPPED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2"})
+
+
+def text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def tapped_forward_supported(model: nn.Module, backbone: nn.Module) -> bool:
-    """The backbone can be run layer by layer with only a causal mask (no sliding windows, SDPA)."""
-    config = model.config
+    """The backbone can be run layer by layer with only a causal mask: a family known to allow it, every
+    layer full attention (no sliding window), SDPA."""
+    config = text_config(model.config)
     types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    return (all(hasattr(backbone, name) for name in ("embed_tokens", "rotary_emb", "layers"))
+    return (config.model_type in TAPPED_FAMILIES
+            and all(hasattr(backbone, name) for name in ("embed_tokens", "rotary_emb", "layers"))
             and types == {"full_attention"} and getattr(config, "_attn_implementation", None) == "sdpa"
-            and not getattr(config, "use_sliding_window", False))
+            and not getattr(config, "use_sliding_window", False) and not getattr(config, "sliding_window", None))
+
+
+def meta_skeleton(config, trust_remote_code: bool = False) -> nn.Module:
+    """The target's model class built on the meta device (no memory, no weights read)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def attention_implementation(skeleton: nn.Module) -> str:
+    """SDPA where the model class supports it (its flash / cuDNN kernels), else eager: the families whose
+    attention SDPA cannot express (Gemma 2's soft-capped scores, gpt-oss's attention sinks) refuse SDPA."""
+    return "sdpa" if getattr(type(skeleton), "_supports_sdpa", False) else "eager"
+
+
+def borrowed_scales(config, skeleton: nn.Module | None = None, trust_remote_code: bool = False) -> dict:
+    """How the target transforms the embedding rows and LM-head logits the drafter borrows, under z-lab's
+    names: Gemma's embedding modules scale by sqrt(hidden) (`scalar_embed_scale`), Granite multiplies its
+    embeddings and divides its logits, Cohere scales its logits, Gemma 2 soft-caps them."""
+    tc = text_config(config)
+    if skeleton is None:
+        skeleton = meta_skeleton(config, trust_remote_code)
+    embed_scale = float(getattr(skeleton.get_input_embeddings(), "scalar_embed_scale", 1.0))
+    embed_scale *= float(getattr(tc, "embedding_multiplier", None) or 1.0)
+    multiplier = float(getattr(tc, "logit_scale", None) or 1.0) / float(getattr(tc, "logits_scaling", None) or 1.0)
+    softcap = getattr(tc, "final_logit_softcapping", None)
+    return {"input_embedding_scale": embed_scale, "output_multiplier": multiplier,
+            "final_logit_softcapping": float(softcap) if softcap else None}
+
+
+SUPPORTED_FAMILIES = ("Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3, OLMo 2 and gpt-oss causal LMs, "
+                      "and Gemma 3's multimodal checkpoint")
+
+
+def check_supported_target(config, where: str, trust_remote_code: bool = False) -> nn.Module:
+    """One refusal, before any weight or data is read, for a target the trainer cannot tap or draft for:
+    it names the family, what is missing, and what to give instead. Returns the meta-device skeleton."""
+    from .config import ConfigError
+    from .model import drafter_rope
+
+    tc = text_config(config)
+    family = getattr(tc, "model_type", None) or type(config).__name__
+    missing = [n for n in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                           "max_position_embeddings") if getattr(tc, n, None) is None]
+    if missing:
+        raise ConfigError(f"{where}: the {family} config names no {', '.join(missing)}, which the drafter's shape "
+                          f"is derived from; give a decoder-only causal LM ({SUPPORTED_FAMILIES} are tested)")
+    try:
+        skeleton = meta_skeleton(config, trust_remote_code)
+    except (ValueError, KeyError, ImportError, TypeError) as exc:
+        raise ConfigError(f"{where}: transformers builds no causal LM for the {family} family ({exc}); give a "
+                          f"decoder-only causal LM ({SUPPORTED_FAMILIES} are tested), or a multimodal model's "
+                          "text tower saved on its own") from None
+    try:
+        decoder_layers(skeleton)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc} (the {family} family); the drafter reads the outputs of the target's "
+                          f"decoder layers: give a model with a decoder layer list ({SUPPORTED_FAMILIES})") from None
+    for what, module in (("input embedding", skeleton.get_input_embeddings()),
+                         ("LM head", skeleton.get_output_embeddings())):
+        if getattr(module, "weight", None) is None:
+            raise ConfigError(f"{where}: {type(skeleton).__name__} ({family}) has no {what} matrix, which the "
+                              "drafter borrows; give the family's causal-LM checkpoint (the ...ForCausalLM one)")
+    kv = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+    if tc.num_attention_heads % kv:
+        raise ConfigError(f"{where}: {tc.num_attention_heads} attention heads are not a multiple of {kv} KV heads "
+                          f"({family}); the drafter copies the target's grouped-query layout, which needs that")
+    _check_rope(drafter_rope(tc), where, family)
+    return skeleton
+
+
+def _check_rope(rope: dict | None, where: str, family: str) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from .config import ConfigError
+
+    kind = (rope or {}).get("rope_type", "default")
+    if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+        raise ConfigError(f"{where}: RoPE type {kind!r} ({family}) is not one transformers' rotary embedding "
+                          f"computes ({', '.join(sorted(ROPE_INIT_FUNCTIONS))}, or default), which the drafter uses")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -112,6 +205,17 @@ class FrozenTarget:
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def attention(self) -> str:
+        """The attention implementation the target runs with (loading chose it: SDPA, else eager)."""
+        return str(getattr(text_config(self.model.config), "_attn_implementation", None))
+
+    def describe(self) -> str:
+        """One line for the log: the family, its attention, how the features are taken."""
+        family = text_config(self.model.config).model_type
+        how = "tapped forward" if self.tapped else "its own forward, hooked"
+        return f"{type(self.model).__name__} ({family}), attention {self.attention}, features from {how}"
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -209,7 +313,7 @@ class BorrowedWeights:
             torch.cuda.current_stream(self.embed.device).wait_stream(self._stream)
 
 
-def load_embed_and_head(path: str, device, dtype, config=None) -> BorrowedWeights:
+def load_embed_and_head(path: str, device, dtype, config=None, trust_remote_code: bool = False) -> BorrowedWeights:
     """Only the target's embedding and LM head (what a drafter rank needs), read by key from safetensors,
     in the background (BorrowedWeights). Missing tensors are an error here, before anything is read.
 
@@ -220,13 +324,12 @@ def load_embed_and_head(path: str, device, dtype, config=None) -> BorrowedWeight
     from pathlib import Path
 
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from .config import ConfigError
 
-    config = config if config is not None else AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+    config = config if config is not None else AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    skeleton = meta_skeleton(config, trust_remote_code)
     # Every name of each parameter: a tied model's embedding and head are one parameter with two names,
     # and its checkpoint usually stores only one of them.
     names: dict[int, list[str]] = {}
