@@ -158,7 +158,7 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
     else:
         # In the drafter's dtype: only the drafter uses them here (target.dtype is the target ranks' forward).
         borrowed = load_embed_and_head(cfg.target.path, device, DTYPES[train.dtype],
-                                       target_files.config)  # read in the background
+                                       target_files.config, cfg.target.trust_remote_code)  # in the background
         embed, head = borrowed.embed, borrowed.head
         startup.mark("embedding + head")
         if ctx.roles.offline:
@@ -367,6 +367,7 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
             after = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
                              "after training")
         summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"])
+        summary["target_attention"] = run.target.attention  # chosen per family at load (loading.load_target)
     with storage.explained(f"writing {out / 'summary.json'}", out, "The drafter is published; free space."):
         if run.ctx.colocated:  # what `dflash-eval --run` reads
             summary["eval_prompts"] = str(record_eval_prompts(out, run.prompts))
