@@ -11,6 +11,9 @@ from .jobs import EVAL, REGENERATE, TRAIN, Job
 from .procs import alive, job_processes, of_run
 
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
+# The plain progress lines a job writes to its log (dflash_trainer.metrics): "train: step 120/3000 | ...",
+# "regenerate: 40/9262 prompts | ...", "eval: gsm8k 12/32 prompts | ..." (after a "[rank0]:" tag, if any).
+PROGRESS_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?((?:train: step|regenerate:|eval: \S+) \d+/\d+.*)$")
 
 
 def last_checkpoint(run_dir: Path) -> int | None:
@@ -42,6 +45,14 @@ def tail(path: Path, lines: int) -> list[str]:
             return f.read().decode(errors="replace").splitlines()[-lines:]
     except OSError:
         return []
+
+
+def last_progress(path: Path) -> str | None:
+    """The last progress line in the log's last 256 KiB, or None."""
+    for line in reversed(tail(path, 1 << 20)):
+        if m := PROGRESS_LINE.match(line.strip()):
+            return m.group(1)
+    return None
 
 
 def progress(job: Job, job_dir: Path) -> dict:
@@ -79,7 +90,8 @@ def report(run_dir: Path, unit: str | None, log_lines: int = 5, job: Job = TRAIN
     log = Path(st.get("log") or run_dir / job.log)
     return {"job": job.name, "run_dir": str(run_dir), "state": state, "supervisor": st.get("supervisor", "none"),
             "systemd": unit_state, "restarts": int((unit_state or {}).get("NRestarts") or st.get("restarts") or 0),
-            "pids": [p.pid for p in found], **progress(job, run_dir), "log": str(log),
+            "pids": [p.pid for p in found], **progress(job, run_dir), "last_progress": last_progress(log),
+            "log": str(log),
             "log_tail": tail(log, log_lines)}
 
 
@@ -112,6 +124,7 @@ def format_report(r: dict) -> str:
              f"state:       {r['state']} (supervisor: {r['supervisor']}, restarts: {r['restarts']})",
              f"processes:   {', '.join(map(str, r['pids'])) or 'none'}",
              *progress_lines(r),
+             *([f"progress:    {r['last_progress']}"] if r.get("last_progress") else []),
              f"log:         {r['log']}"]
     if r["log_tail"]:
         lines += ["last log lines:"] + ["  " + x for x in r["log_tail"]]

@@ -35,6 +35,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     from .evaluate import EVAL_PROMPTS_FILE
     from .fp8 import check_fp8_device, check_not_prequantized
     from .loading import DTYPES, check_target, console
+    from .metrics import PlainProgress, say_progress
     from .prompt_sets import PromptSet, load_prompt_set, name_sources
     from .speculative import AcceptanceStats, greedy_generate, speculative_generate, stop_token_ids
     from .target import FrozenTarget, attention_implementation, check_supported_target, meta_skeleton
@@ -363,8 +364,10 @@ def evaluate_set(p: Plan, drafter, target: FrozenTarget, prompts: PromptSet, sto
 
     result = SetResult(prompts.name, prompts.source, len(prompts.prompts), prompts.skipped,
                        AcceptanceStats(drafter.block_size))
-    for rid, prompt in tqdm(list(zip(prompts.ids, prompts.prompts, strict=True)), desc=prompts.name, leave=False,
-                        disable=None):
+    # A terminal shows a bar per set; a log gets a plain line at the first prompt, every 30 s and at the last.
+    said = PlainProgress(len(prompts.prompts))
+    for done, (rid, prompt) in enumerate(tqdm(list(zip(prompts.ids, prompts.prompts, strict=True)),
+                                              desc=prompts.name, leave=False, disable=None), 1):
         spec, spec_s = _timed(p.device, speculative_generate, drafter, target, prompt, p.max_new_tokens, stop)
         ref, ref_s = _timed(p.device, greedy_generate, target, prompt, p.max_new_tokens, stop)
         try:
@@ -388,6 +391,9 @@ def evaluate_set(p: Plan, drafter, target: FrozenTarget, prompts: PromptSet, sto
             "tau": sum(spec.accept_lengths) / max(1, len(spec.accept_lengths)), "equal_to_target_only": tie is None,
             "output_ids": spec.tokens[len(prompt):], "output": p.tokenizer.decode(spec.tokens[len(prompt):]),
         })
+        if said.due(done):
+            say_progress(f"eval: {prompts.name} {done}/{said.total} prompts | tau {result.stats.tau:.2f} | "
+                         f"{said.timing(done)}")
     return result
 
 

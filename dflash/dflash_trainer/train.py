@@ -53,10 +53,11 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
         read_target_files,
         resolve_target,
     )
-    from .metrics import Metrics
+    from .metrics import Metrics, duration, eta, plain_progress, say_progress, slot_summary
     from .model import DFlashDrafter
     from .optim import MasterWeightAdamW, warmup_cosine
     from .parallel import drafter_side_advice
+    from .serve_check import check_published
     from .sharding import Replicated, Sharded, shard_drafter
     from .sources import FeatureBatch, disk_source, local_source, remote_source
     from .step import DrafterStep, StepClock, StepFigures
@@ -254,6 +255,37 @@ def log_step(run: DrafterRun, bar, metrics: Metrics, step: int, figures: StepFig
                      **{f"slot_acc/{k:02d}": slot_acc[k] for k in range(1, len(slot_acc))}}, step)
 
 
+@dataclass
+class LogWindow:
+    """The plain progress line of a log (stderr not a terminal): its rates cover the steps since the
+    previous line, not one step."""
+
+    step: int
+    started: float = field(default_factory=time.perf_counter)
+    losses: int = 0
+    tokens: int = 0
+    train_s: float = 0.0
+    wait_s: float = 0.0
+    flops: float = 0.0
+
+    def line(self, run: DrafterRun, history: History, done: int, figures: StepFigures, peak: float | None) -> str:
+        total, steps = run.cfg.train.steps, done - self.step
+        train_s = history.train_s - self.train_s
+        tokens_per_s = (history.tokens - self.tokens) / train_s if train_s > 0 else 0.0
+        mfu = (history.flops - self.flops) / train_s / peak if peak and train_s > 0 else None
+        wait_s = history.wait_s - self.wait_s
+        losses = history.losses[self.losses:] or [figures.loss]
+        left = eta(steps, total - done + steps, train_s) if steps else "?"
+        parts = [f"train: step {done}/{total} ({done / total:.0%})", f"loss {sum(losses) / len(losses):.3f}",
+                 f"acc {slot_summary(figures.slot_accuracy)}", f"{tokens_per_s:,.0f} tok/s",
+                 *([f"MFU {mfu:.1%}"] if mfu else []), f"lr {run.scheduler.get_last_lr()[0]:.2e}",
+                 f"elapsed {duration(time.perf_counter() - self.started)}, ETA {left}",
+                 f"{run.wait_kind} wait {wait_s:.1f}s ({wait_s / train_s if train_s > 0 else 0:.0%})"]
+        self.step, self.losses, self.tokens = done, len(history.losses), history.tokens
+        self.train_s, self.wait_s, self.flops = history.train_s, history.wait_s, history.flops
+        return " | ".join(parts)
+
+
 def train_loop(run: DrafterRun, metrics: Metrics | None, startup: Startup) -> History:
     """Steps start_step+1 .. train.steps; checkpoints every train.checkpoint_every steps; a graceful stop
     (SIGTERM / SIGINT) writes a checkpoint at the step it ends on.
@@ -269,10 +301,12 @@ def train_loop(run: DrafterRun, metrics: Metrics | None, startup: Startup) -> Hi
     clock = StepClock(device)
     bar = tqdm(range(run.start_step, train.steps), initial=run.start_step, total=train.steps, desc="train",
                dynamic_ncols=True, disable=None if run.lead else True)
+    # A log (stderr not a terminal) has no bar: a plain line every train.log_every steps instead.
+    window = LogWindow(run.start_step) if run.lead and plain_progress() else None
 
     # The T:D split is judged over steps 3-12 of this run (past start-up), when target ranks feed it.
     advise = run.wait_kind == "transfer" and run.lead
-    window = range(run.start_step + 3, min(run.start_step + 12, train.steps) + 1)
+    judged = range(run.start_step + 3, min(run.start_step + 12, train.steps) + 1)
     seen: list[tuple[float, float]] = []
 
     def read(done: int, result, lap) -> float:
@@ -283,9 +317,11 @@ def train_loop(run: DrafterRun, metrics: Metrics | None, startup: Startup) -> Hi
             run.log(ctx.label + startup.line())
         if run.lead and (done % train.log_every == 0 or done == train.steps):
             log_step(run, bar, metrics, done, figures, seconds, peak)
-        if advise and done in window:
+            if window is not None:
+                say_progress(window.line(run, history, done, figures, peak))
+        if advise and done in judged:
             seen.append((seconds, figures.step_wait_s))
-            if done == window[-1]:
+            if done == judged[-1]:
                 run.log(ctx.label + drafter_side_advice([t for t, _ in seen], [w for _, w in seen], train.grad_accum,
                                                         ctx.roles.num_targets, ctx.num_drafters))
         return figures.stop_votes
@@ -367,6 +403,8 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
             after = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
                              "after training")
         summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"])
+        if run.eval_stream is not None:  # the published drafter, reloaded, on the features serving computes
+            summary["serving_check"] = check_published(cfg, run.drafter, final_dir, run.target, run.eval_stream)
         summary["target_attention"] = run.target.attention  # chosen per family at load (loading.load_target)
     with storage.explained(f"writing {out / 'summary.json'}", out, "The drafter is published; free space."):
         if run.ctx.colocated:  # what `dflash-eval --run` reads

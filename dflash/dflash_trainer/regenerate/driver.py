@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,6 +17,7 @@ from datetime import timedelta
 import torch
 from tqdm import tqdm
 
+from ..metrics import PlainProgress, plain_progress, say_progress
 from ..prompts import render_prompt, slot_indices
 from .answers import Request, assemble_row
 from .plan import TEMPLATE_ERRORS, Job, Plan, chunks, conversation_of
@@ -86,22 +86,30 @@ class RunStats:
 
 
 class Progress:
-    """Prompts answered and answer tokens/s (rank 0 shows the bar; every rank counts)."""
+    """Prompts answered and answer tokens/s (rank 0 shows them; every rank counts): a bar on a terminal, in a
+    log a plain line at the first prompt, every 30 s and at the last."""
 
     def __init__(self, total_rows: int, show: bool, label: str):
-        tty = sys.stderr.isatty()
-        self.bar = tqdm(total=total_rows, desc=label, unit="prompt", disable=not show, dynamic_ncols=True,
-                        mininterval=0.5 if tty else 30.0, smoothing=0.05)
+        self.bar = tqdm(total=total_rows, desc=label, unit="prompt", disable=not show or plain_progress(),
+                        dynamic_ncols=True, mininterval=0.5, smoothing=0.05)
+        self.said = PlainProgress(total_rows, enabled=show and plain_progress())
+        self.label = label
         self.started = time.perf_counter()
         self.tokens = 0
+        self.rows = 0
 
     def answered(self, tokens: int) -> None:
         self.tokens += tokens
 
     def row_done(self) -> None:
+        self.rows += 1
         rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
         self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
         self.bar.update(1)
+        if self.said.due(self.rows):
+            rank = self.label.removeprefix("regenerating").strip()
+            say_progress(f"regenerate: {self.rows}/{self.said.total} prompts{' ' + rank if rank else ''} | "
+                         f"{rate:,.0f} tok/s | {self.tokens:,} answer tokens | {self.said.timing(self.rows)}")
 
     def close(self) -> None:
         self.bar.close()

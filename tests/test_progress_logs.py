@@ -1,0 +1,93 @@
+"""Progress in a log: train, regenerate and eval write plain progress lines when stderr is a pipe (as under
+systemd or `make train-logs`), and `dflash-run status` shows the last one of a running job."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dflash_run import status
+from dflash_run.jobs import EVAL, REGENERATE, TRAIN
+
+from tests.helpers.regenerate import chat_target as build_chat_target
+from tests.helpers.regenerate import corpus_rows, regenerate_cli, write_jsonl
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+
+def train_args(tiny_target, out: Path, *extra: str) -> list[str]:
+    sets = [f"target.path={tiny_target['target']}", f"data.train={json.dumps([tiny_target['train']])}",
+            f"data.eval={json.dumps([tiny_target['eval']])}", "train.steps=6", "train.micro_batch=4",
+            "train.num_anchors=8", "train.checkpoint_every=0", "train.log_every=2", "eval.prompts=1",
+            "eval.max_new_tokens=4", *extra]
+    return ["--config", "embedded", "--output-dir", str(out)] + [x for s in sets for x in ("--set", s)]
+
+
+def into_job_log(run_dir: Path, job, stderr: str) -> None:
+    """What the supervisor does with a detached job's output: its log file in the job's directory."""
+    log = run_dir / job.log
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(stderr)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("progress") / "run"
+    proc = subprocess.run([sys.executable, "-m", "dflash_trainer.train", *train_args(tiny_target, out)],
+                          capture_output=True, text=True, timeout=600, env=ENV, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stderr
+
+
+def test_training_writes_a_plain_line_every_log_every_steps(trained):
+    _, stderr = trained
+    lines = [x for x in stderr.splitlines() if x.startswith("train: step ")]
+    assert [re.match(r"train: step (\d+)/6", x).group(1) for x in lines] == ["2", "4", "6"]
+    last = lines[-1]
+    for part in ("loss ", "acc ", "(mean ", " tok/s", "lr ", "elapsed ", "ETA ", "target wait "):
+        assert part in last, (part, last)
+    assert "\r" not in stderr  # no progress bar redrawn into the log
+
+
+def test_status_shows_the_last_progress_line_of_a_training_log(trained):
+    out, stderr = trained
+    into_job_log(out, TRAIN, stderr + "after training: something else\n")
+    report = status.report(out, None, job=TRAIN)
+    assert report["last_progress"].startswith("train: step 6/6")
+    assert "progress:    train: step 6/6" in status.format_report(report)
+
+
+@pytest.mark.slow  # loads the target and answers 12 prompts in a process of its own
+def test_regeneration_writes_plain_lines_and_status_shows_the_last(tmp_path_factory, tmp_path):
+    target = build_chat_target(tmp_path_factory)["target"]
+    source = write_jsonl(tmp_path / "source.jsonl", corpus_rows(12))
+    out = tmp_path / "regen"
+    proc = regenerate_cli(["--target", target, "--data", str(source), "--out", str(out), "--max-new-tokens", "8",
+                           "--batch-size", "4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("regenerate: ")]
+    assert lines and lines[-1].startswith("regenerate: 12/12 prompts"), proc.stderr[-2000:]
+    assert " tok/s" in lines[-1] and "ETA " in lines[-1]
+    into_job_log(out, REGENERATE, proc.stderr)
+    assert status.report(out, None, job=REGENERATE)["last_progress"] == lines[-1]
+
+
+def test_evaluation_writes_a_line_per_prompt_set_and_status_shows_the_last(trained, tiny_target, tmp_path):
+    run_dir, _ = trained
+    out = tmp_path / "eval"
+    second = tmp_path / "more.jsonl"
+    second.write_text("".join(Path(tiny_target["eval"]).read_text().splitlines(keepends=True)[:2]))
+    proc = subprocess.run([sys.executable, "-m", "dflash_trainer.eval_cli", "--run", str(run_dir), "--prompts",
+                           str(run_dir / "eval_prompts.jsonl"), str(second), "--out", str(out), "--max-new-tokens", "4"],
+                          capture_output=True, text=True, timeout=600, env=ENV, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("eval: ")]
+    assert any(x.startswith("eval: more 2/2 prompts") for x in lines), proc.stderr[-2000:]
+    assert any(x.startswith("eval: eval_prompts 1/1 prompts") for x in lines), lines
+    into_job_log(out, EVAL, proc.stderr)
+    assert status.report(out, None, job=EVAL)["last_progress"] == lines[-1]
