@@ -55,11 +55,13 @@ def test_example_inventory_resolves_each_node_and_container():
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)
 
-    t1, t2, t3 = host("trainer1"), host("trainer2"), host("trainer3")
-    assert (t1["proxmox_node"], t1["proxmox_lxc_vmid"], t1["proxmox_gpu_devices"]) == ("pve1", 200, [0, 1, 2, 3])
-    assert (t2["proxmox_node"], t2["proxmox_lxc_vmid"]) == ("pve1", 201)
-    assert (t3["proxmox_node"], t3["proxmox_api_host"], t3["proxmox_gpu_method"]) == ("pve2", "pve2.example.org", "raw")
-    assert (t1["proxmox_lxc_storage"], t3["proxmox_lxc_storage"]) == ("local-lvm", "local-zfs")  # per node
+    t1, t2 = host("trainer1"), host("trainer2")
+    assert (t1["proxmox_node"], t1["proxmox_lxc_vmid"], t1["proxmox_gpu_devices"]) == ("pve1", 200, list(range(8)))
+    assert (t2["proxmox_node"], t2["proxmox_lxc_vmid"], t2["proxmox_gpu_devices"]) == ("pve2", 300, "all")
+    assert (t2["proxmox_api_host"], t2["proxmox_gpu_method"]) == ("pve2.example.org", "raw")
+    assert (t1["proxmox_lxc_storage"], t2["proxmox_lxc_storage"]) == ("local-lvm", "local-zfs")  # per node
+    # the GPU split the docs give for an 8-GPU container (docs/gpu-split.md)
+    assert (t1["training_run_target_gpus"], t1["training_run_drafter_gpus"]) == (3, 5)
     assert "proxmox_gpu_method" not in t1  # the role's default, dev
     # no secret in the inventory at all: the proxmox role's defaults read the vault or the environment
     assert not [k for k in t1 if re.search(r"password|secret", k)]
