@@ -35,6 +35,8 @@ def test_run_reports_and_exports(full_run):
     assert len(summary["losses"]) == 6 and summary["tokens_per_s"] > 0
     assert summary["final_loss"] < summary["first_loss"]
     assert 1.0 <= summary["tau_before"] <= 8 and 1.0 <= summary["tau_after"] <= 8
+    check = summary["serving_check"]  # the published drafter on the target's own forward scores the same
+    assert not check["flagged"] and abs(check["mean_gap"]) < 0.02 and len(check["slot_accuracy_as_served"]) == 7
     assert json.loads((out / "summary.json").read_text())["drafter_dir"] == str(out / "drafter")
     drafter = DFlashDrafter.from_pretrained(out / "drafter")
     assert drafter.block_size == 8
