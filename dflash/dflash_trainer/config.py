@@ -51,6 +51,24 @@ NOT_NEGATIVE = Rule(ge=0)
 FRACTION = Rule(ge=0, le=1)
 DTYPE = Rule(choices=DTYPE_NAMES)
 
+# Upper bounds on counts of work: far above any real run, low enough that a typo (train.steps = 1e23, a
+# context of 10^12 tokens) is refused before a start that could never finish.
+MAX_STEPS = 100_000_000  # optimizer steps, and step intervals
+MAX_TOKENS = 1 << 20  # tokens of one sequence: a context, a bucket, tokens to generate
+MAX_ROWS = 65_536  # rows of a micro-batch, micro-batches per step, anchors per sequence
+MAX_LAYERS = 1024  # layers of a model (and a layer index)
+MAX_BLOCK = 1024  # tokens of one drafted block
+MAX_PROCESSES = 4096  # ranks, worker processes, requests in flight
+MAX_PROMPTS = 10_000_000  # prompts to evaluate or answer
+MAX_SEED = 2**32 - 1  # a seed (anchors draw from seed * 1_000_003 + index: it must stay a 64-bit integer)
+STEPS = Rule(ge=1, le=MAX_STEPS)
+ROWS = Rule(ge=1, le=MAX_ROWS)
+TOKENS = Rule(ge=2, le=MAX_TOKENS)
+NEW_TOKENS = Rule(ge=1, le=MAX_TOKENS)
+PROCESSES = Rule(ge=1, le=MAX_PROCESSES)
+PROMPTS = Rule(ge=1, le=MAX_PROMPTS)
+SEED = Rule(ge=0, le=MAX_SEED)
+
 # What train.moments_dtype may be (AdamW's moments: fp32, or bf16 beside fp32 masters).
 MOMENTS_DTYPE_NAMES = ("float32", "bfloat16")
 # What target.quantization may be (fp8.py: the target's decoder layers as FP8-dynamic GEMMs).
@@ -69,11 +87,11 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    num_layers: Annotated[int, AT_LEAST_1] = 5
-    block_size: Annotated[int, AT_LEAST_2] = 16
+    num_layers: Annotated[int, Rule(ge=1, le=MAX_LAYERS)] = 5
+    block_size: Annotated[int, Rule(ge=2, le=MAX_BLOCK)] = 16
     mask_token_id: Annotated[int | None, NOT_NEGATIVE] = None  # None: the tokenizer's mask token
-    target_layer_ids: Annotated[list[int] | None, NOT_NEGATIVE] = None  # None: the published rule
-    intermediate_size: Annotated[int | None, AT_LEAST_1] = None
+    target_layer_ids: Annotated[list[int] | None, Rule(ge=0, le=MAX_LAYERS - 1)] = None  # None: the published rule
+    intermediate_size: Annotated[int | None, Rule(ge=1, le=1 << 24)] = None
     gamma: Annotated[float | None, POSITIVE] = None  # None: 7 for B=16 (paper)
     init_from: Annotated[str | None, PATH] = None  # an existing drafter directory to continue from
 
@@ -82,52 +100,55 @@ class DrafterConfig:
 class DataConfig:
     train: Annotated[list[str], PATH] = field(default_factory=list)
     eval: Annotated[list[str], PATH] = field(default_factory=list)
-    max_length: Annotated[int, AT_LEAST_2] = 3072
-    context_buckets: Annotated[list[int], AT_LEAST_2] = field(default_factory=lambda: [512, 1024, 2048, 3072])
-    num_proc: Annotated[int | None, AT_LEAST_1] = None
+    max_length: Annotated[int, TOKENS] = 3072
+    context_buckets: Annotated[list[int], TOKENS] = field(default_factory=lambda: [512, 1024, 2048, 3072])
+    num_proc: Annotated[int | None, PROCESSES] = None
     features_dir: Annotated[str | None, PATH] = None  # offline mode: features dumped with --dump-features
+    # An assistant turn's reasoning text (reasoning_content / reasoning / thinking): keep passes it to the chat
+    # template as reasoning_content (rendered where the template renders it), drop leaves it out
+    reasoning: Annotated[str, Rule(choices=("keep", "drop"))] = "keep"
 
 
 @dataclass
 class ParallelConfig:
-    target_ranks: Annotated[int, NOT_NEGATIVE] = 0  # processes running the frozen target (torchrun --nproc-per-node = T + D)
-    drafter_ranks: Annotated[int, AT_LEAST_1] = 1  # processes training the drafter
+    target_ranks: Annotated[int, Rule(ge=0, le=MAX_PROCESSES)] = 0  # processes running the frozen target (torchrun --nproc-per-node = T + D)
+    drafter_ranks: Annotated[int, PROCESSES] = 1  # processes training the drafter
     # ddp: a full copy per drafter rank; fsdp: split across them (sharding.py)
     drafter_sharding: Annotated[str, Rule(choices=("ddp", "fsdp"))] = "ddp"
-    prefetch: Annotated[int, AT_LEAST_1] = 2  # micro-batches in flight per target -> drafter pair
+    prefetch: Annotated[int, Rule(ge=1, le=1024)] = 2  # micro-batches in flight per target -> drafter pair
     isolate_gpus: bool = True  # each worker sees its GPU as cuda:0: one compile cache for all ranks
 
 
 @dataclass
 class TrainConfig:
-    steps: Annotated[int, AT_LEAST_1] = 1000
-    micro_batch: Annotated[int, AT_LEAST_1] = 1
-    grad_accum: Annotated[int, AT_LEAST_1] = 1
-    num_anchors: Annotated[int, AT_LEAST_1] = 512
+    steps: Annotated[int, STEPS] = 1000
+    micro_batch: Annotated[int, ROWS] = 1
+    grad_accum: Annotated[int, ROWS] = 1
+    num_anchors: Annotated[int, ROWS] = 512
     lr: Annotated[float, POSITIVE] = 6e-4
     warmup_ratio: Annotated[float, FRACTION] = 0.04
     min_lr_ratio: Annotated[float, FRACTION] = 0.0
     weight_decay: Annotated[float, NOT_NEGATIVE] = 0.0
     max_grad_norm: Annotated[float, POSITIVE] = 1.0
-    seed: Annotated[int, NOT_NEGATIVE] = 0
+    seed: Annotated[int, SEED] = 0
     dtype: Annotated[str, DTYPE] = "bfloat16"  # drafter parameters; the optimizer keeps fp32 masters
     # AdamW's two moments; bfloat16 halves their memory and the update's moment traffic (fp32 math and
     # masters still); needs low-precision parameters and no FSDP sharding (README "The trainer")
     moments_dtype: Annotated[str, Rule(choices=MOMENTS_DTYPE_NAMES)] = "float32"
     attention: Annotated[str, Rule(choices=("auto", "flex", "sdpa"))] = "auto"  # auto: flex on CUDA, sdpa on CPU
-    loss_chunk_rows: Annotated[int, AT_LEAST_1] = 2048
+    loss_chunk_rows: Annotated[int, Rule(ge=1, le=1 << 24)] = 2048
     compile_layers: bool = True  # flex backend: compile each drafter layer whole (fused norms/RoPE/SwiGLU), and the norms after fc and at the end
-    log_every: Annotated[int, AT_LEAST_1] = 10
-    checkpoint_every: Annotated[int, NOT_NEGATIVE] = 500  # steps; 0: none (the final drafter is always saved)
-    keep_last: Annotated[int, AT_LEAST_1] = 3
+    log_every: Annotated[int, STEPS] = 10
+    checkpoint_every: Annotated[int, Rule(ge=0, le=MAX_STEPS)] = 500  # steps; 0: none (the final drafter is always saved)
+    keep_last: Annotated[int, Rule(ge=1, le=10_000)] = 3
     compile_cache_dir: Annotated[str | None, PATH] = None
     wandb_project: str | None = None  # W&B logging when wandb is installed (or set WANDB_PROJECT)
 
 
 @dataclass
 class EvalConfig:
-    prompts: Annotated[int, AT_LEAST_1] = 16
-    max_new_tokens: Annotated[int, AT_LEAST_1] = 128
+    prompts: Annotated[int, PROMPTS] = 16
+    max_new_tokens: Annotated[int, NEW_TOKENS] = 128
 
 
 @dataclass
@@ -238,6 +259,40 @@ def _range_problem(value, rule: Rule) -> str | None:
     return None
 
 
+def check_value(value, hint, rule: Rule) -> tuple[object, str | None]:
+    """(value as its declared type, None), or (None, what is wrong with it): the one check every config key and
+    every numeric command-line flag goes through (a finite number of the right type, within the rule's range)."""
+    try:
+        typed = _coerce(value, hint)
+    except _Mismatch:
+        finite = " (finite)" if isinstance(value, float) and not math.isfinite(value) else ""
+        return None, f"must be {_describe(hint)}{finite}"
+    if (problem := _range_problem(typed, rule)) is not None:
+        return None, problem
+    return typed, None
+
+
+def describe_rule(hint, rule: Rule) -> str:
+    """What a value may be, in words: "an integer, >= 1 and <= 100000000"."""
+    bounds = [f"{word} {_number(bound)}" for word, bound in ((">=", rule.ge), (">", rule.gt), ("<=", rule.le))
+              if bound is not None]
+    text = _describe(hint) + (", " + " and ".join(bounds) if bounds else "")
+    return text + (": one of " + ", ".join(rule.choices) if rule.choices else "")
+
+
+def _number(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else str(bound)
+
+
+def setting(key: str) -> tuple[object, Rule]:
+    """(declared type, Rule) of a dotted config key, e.g. "train.steps"; KeyError when there is none."""
+    cls, *parents = RunConfig, *key.split(".")[:-1]
+    for name in parents:
+        cls = {f.name: hint for f, hint, _ in _fields(cls)}[name]
+    found = {f.name: (hint, rule) for f, hint, rule in _fields(cls)}
+    return found[key.rsplit(".", 1)[-1]]
+
+
 def _section_name(where: str) -> str:
     return f"[{where}]" if where else "the top level (no section)"
 
@@ -271,13 +326,8 @@ def _build(cls, values: dict, where: str, problems: list[str]):
             else:
                 problems.append(f"{key} = {_shown(value)}: must be a table ([{key}] with its keys)")
             continue
-        try:
-            typed = _coerce(value, hint)
-        except _Mismatch:
-            finite = " (finite)" if isinstance(value, float) and not math.isfinite(value) else ""
-            problems.append(f"{key} = {_shown(value)}: must be {_describe(hint)}{finite}")
-            continue
-        if (problem := _range_problem(typed, rule)) is not None:
+        typed, problem = check_value(value, hint, rule)
+        if problem is not None:
             problems.append(f"{key} = {_shown(value)}: {problem}")
             continue
         kwargs[f.name] = _expand_user(typed) if rule.path else typed
@@ -328,26 +378,58 @@ def _apply_override(values: dict, text: str) -> None:
     node[keys[-1]] = _parse_value(raw, _hint_for(keys))
 
 
-def load_config(source: str, overrides: list[str] = ()) -> RunConfig:
+def _leaves(values: dict, prefix: str = ""):
+    """(dotted key, value) of every leaf of a nested dict."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value
+
+
+def given_keys(config: RunConfig) -> set[str]:
+    """The dotted keys the config file, --set or a flag set explicitly; for a config not made by load_config,
+    the keys whose value differs from the default."""
+    recorded = getattr(config, "_given_keys", None)
+    if recorded is not None:
+        return set(recorded)
+    defaults = dict(_leaves(RunConfig().to_dict()))
+    return {key for key, value in _leaves(config.to_dict()) if value != defaults.get(key)}
+
+
+def _config_path(source: str) -> Path:
     path = CONFIG_DIR / f"{source}.toml" if (CONFIG_DIR / f"{source}.toml").is_file() else Path(source)
+    if path.is_dir():
+        raise ConfigError(f"config {source!r} is a directory: give a TOML file (e.g. {path / 'run.toml'}) or a "
+                          "bundled config name")
     if not path.is_file():
         bundled = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
         raise ConfigError(f"config {source!r} not found: give a TOML file or one of {bundled}")
+    return path
+
+
+def load_config(source: str, overrides: list[str] = (), flags: dict[str, str] | None = None) -> RunConfig:
+    """The config file with --set overrides, then flags ({"--output-dir": "output_dir=runs/x"}: a command-line
+    flag that sets one key, named as itself in the errors)."""
+    path = _config_path(source)
+    flags = flags or {}
     try:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot be read: {exc}") from exc
-    for text in overrides:
+    for text in [*overrides, *flags.values()]:
         _apply_override(values, text)
     problems: list[str] = []
     config = _build(RunConfig, values, "", problems)
     if not problems:
         problems = semantic_problems(config)
     if problems:
-        where = path.name + (" with --set" if overrides else "")
+        given = (["--set"] if overrides else []) + list(flags)
+        where = path.name + (" with " + ", ".join(given) if given else "")
         raise ConfigError(f"invalid config ({where}):\n  - " + "\n  - ".join(problems))
+    config._given_keys = frozenset(key for key, _ in _leaves(values))  # not a field: what was set explicitly (given_keys)
     return config
 
 
@@ -383,3 +465,75 @@ def semantic_problems(c: RunConfig) -> list[str]:
     return problems
 
 
+
+
+# ---- a drafter's config.json: its values as the drafter settings allow them ---------------------
+
+# A published drafter's config.json key -> the setting that decides it.
+DRAFTER_FILE_KEYS = {
+    "num_hidden_layers": "drafter.num_layers",
+    "block_size": "drafter.block_size",
+    "dflash_config.target_layer_ids": "drafter.target_layer_ids",
+    "dflash_config.mask_token_id": "drafter.mask_token_id",
+    "intermediate_size": "drafter.intermediate_size",
+}
+
+
+def _dig(values: dict, dotted: str):
+    for key in dotted.split("."):
+        values = values.get(key) if isinstance(values, dict) else None
+    return values
+
+
+def drafter_file_problems(raw: dict) -> list[str]:
+    """What a drafter's config.json holds that its setting would refuse (block_size 0, a negative layer id),
+    each with the key it has; keys it lacks are the caller's to judge."""
+    problems = []
+    for key, setting_key in DRAFTER_FILE_KEYS.items():
+        value = _dig(raw, key)
+        if value is None:
+            continue
+        hint, rule = setting(setting_key)
+        if check_value(value, hint, rule)[1] is not None or value == []:
+            problems.append(f"{key} = {_shown(value)} (must be {describe_rule(hint, rule)}, as {setting_key})")
+    return problems
+
+
+def read_drafter_file(directory: Path, flag: str) -> dict:
+    """directory/config.json of a DFlash drafter, its values checked; ConfigError naming `flag` (the setting
+    or option that gave the directory), the file and the fix."""
+    config_file = Path(directory) / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{flag} {directory}: {config_file} cannot be read ({exc}): give a drafter directory "
+                          "(a run's OUTPUT/drafter or OUTPUT/checkpoints/step-N)") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("dflash_config"), dict):
+        raise ConfigError(f"{flag} {directory}: {config_file} has no dflash_config, so it is not a DFlash drafter "
+                          "(a target model's directory?): give a drafter directory (a run's OUTPUT/drafter or "
+                          "OUTPUT/checkpoints/step-N)")
+    if problems := drafter_file_problems(raw):
+        raise ConfigError(f"{flag} {directory}: {config_file} holds values no drafter can have: "
+                          + "; ".join(problems) + ". The file was edited or damaged: copy it again from where the "
+                          "drafter came from")
+    return raw
+
+
+def check_init_from(c: RunConfig) -> None:
+    """drafter.init_from fixes the drafter's shape: a drafter setting given explicitly (the config file, --set)
+    that says otherwise is refused with every difference listed, never silently overridden."""
+    if not c.drafter.init_from:
+        return
+    raw = read_drafter_file(Path(c.drafter.init_from), "drafter.init_from")
+    given = given_keys(c)
+    values = dataclasses.asdict(c.drafter)
+    conflicts = []
+    for key, setting_key in DRAFTER_FILE_KEYS.items():
+        name = setting_key.removeprefix("drafter.")
+        if setting_key in given and values[name] is not None and _dig(raw, key) != values[name]:
+            conflicts.append(f"{setting_key} = {_shown(values[name])}, the drafter in it has "
+                             f"{_shown(_dig(raw, key))} ({key})")
+    if conflicts:
+        raise ConfigError(f"drafter.init_from {c.drafter.init_from} continues that drafter as it is, and the config "
+                          "sets its shape otherwise:\n  - " + "\n  - ".join(conflicts) + "\nRemove these settings "
+                          "(or set them to the drafter's values), or leave drafter.init_from out to build a new drafter")

@@ -28,7 +28,11 @@ class DataError(ValueError):
     """Input data that cannot be used, with what to change."""
 
 
-DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+# The file formats `datasets` reads, by suffix: its own loader for each (JSON arrays and JSON lines, parquet,
+# Arrow, CSV). A file of another suffix is read as JSON lines.
+BUILDERS = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json", ".parquet": "parquet",
+            ".arrow": "arrow", ".csv": "csv"}
+DATA_SUFFIXES = tuple(BUILDERS)
 TRAINER_FLAGS = "data.train / data.eval"  # where a source was given, named in the fix of an error
 
 
@@ -71,8 +75,11 @@ def _open_text(name: str):
 
 
 def _has_rows(name: str) -> bool:
-    with _open_text(name) as f:
-        return any(line.strip() for line in f)
+    try:
+        with _open_text(name) as f:
+            return any(line.strip() for line in f)
+    except UnicodeDecodeError:  # not text: rows or not, the loader's error names it
+        return True
 
 
 def _first_bad_line(files: list[str]) -> str | None:
@@ -99,21 +106,67 @@ def _first_bad_line(files: list[str]) -> str | None:
     return None
 
 
-def _load_local(files: list[str], split: str):
+def _builder(name: str) -> str:
+    return next((b for suffix, b in BUILDERS.items() if name.endswith(suffix)), "json")
+
+
+def _binary(name: str) -> bool:
+    """The file's first 8 KiB are not UTF-8 text (a parquet or Arrow file named .jsonl, say)."""
+    import codecs
+    import gzip
+
+    try:
+        with (gzip.open if name.endswith(".gz") else open)(name, "rb") as f:
+            head = f.read(8192)
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except (OSError, UnicodeDecodeError, EOFError):
+        return True
+    return b"\x00" in head
+
+
+def _unreadable(name: str, builder: str, exc: BaseException) -> DataError:
+    """A file `datasets` could not read at all, named, with what it has to be."""
+    cause = exc.__cause__ or exc
+    if isinstance(cause, UnicodeDecodeError) or builder != "json" or _binary(name):
+        what = {"json": "JSON or JSON lines text", "parquet": "a parquet file", "arrow": "an Arrow (IPC stream) file",
+                "csv": "CSV text with a header row"}[builder]
+        return DataError(f"data file {name} cannot be read as {what} ({type(cause).__name__}: {cause}): give it the "
+                         f"suffix of its format ({', '.join(DATA_SUFFIXES)}), or convert it to one of them")
+    return DataError(f"could not read {name}: {cause}; each line must be one JSON object, with the same keys and "
+                     "value types in every row")
+
+
+def _load_one_format(files: list[str], builder: str, split: str):
     import datasets
 
     try:
-        rows = datasets.load_dataset("json", data_files=files, split=split)
+        return datasets.load_dataset(builder, data_files=files, split=split)
     except Exception as exc:
-        if not any(_has_rows(name) for name in files):
-            raise DataError(f"{files} hold no rows (only blank lines): give one JSON object per line") from exc
-        bad = _first_bad_line(files)
-        if bad is not None:
-            raise DataError(f"{bad}; each line must be one JSON object (a chat row)") from exc
-        raise DataError(f"could not read {files}: {exc.__cause__ or exc}; each line "
-                        "must be one JSON object, with the same keys and value types in every row") from exc
+        if builder == "json":
+            if not any(_has_rows(name) for name in files):
+                raise DataError(f"{files} hold no rows (only blank lines): give one JSON object per line") from exc
+            try:
+                bad = _first_bad_line(files)
+            except UnicodeDecodeError:
+                bad = None
+            if bad is not None:
+                raise DataError(f"{bad}; each line must be one JSON object (a chat row)") from exc
+        for name in files:  # name the one file that fails on its own
+            try:
+                datasets.load_dataset(builder, data_files=[name], split=split)
+            except Exception as one:  # any failure of this file is what the message names
+                raise _unreadable(name, builder, one) from one
+        raise _unreadable(", ".join(files), builder, exc) from exc
+
+
+def _load_local(files: list[str], split: str):
+    formats = sorted({_builder(name) for name in files})
+    if len(formats) > 1:
+        raise DataError(f"{files} mix file formats ({', '.join(formats)}): give files of one format per source "
+                        "list, or convert them to one")
+    rows = _load_one_format(files, formats[0], split)
     if len(rows) == 0:
-        raise DataError(f"{files} hold no rows (only blank lines): give one JSON object per line")
+        raise DataError(f"{files} hold no rows: give files with chat rows")
     return rows
 
 
@@ -165,22 +218,64 @@ def load_rows(sources: str | Sequence[str], split: str = "train", flags: str = T
     return rows
 
 
-def normalise_messages(row: dict) -> list[dict]:
-    """OpenAI-style `messages` or ShareGPT-style `conversations` -> [{role, content}]."""
+# Where chat rows keep an assistant turn's reasoning ("thinking") text; chat templates that render it
+# (Qwen3, DeepSeek-R1) read `reasoning_content`.
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+REASONING = ("keep", "drop")  # data.reasoning: pass it to the chat template, or leave it out
+# Keys of a turn the chat template reads besides role and content (OpenAI tool calling).
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
+def _text_of(content) -> str | None:
+    """A turn's content as text: a string, or OpenAI content parts whose text parts are joined (as vLLM
+    joins them); None when it is neither. DataError for a part that is not text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        return None
+    texts = []
+    for part in content:
+        if part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+            raise DataError(f"content part of type {part.get('type')!r}: only text parts can be trained on "
+                            "(drop the row or its non-text parts)")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _normalise_turn(turn: dict, reasoning: str) -> dict:
+    role = turn.get("role") or turn.get("from")
+    raw = turn.get("content") if turn.get("content") is not None else turn.get("value")
+    tool_calls = turn.get("tool_calls")
+    content = "" if raw is None and tool_calls else _text_of(raw)  # a tool-call turn may carry no text
+    if not isinstance(role, str) or content is None:
+        raise DataError("a turn lacks a role/content (or from/value) pair of strings")
+    out = {"role": ROLE_ALIASES.get(role, role), "content": content}
+    # Rows of several styles in one file give every turn every key (None where absent): keep set ones only.
+    out.update({key: turn[key] for key in TOOL_KEYS if turn.get(key) is not None})
+    thought = next((turn[key] for key in REASONING_KEYS if isinstance(turn.get(key), str) and turn[key]), None)
+    if thought is not None and reasoning == "keep":
+        out["reasoning_content"] = thought
+    return out
+
+
+def normalise_messages(row: dict, reasoning: str = "keep") -> list[dict]:
+    """OpenAI-style `messages` or ShareGPT-style `conversations` -> [{role, content, ...}]: content parts
+    joined to text, tool calls and tool turns kept for the chat template, reasoning kept or dropped.
+    `messages` given as JSON text (a CSV column) is parsed first."""
+    if reasoning not in REASONING:
+        raise ValueError(f"reasoning={reasoning!r}: use one of {REASONING}")
     raw = row.get("messages") or row.get("conversations")
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raise DataError("'messages' / 'conversations' is text but not JSON (a CSV column must hold the "
+                            "list of turns as JSON)") from None
     if not raw:
         raise DataError(f"row has neither 'messages' nor 'conversations': keys {sorted(row)}")
     if not isinstance(raw, list) or not all(isinstance(turn, dict) for turn in raw):
         raise DataError("'messages' / 'conversations' must be a list of turns ({role, content} objects)")
-    out = []
-    for turn in raw:
-        role = turn.get("role") or turn.get("from")
-        # Rows of both styles in one file give every turn all four keys (None where absent).
-        content = turn.get("content") if turn.get("content") is not None else turn.get("value")
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise DataError(f"turn {turn!r} lacks a role/content (or from/value) pair of strings")
-        out.append({"role": ROLE_ALIASES.get(role, role), "content": content})
-    return out
+    return [_normalise_turn(turn, reasoning) for turn in raw]
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> dict:
@@ -212,10 +307,6 @@ def has_anchor(loss_mask: Sequence[int]) -> bool:
     return any(a and b for a, b in pairwise(loss_mask))
 
 
-def _row_error(rows, index: int, problem: str) -> DataError:
-    return DataError(f"row {index + 1} of {rows.info.description or 'the data'}: {problem}")
-
-
 def _check_columns(rows) -> None:
     names = set(rows.column_names)
     if not ({"messages", "conversations"} & names or {"input_ids", "loss_mask"} <= names):
@@ -224,41 +315,86 @@ def _check_columns(rows) -> None:
                         "'input_ids' + 'loss_mask'")
 
 
-def _pretokenized(rows, row: dict, index: int, max_length: int) -> dict:
+NO_ANCHOR = "no two consecutive assistant tokens within data.max_length (nothing to train on)"
+SHOWN_ROWS = 5  # row numbers named per refusal reason
+
+
+def _pretokenized(row: dict, max_length: int) -> dict:
     ids, mask = row["input_ids"], row["loss_mask"]
     if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
-        raise _row_error(rows, index, "input_ids and loss_mask must be lists of the same length")
+        return _refused("input_ids and loss_mask must be lists of the same length")
     if any(m not in (0, 1) for m in mask) or any(not isinstance(t, int) or t < 0 for t in ids):
-        raise _row_error(rows, index, "input_ids must be token ids (ints >= 0) and loss_mask 0s and 1s")
-    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
+        return _refused("input_ids must be token ids (ints >= 0) and loss_mask 0s and 1s")
+    return _usable({"input_ids": ids[:max_length], "loss_mask": mask[:max_length]})
 
 
-def _conversation(rows, tokenizer, row: dict, index: int, max_length: int) -> dict:
+def _conversation(tokenizer, row: dict, max_length: int, reasoning: str) -> dict:
+    from jinja2 import TemplateError
+
     try:
-        return tokenize_conversation(tokenizer, normalise_messages(row), max_length)
+        return _usable(tokenize_conversation(tokenizer, normalise_messages(row, reasoning), max_length))
     except DataError as exc:
-        raise _row_error(rows, index, str(exc)) from exc
+        return _refused(str(exc))
+    except TemplateError as exc:  # the target's chat template raises on what it cannot render
+        return _refused(f"the target's chat template refuses it ({exc})")
 
 
-def tokenize_dataset(rows, tokenizer, max_length: int, num_proc: int | None = None):
-    """Dataset with `input_ids` and `loss_mask`; rows without a trainable position are dropped."""
+def _usable(row: dict) -> dict:
+    return {**row, "refused": "" if has_anchor(row["loss_mask"]) else NO_ANCHOR}
+
+
+def _refused(reason: str) -> dict:
+    return {"input_ids": [], "loss_mask": [], "refused": reason}
+
+
+def refusals(reasons: Sequence[str]) -> dict[str, list[int]]:
+    """Why rows were refused -> their row numbers (1-based)."""
+    out: dict[str, list[int]] = {}
+    for index, reason in enumerate(reasons):
+        if reason:
+            out.setdefault(reason, []).append(index + 1)
+    return out
+
+
+def describe_refusals(refused: dict[str, list[int]]) -> str:
+    """'3 rows: content part of type 'image_url' ... (rows 4, 9, 12)' per reason, most frequent first."""
+    parts = []
+    for reason, numbers in sorted(refused.items(), key=lambda item: -len(item[1])):
+        shown = ", ".join(map(str, numbers[:SHOWN_ROWS])) + (", ..." if len(numbers) > SHOWN_ROWS else "")
+        parts.append(f"{len(numbers)} x {reason} (row{'s' if len(numbers) > 1 else ''} {shown})")
+    return "; ".join(parts)
+
+
+def _say(text: str) -> None:
+    import sys
+
+    print(text, file=sys.stderr, flush=True)
+
+
+def tokenize_dataset(rows, tokenizer, max_length: int, num_proc: int | None = None, reasoning: str = "keep",
+                     say=_say):
+    """Dataset with `input_ids` and `loss_mask`. Rows that cannot be used (no trainable position, a turn that
+    is not a chat turn, a content part that is not text, ...) are left out and counted: `say` gets one line
+    with each reason and the first row numbers."""
     _check_columns(rows)
+    source = rows.info.description or "the data"
     if "input_ids" in rows.column_names and "loss_mask" in rows.column_names:
-        ds = rows.map(lambda r, i: _pretokenized(rows, r, i, max_length), with_indices=True, num_proc=num_proc)
+        ds = rows.map(lambda r: _pretokenized(r, max_length), num_proc=num_proc)
     else:
-        ds = rows.map(
-            lambda r, i: _conversation(rows, tokenizer, r, i, max_length),
-            with_indices=True,
-            remove_columns=rows.column_names,
-            num_proc=num_proc,
-            desc="tokenizing",
-        )
-    ds = ds.filter(lambda r: has_anchor(r["loss_mask"]), num_proc=num_proc)
-    if len(ds) == 0:
-        raise DataError(f"no usable rows in {rows.info.description or 'the data'}: none of its {len(rows)} rows "
-                        f"has two consecutive assistant tokens within data.max_length = {max_length}, so "
-                        "nothing can be trained; give rows with assistant answers (or raise data.max_length)")
-    return ds.select_columns(["input_ids", "loss_mask"])
+        ds = rows.map(lambda r: _conversation(tokenizer, r, max_length, reasoning), remove_columns=rows.column_names,
+                      num_proc=num_proc, desc="tokenizing")
+    refused = refusals(ds["refused"])
+    kept = ds.filter(lambda r: not r["refused"], num_proc=num_proc)
+    if len(kept) == 0:
+        if set(refused) == {NO_ANCHOR}:
+            raise DataError(f"no usable rows in {source}: none of its {len(rows)} rows has two consecutive "
+                            f"assistant tokens within data.max_length = {max_length}, so nothing can be trained; "
+                            "give rows with assistant answers (or raise data.max_length)")
+        raise DataError(f"no usable rows in {source}: all {len(rows)} refused: {describe_refusals(refused)}")
+    if refused:
+        say(f"{source}: {len(kept)} of {len(rows)} rows used, {len(rows) - len(kept)} refused: "
+            f"{describe_refusals(refused)}")
+    return kept.select_columns(["input_ids", "loss_mask"])
 
 
 def bucket_for(length: int, buckets: Sequence[int]) -> int:

@@ -201,9 +201,11 @@ def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:
 
 def load_data(cfg: RunConfig, tokenizer) -> tuple[MicroBatches, MicroBatches | None, list[list[int]]]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_ds = tokenize_dataset(load_rows(cfg.data.train), tokenizer, cfg.data.max_length, cfg.data.num_proc)
+    train_ds = tokenize_dataset(load_rows(cfg.data.train), tokenizer, cfg.data.max_length, cfg.data.num_proc,
+                                cfg.data.reasoning)
     if cfg.data.eval:
-        eval_ds = tokenize_dataset(load_rows(cfg.data.eval), tokenizer, cfg.data.max_length, cfg.data.num_proc)
+        eval_ds = tokenize_dataset(load_rows(cfg.data.eval), tokenizer, cfg.data.max_length, cfg.data.num_proc,
+                                   cfg.data.reasoning)
         if shared := overlapping(train_ds, eval_ds):
             console.print(f"[yellow]warning:[/] {shared} of {len(eval_ds)} data.eval rows have a prompt that data.train "
                           "also has: tau on them is not held out. Remove them from one of the two")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .data import DATA_SUFFIXES, DataError, is_local_source, load_rows
-from .prompts import check_chat_template, prompt_messages, render_prompt, row_id, row_messages
+from .prompts import NoPromptField, check_chat_template, prompt_messages, render_prompt, row_id, row_messages
 
 FLAGS = "--prompts / --name"
 
@@ -93,8 +93,10 @@ def row_prompt(row: dict, tokenizer, target: str) -> tuple[list[int] | None, str
         return (list(row["input_ids"])[: mask.index(1)], None) if 1 in mask else (None, "no supervised token")
     try:
         messages = prompt_messages(row_messages(row))
-    except DataError:
+    except NoPromptField:
         return None, "no prompt field"
+    except DataError as exc:  # a turn that is not a chat turn, a content part that is not text: counted by reason
+        return None, str(exc)
     if messages is None:
         return None, "no user turn"
     check_chat_template(tokenizer, target)

@@ -15,6 +15,10 @@ from .data import DataError, normalise_messages
 PROMPT_FIELDS = ("prompt", "question")
 
 
+class NoPromptField(DataError):
+    """A row with none of the fields a prompt comes from."""
+
+
 def row_messages(row: dict) -> list[dict]:
     """A source row as [{role, content}]: its chat, or its prompt field as one user turn."""
     if row.get("messages") or row.get("conversations"):
@@ -23,7 +27,7 @@ def row_messages(row: dict) -> list[dict]:
         value = row.get(name)
         if isinstance(value, str) and value.strip():
             return [{"role": "user", "content": value}]
-    raise DataError(f"row has none of 'messages', 'conversations', {', '.join(map(repr, PROMPT_FIELDS))}: "
+    raise NoPromptField(f"row has none of 'messages', 'conversations', {', '.join(map(repr, PROMPT_FIELDS))}: "
                     f"keys {sorted(row)}")
 
 

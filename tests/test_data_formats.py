@@ -1,0 +1,140 @@
+"""The data people have: JSON arrays, JSON lines, parquet, Arrow and CSV files; OpenAI content parts, tool
+calls and tool turns, reasoning fields; refused rows counted with their row numbers; unreadable files named."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+from dflash_trainer.data import DataError, load_rows, normalise_messages, tokenize_dataset
+from dflash_trainer.prompt_sets import load_prompt_set
+from dflash_trainer.train import main
+from transformers import AutoTokenizer
+
+CHATS = [[{"role": "user", "content": f"What is {n} plus {n}?"},
+          {"role": "assistant", "content": f"{n} plus {n} is {2 * n}, as adding {n} twice gives {2 * n}."}]
+         for n in range(1, 9)]
+# A chat template that renders tool calls, tool turns and reasoning (as Qwen3's and DeepSeek-R1's do).
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}({{ c.function.arguments }})</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target):
+    return AutoTokenizer.from_pretrained(tiny_target["target"])
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = TOOL_TEMPLATE
+    return tok
+
+
+def write(path: Path, rows: list[dict]) -> str:
+    """rows in the format path's suffix names, written by that format's own writer."""
+    suffix = "".join(path.suffixes)
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows, indent=1))
+    elif suffix == ".csv":  # a CSV column holds the turns as JSON text
+        datasets.Dataset.from_list([{"messages": json.dumps(r["messages"])} for r in rows]).to_csv(path, index=False)
+    elif suffix == ".parquet":
+        datasets.Dataset.from_list(rows).to_parquet(path)
+    elif suffix == ".arrow":
+        saved = path.with_suffix(".saved")
+        datasets.Dataset.from_list(rows).save_to_disk(saved)
+        next(saved.glob("*.arrow")).rename(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".arrow", ".csv"])
+def test_every_format_trains_on_the_same_tokens(suffix, tokenizer, tmp_path):
+    rows = [{"messages": c} for c in CHATS]
+    reference = tokenize_dataset(load_rows([write(tmp_path / "ref.jsonl", rows)]), tokenizer, 128)
+    loaded = load_rows([write(tmp_path / f"chats{suffix}", rows)])
+    assert len(loaded) == len(CHATS)
+    ds = tokenize_dataset(loaded, tokenizer, 128)
+    assert ds["input_ids"] == reference["input_ids"] and ds["loss_mask"] == reference["loss_mask"]
+
+
+def test_prompt_sets_read_parquet_and_csv_too(tokenizer, tmp_path):
+    for suffix in (".parquet", ".csv"):
+        found = load_prompt_set("p", write(tmp_path / f"p{suffix}", [{"messages": c} for c in CHATS]), tokenizer,
+                                "tiny", None, 400, len(tokenizer))
+        assert len(found.prompts) == len(CHATS)
+
+
+@pytest.mark.parametrize("name, content", [("bad.parquet", b"PAR1 not really a parquet file"),
+                                           ("bad.jsonl", bytes(range(128, 256)) * 4),
+                                           ("bad.arrow", b"\x00\x01 not arrow")])
+def test_a_file_that_cannot_be_read_is_named_with_the_fix(name, content, tmp_path):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=rf"data file {path} cannot be read as .*give it the suffix of its format"):
+        load_rows([str(path)])
+
+
+def test_dflash_train_exits_2_naming_an_unreadable_parquet(tiny_target, tmp_path, capsys):
+    bad = tmp_path / "chats.parquet"
+    bad.write_bytes(b"PAR1" + bytes(range(256)))
+    code = main(["--config", "embedded", "--output-dir", str(tmp_path / "out"), "--set",
+                 f"target.path={tiny_target['target']}", "--set", f"data.train={json.dumps([str(bad)])}"])
+    assert code == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"data file {bad} cannot be read as a parquet file" in said and "UnicodeDecodeError" not in said
+
+
+def test_openai_content_parts_are_joined_and_other_parts_refused_by_row(tokenizer, tmp_path, capfd):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is 2 plus 2?"},
+                                          {"type": "text", "text": "Answer briefly."}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "2 plus 2 is 4, as adding 2 twice."}]}]
+    assert normalise_messages({"messages": parts})[0]["content"] == "What is 2 plus 2?\nAnswer briefly."
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]
+    rows = [{"messages": c} for c in CHATS[:3]] + [{"messages": parts}, {"messages": image},
+                                                    {"messages": CHATS[3]}, {"messages": image}]
+    ds = tokenize_dataset(load_rows([write(tmp_path / "parts.jsonl", rows)]), tokenizer, 128)
+    assert len(ds) == 5
+    said = capfd.readouterr().err
+    assert "5 of 7 rows used, 2 refused: 2 x content part of type 'image_url'" in said
+    assert "(rows 5, 7)" in said
+
+
+def test_tool_calls_and_tool_turns_are_rendered_by_the_chat_template(tool_tokenizer, tmp_path):
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}
+    chat = [{"role": "user", "content": "What is 2 plus 2?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "4"},
+            {"role": "assistant", "content": "2 plus 2 is 4."}]
+    ds = tokenize_dataset(load_rows([write(tmp_path / "tools.jsonl", [{"messages": chat}] * 2)]), tool_tokenizer, 256)
+    ids, mask = ds[0]["input_ids"], ds[0]["loss_mask"]
+    text = tool_tokenizer.decode(ids)
+    assert '<tool_call>add({"a": 2, "b": 2})</tool_call>' in text and "<|im_start|>tool\n4<|im_end|>" in text
+    trained = tool_tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert "add(" in trained and "2 plus 2 is 4." in trained and "tool\n4" not in trained  # the tool's reply is input
+
+
+@pytest.mark.parametrize("setting", ["keep", "drop"])
+def test_reasoning_is_kept_or_dropped_as_set(setting, tool_tokenizer, tmp_path):
+    chat = [{"role": "user", "content": "What is 3 plus 3?"},
+            {"role": "assistant", "reasoning_content": "three and three make six", "content": "It is 6."}]
+    ds = tokenize_dataset(load_rows([write(tmp_path / "think.jsonl", [{"messages": chat}])]), tool_tokenizer, 256,
+                          reasoning=setting)
+    text = tool_tokenizer.decode(ds[0]["input_ids"])
+    assert ("<think>three and three make six</think>" in text) == (setting == "keep")
+    assert "It is 6." in text
+
+
+def test_a_source_of_refused_rows_only_names_the_reasons(tokenizer, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}] * 3
+    with pytest.raises(DataError, match=r"all 3 refused: 3 x content part of type 'input_audio'.*\(rows 1, 2, 3\)"):
+        tokenize_dataset(load_rows([write(tmp_path / "audio.jsonl", rows)]), tokenizer, 128)
