@@ -76,6 +76,13 @@ endif
 bench-regenerate: venv ## regeneration benchmark (GPU; Qwen3-8B shape): engine hf vs the old batched generate vs generate_batch
 	$(PY) -m dflash_trainer.regenerate.bench $(REGEN_BENCH_ARGS)
 
+# The run config's settings reference: every key of config.py with its type, default, range and comment
+# (tests/test_docs.py checks it is current).
+CONFIG_DOC ?= docs/settings.md
+.PHONY: config-doc
+config-doc: venv ## regenerate the run config's settings reference (docs/settings.md) from dflash_trainer/config.py
+	$(PY) -m dflash_trainer.config_doc $(CONFIG_DOC)
+
 clean: ## remove build outputs and runs (keeps the venv)
 	rm -rf build dist *.egg-info runs .pytest_cache
 
