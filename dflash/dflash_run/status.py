@@ -86,13 +86,21 @@ def report(run_dir: Path, unit: str | None, log_lines: int = 5, job: Job = TRAIN
     if found and state in ("never started", "finished", "stopped", "failed", "dead"):
         state = "running (foreground, unsupervised)"
     elif state == "never started" and not run_dir.is_dir():  # a mistyped directory reads as this too
-        state = "never started (no such directory: deploy creates it, or check the path)"
+        state = NO_SUCH_DIRECTORY
     log = Path(st.get("log") or run_dir / job.log)
     return {"job": job.name, "run_dir": str(run_dir), "state": state, "supervisor": st.get("supervisor", "none"),
             "systemd": unit_state, "restarts": int((unit_state or {}).get("NRestarts") or st.get("restarts") or 0),
             "pids": [p.pid for p in found], **progress(job, run_dir), "last_progress": last_progress(log),
             "log": str(log),
             "log_tail": tail(log, log_lines)}
+
+
+NO_SUCH_DIRECTORY = "never started (no such directory: deploy creates it, or check the path)"
+
+
+def exit_code(r: dict) -> int:
+    """2 for a run directory that does not exist and no job of it running (a mistyped path is bad input), else 0."""
+    return 2 if r["state"] == NO_SUCH_DIRECTORY else 0
 
 
 def progress_lines(r: dict) -> list[str]:

@@ -130,7 +130,8 @@ def check_supported_target(config, where: str, trust_remote_code: bool = False) 
     try:
         skeleton = meta_skeleton(config, trust_remote_code)
     except (ValueError, KeyError, ImportError, TypeError) as exc:
-        raise ConfigError(f"{where}: transformers builds no causal LM for the {family} family ({exc}); give a "
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{where}: transformers builds no causal LM for the {family} family ({first_line}); give a "
                           f"decoder-only causal LM ({SUPPORTED_FAMILIES} are tested), or a multimodal model's "
                           "text tower saved on its own") from None
     try:

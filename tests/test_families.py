@@ -1,0 +1,298 @@
+"""The architecture matrix: every supported family as a tiny random target (tests/helpers/families.py), on CPU.
+
+Per family: the features are the target's own hidden states; the embedding scale and logit transform the
+drafter is trained and served with are the target's; the drafter's config derives; the whole recipe runs
+(regenerate the target's answers, train colocated and from dumped features, publish, dflash-eval); and
+z-lab's dflash_generate gives the tokens and acceptance lengths dflash-eval gives, which are the target's
+own greedy output, with prompts and answers longer than any sliding window.
+"""
+
+import json
+import math
+import time
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dflash_trainer.config import ConfigError, load_config
+from dflash_trainer.eval_cli import main as eval_main
+from dflash_trainer.loading import check_inputs
+from dflash_trainer.loss import chunked_block_loss
+from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config, shape_logits
+from dflash_trainer.optim import MasterWeightAdamW
+from dflash_trainer.regenerate import regenerate_rows
+from dflash_trainer.regenerate.engine_hf import HFEngine
+from dflash_trainer.regenerate.sampling import Sampling
+from dflash_trainer.speculative import greedy_generate, stop_token_ids
+from dflash_trainer.target import (
+    FrozenTarget,
+    attention_implementation,
+    check_supported_target,
+    meta_skeleton,
+)
+from dflash_trainer.target_rank import dump_features
+from dflash_trainer.train import run
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tests.helpers.families import FAMILIES, WINDOW, build_family, family_config, tokenizer_for_tests
+from tests.helpers.regenerate import free_port
+from tests.helpers.training import sdpa_step
+
+LAYER_IDS = (1, 2)
+BLOCK, NEW = 4, 16
+# Families whose decoder layers may run one by one with a causal mask alone (target.TAPPED_FAMILIES, no sliding
+# window); the others take their own forward, hooked.
+TAPPED = {"llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2"}
+EAGER = {"gemma2", "gpt_oss"}  # attention SDPA cannot express: soft-capped scores, attention sinks
+SCALED_EMBEDDINGS = {"gemma2", "gemma3", "gemma3_multimodal"}
+family_names = pytest.mark.parametrize("family", list(FAMILIES))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one intra-op thread is fastest, and two spin against each other on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tokenizer_for_tests()
+
+
+@pytest.fixture(scope="module")
+def targets(tokenizer, tmp_path_factory):
+    """family -> its saved directory, built on first use."""
+    root, built = tmp_path_factory.mktemp("families"), {}
+
+    def get(family):
+        if family not in built:
+            built[family] = build_family(family, tokenizer, root / family)
+        return built[family]
+
+    return get
+
+
+def load(path) -> FrozenTarget:
+    config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation=attention_implementation(meta_skeleton(config)))
+    return FrozenTarget(model, list(LAYER_IDS))
+
+
+@family_names
+def test_features_and_borrowed_weights_are_the_targets_own(family, targets):
+    target = load(targets(family))
+    assert target.tapped == (family in TAPPED)
+    assert target.attention == ("eager" if family in EAGER else "sdpa")
+    ids = torch.randint(8, 300, (2, 3 * WINDOW))
+    mask = torch.ones_like(ids)
+    mask[1, 2 * WINDOW:] = 0  # right padding, as the training batches have it
+    out = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    want = torch.cat([out.hidden_states[i + 1] for i in LAYER_IDS], dim=-1)
+    got = target.features(ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    # What the drafter borrows, transformed as drafter_config records it: the target's embedding output and logits.
+    drafter = DFlashDrafter(drafter_config(target.config, DrafterShape(num_layers=1, block_size=BLOCK,
+                                                                       target_layer_ids=LAYER_IDS)))
+    assert (drafter.input_embedding_scale != 1.0) == (family in SCALED_EMBEDDINGS)
+    torch.testing.assert_close(F.embedding(ids, target.embed_weight) * drafter.input_embedding_scale,
+                               out.hidden_states[0], rtol=1e-6, atol=1e-6)
+    last = target.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(drafter.logits(last, target.head_weight), out.logits, rtol=1e-5, atol=1e-5)
+
+
+@family_names
+def test_drafter_config_derives_from_the_family(family, tokenizer):
+    config = family_config(family, tokenizer)
+    text = config.get_text_config(decoder=True)
+    dc = drafter_config(config, DrafterShape(num_layers=2, block_size=BLOCK, mask_token_id=tokenizer.mask_token_id))
+    assert (dc.hidden_size, dc.num_attention_heads, dc.num_key_value_heads, dc.vocab_size) == \
+        (text.hidden_size, text.num_attention_heads, text.num_key_value_heads, text.vocab_size)
+    assert dc.head_dim == getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    assert dc.hidden_act == getattr(text, "hidden_activation", None) or text.hidden_act
+    rope = text.rope_parameters.get("full_attention", text.rope_parameters)
+    assert dc.rope_parameters["rope_theta"] == rope["rope_theta"] == dc.rope_theta
+    assert dc.rope_parameters["rope_type"] == rope["rope_type"]
+    assert dc.dflash_config.get("final_logit_softcapping") == getattr(text, "final_logit_softcapping", None)
+    drafter = DFlashDrafter(dc)  # the rotary embedding takes the derived RoPE parameters
+    assert drafter.rotary_emb.inv_freq.shape == (dc.head_dim // 2,)
+
+
+def prompts_for(tokenizer, count: int = 2) -> list[list[int]]:
+    from dflash_trainer.embedded import read_corpus
+    from dflash_trainer.prompts import prompt_messages, render_prompt
+
+    return [render_prompt(tokenizer, prompt_messages(c)) for c in read_corpus()[:count]]
+
+
+def zlab_generate(drafter_dir, model, prompts, stop):
+    zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is installed by `make venv`")
+    theirs = zlab.DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+    with mock.patch.object(zlab, "_cuda_time", time.perf_counter):  # its stats time with CUDA syncs
+        runs = [zlab.dflash_generate(theirs, model, torch.tensor([p]), NEW, stop, return_stats=True) for p in prompts]
+    return [(r.output_ids[0].tolist(), r.acceptance_lengths) for r in runs]
+
+
+def trained_drafter(target: FrozenTarget, tokenizer, prompts, out, steps: int = 40):
+    """A drafter trained a little (the trainer's objective, dense attention) on the target's greedy answers."""
+    config = drafter_config(target.config, DrafterShape(num_layers=1, block_size=BLOCK,
+                                                         mask_token_id=tokenizer.mask_token_id,
+                                                         target_layer_ids=LAYER_IDS))
+    stop = stop_token_ids(target.model, tokenizer)
+    samples = []
+    for prompt in prompts:
+        ids = torch.tensor([greedy_generate(target, prompt, NEW, stop)])
+        mask = torch.zeros_like(ids, dtype=torch.uint8)
+        mask[0, len(prompt):] = 1
+        samples.append((ids, mask, target.features(ids)))
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config)
+    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-2, max_grad_norm=1.0)
+    for step in range(steps):
+        ids, mask, feats = samples[step % len(samples)]
+        sdpa_step(drafter, opt, target, ids, mask, feats, NEW, step)
+    return drafter.save_pretrained(out)
+
+
+@family_names
+def test_a_trained_drafter_serves_in_dflash_eval_as_in_zlabs_loop(family, targets, tokenizer, tmp_path):
+    """Prompts plus answers run past every sliding window: the verify steps are rolled back on sliding,
+    hybrid and full-attention layers alike, and both loops give the target's own greedy tokens."""
+    target_dir = targets(family)
+    target = load(target_dir)
+    prompts = prompts_for(tokenizer)
+    assert all(len(p) + NEW > WINDOW for p in prompts)
+    drafter_dir = trained_drafter(target, tokenizer, prompts, tmp_path / "drafter")
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    where = tmp_path / "eval"
+    assert eval_main(["--drafter", str(drafter_dir), "--target", str(target_dir), "--prompts", str(prompt_file),
+                      "--max-new-tokens", str(NEW), "--dtype", "float32", "--device", "cpu", "--out", str(where)]) == 0
+    report = json.loads((where / "eval.json").read_text())
+    assert report["sets"]["prompts"]["outputs_equal"] == len(prompts)  # token for token the target's own
+    assert report["target_attention"] == target.attention
+    requests = [json.loads(line) for line in (where / "requests.jsonl").read_text().splitlines()]
+    stop = stop_token_ids(target.model, tokenizer)
+    theirs = zlab_generate(drafter_dir, target.model, prompts, sorted(stop))
+    for prompt, request, (tokens, lengths) in zip(prompts, requests, theirs, strict=True):
+        assert request["output_ids"] == tokens[len(prompt):]
+        assert request["accept_lengths"] == lengths
+        assert tokens == greedy_generate(target, prompt, NEW, stop)
+    assert max(n for r in requests for n in r["accept_lengths"]) > 1  # the drafter drafts something accepted
+
+
+def test_the_soft_capped_loss_has_the_autograd_gradient():
+    """Gemma 2's soft-cap (and a logit multiplier) inside the chunked loss: its gradient is autograd's."""
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 12, 16, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(40, 16, dtype=torch.float64) * 3
+    labels = torch.randint(40, (1, 12))
+    weights = torch.rand(1, 12, dtype=torch.float64)
+    sums = chunked_block_loss(hidden, head, labels, weights, block_size=4, chunk_rows=5, output_multiplier=0.5,
+                              final_logit_softcapping=3.0)
+    (grad,) = torch.autograd.grad(sums.weighted_ce, hidden)
+    scored = torch.arange(12) % 4 != 0
+    logits = shape_logits(F.linear(hidden[0, scored], head), 0.5, 3.0)
+    ce = F.cross_entropy(logits, labels[0, scored], reduction="none")
+    reference = (ce * weights[0, scored]).sum()
+    (want,) = torch.autograd.grad(reference, hidden)
+    torch.testing.assert_close(sums.weighted_ce.double(), reference.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6)  # the CE runs in fp32
+
+
+def regenerated_rows(target_dir, tokenizer, chats):
+    """The target's own greedy answers to chat rows, as training rows (what dflash-regenerate writes)."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    sampling = Sampling(max_new_tokens=NEW)
+    engine = HFEngine(model, tokenizer, sampling, stop_ids=[tokenizer.eos_token_id])
+    return [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
+            for r in regenerate_rows(engine, [{"messages": c} for c in chats], tokenizer, sampling)]
+
+
+def run_config(target_dir, data, out, *extra):
+    return load_config("embedded", [
+        f"target.path={target_dir}", f"data.train={json.dumps([str(data['train'])])}",
+        f"data.eval={json.dumps([str(data['eval'])])}", f"output_dir={out}", "train.dtype=float32",
+        "target.dtype=float32", "drafter.num_layers=1", f"drafter.block_size={BLOCK}",
+        f"drafter.target_layer_ids={json.dumps(list(LAYER_IDS))}", "train.steps=3", "train.micro_batch=4",
+        "train.num_anchors=6", "train.checkpoint_every=0", "train.log_every=1", "eval.prompts=2",
+        f"eval.max_new_tokens={NEW}", "data.max_length=96", "data.context_buckets=[96]", *extra,
+    ])
+
+
+@pytest.mark.slow
+@family_names
+def test_the_recipe_runs_and_serves_as_zlab_does(family, targets, tokenizer, tmp_path, monkeypatch):
+    """The whole recipe in the trainer's own processes: regenerate, train colocated and from dumped features,
+    publish, dflash-eval --run, and z-lab's loop on the published drafter."""
+    from dflash_trainer.embedded import read_corpus
+
+    target_dir = targets(family)
+    rows = regenerated_rows(target_dir, tokenizer, read_corpus()[:10])
+    data = {"train": tmp_path / "train.jsonl", "eval": tmp_path / "eval.jsonl"}
+    for name, part in (("eval", rows[:2]), ("train", rows[2:])):
+        data[name].write_text("".join(json.dumps(r) + "\n" for r in part))
+    colocated = run(run_config(target_dir, data, tmp_path / "run"))
+    published = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    assert ("input_embedding_scale" in published["dflash_config"]) == (family in SCALED_EMBEDDINGS)
+    assert colocated["target_attention"] == ("eager" if family in EAGER else "sdpa")
+    features = tmp_path / "features"
+    dump_features(run_config(target_dir, data, tmp_path / "dump"), features, 2)
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():  # one drafter rank, as torchrun starts it
+        monkeypatch.setenv(key, value)
+    offline = run(run_config(target_dir, data, tmp_path / "offline", f"data.features_dir={features}",
+                             "parallel.target_ranks=0", "train.steps=2"))
+    assert len(offline["losses"]) == 2 and all(math.isfinite(x) for x in offline["losses"])
+    where = tmp_path / "eval"
+    assert eval_main(["--run", str(tmp_path / "run"), "--out", str(where)]) == 0  # equal to target-only greedy
+    report = json.loads((where / "eval.json").read_text())["sets"]["held-out"]
+    assert report["tau"] == colocated["tau_after"] and report["outputs_equal"] == 2
+    requests = [json.loads(line) for line in (where / "requests.jsonl").read_text().splitlines()]
+    prompts = [json.loads(line)["prompt_ids"] for line in (tmp_path / "run" / "eval_prompts.jsonl").open()]
+    model = load(target_dir).model
+    theirs = zlab_generate(tmp_path / "run" / "drafter", model, prompts, sorted(stop_token_ids(model, tokenizer)))
+    for prompt, request, (tokens, lengths) in zip(prompts, requests, theirs, strict=True):
+        assert request["output_ids"] == tokens[len(prompt):]
+        assert request["accept_lengths"] == lengths
+
+
+@pytest.mark.parametrize(("family", "refusal"), [
+    ("bert", r"decoder layers of BertLMHeadModel.*\(the bert family\).*decoder layer list \(Llama"),
+    ("t5", r"the t5 config names no max_position_embeddings.*decoder-only causal LM \(Llama"),
+    ("distilbert", r"transformers builds no causal LM for the distilbert family.*decoder-only causal LM \(Llama"),
+])
+def test_an_unsupported_target_is_refused_before_anything_is_read(family, refusal, tmp_path):
+    from transformers import AutoConfig as Auto
+
+    directory = tmp_path / family
+    small = {"bert": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64},
+             "t5": {"d_model": 32, "num_layers": 2, "num_heads": 4}, "distilbert": {"dim": 32, "n_layers": 2, "n_heads": 4}}[family]
+    Auto.for_model(family, vocab_size=300, **small).save_pretrained(directory)  # a config, no weights, no data
+    cfg = load_config("embedded", [f"target.path={directory}", f"output_dir={tmp_path / 'out'}",
+                                   f"data.train={json.dumps([str(tmp_path / 'absent.jsonl')])}"])
+    with pytest.raises(ConfigError, match=refusal):
+        check_inputs(cfg)
+
+
+def test_a_target_with_remote_code_needs_the_explicit_setting(tmp_path):
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "config.json").write_text(json.dumps({
+        "model_type": "not_in_transformers", "auto_map": {"AutoConfig": "configuration_x.XConfig"}}))
+    cfg = load_config("embedded", [f"target.path={remote}", f"output_dir={tmp_path / 'out'}",
+                                   f"data.train={json.dumps([str(tmp_path / 'absent.jsonl')])}"])
+    with pytest.raises(ConfigError, match="target.trust_remote_code=true"):
+        check_inputs(cfg)
+
+
+def test_unsupported_rope_and_head_layout_name_the_family(tokenizer):
+    config = family_config("llama", tokenizer)
+    config.num_key_value_heads = 3
+    with pytest.raises(ConfigError, match=r"4 attention heads are not a multiple of 3 KV heads \(llama\)"):
+        check_supported_target(config, "target.path x")
