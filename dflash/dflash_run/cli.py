@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "status":
         rep = status.report(a.run_dir, a.unit, job=job)
         print(json.dumps(rep, indent=1) if a.json else status.format_report(rep))
-        return 0
+        return status.exit_code(rep)
     return logs(a.run_dir, a.lines, a.follow, a.unit, job.log)
 
 

@@ -17,8 +17,9 @@ run resumes from any working directory, and after the run directory was moved.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,8 @@ DRAFTER_SHAPE = {
     "vocab_size": "target.path (the target's shape)",
     "num_target_layers": "target.path (the target's shape)",
 }
+# The settings that decide the drafter's shape.
+DRAFTER_SETTINGS = sorted({setting for setting in DRAFTER_SHAPE.values() if setting.startswith("drafter.")})
 # Settings a resumed run must keep that the drafter's config does not show.
 KEPT_ON_RESUME = {
     "target.path": "the drafter learns this target's features",
@@ -241,18 +244,31 @@ def _finished_note(out: Path, detail: str = "") -> str:
             "again with --overwrite (make train TRAIN_ARGS=--overwrite), or in another --output-dir (RUN_DIR=...)")
 
 
+def _damage_note(found: ckpt.Inspection) -> str:
+    """What --auto-resume says of damaged checkpoints newer than the one it continues from ("" when none)."""
+    newer = [(p, problem) for p, problem in found.damaged
+             if found.resume_step is None or (ckpt.step_of(p) or 0) > found.resume_step]
+    if not newer:
+        return ""
+    damaged = "; ".join(f"{p.name} is damaged ({problem})" for p, problem in newer)
+    older = f"continuing from the newest intact one, {found.resume_from.name}" if found.resume_from else \
+        "no intact checkpoint is left"
+    return f" ({damaged}: {older})"
+
+
 def _auto_resume(out: Path, found: ckpt.Inspection, held: list[str]) -> tuple[str, str | None]:
     """--auto-resume: "finished", "resume" or "new", and what to say about it."""
+    damage = _damage_note(found)
     if _finished(out, found):
         if (out / "drafter").exists():
-            return "finished", _finished_note(out)
+            return "finished", _finished_note(out) + damage
         if found.resume_from is not None:  # as --resume decides: the last checkpoint publishes the drafter again
             return "resume", (f"{out} holds a finished run whose drafter/ is missing: continuing it (--resume) "
-                              "to publish the drafter again")
+                              f"to publish the drafter again{damage}")
         return "finished", _finished_note(out, "its drafter/ is missing and no checkpoint is left to publish it "
-                                               "from; ")
+                                               "from; ") + damage
     if held:
-        return "resume", f"{out} holds an unfinished run: continuing it (--resume)"
+        return "resume", f"{out} holds an unfinished run: continuing it (--resume){damage}"
     return "new", None
 
 
@@ -268,6 +284,8 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = F
     held = _held(out, found)
     if auto_resume:
         action, chosen = _auto_resume(out, found, held)
+        if action == "finished":  # a changed drafter is not "nothing changed": refused before that is said
+            _refuse_other_drafter(cfg, _recorded(out), out)
         if chosen:
             say(chosen)
         if action == "finished":
@@ -288,12 +306,40 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = F
             raise RunDirError(f"--resume: this config changes what the run in {out} trains:\n  - "
                               + "\n  - ".join(problems) + f"\nA resumed run must keep these: {_AGAIN}")
         if _finished(out, found) and (out / "drafter").exists() and (found.resume_step or 0) >= cfg.train.steps:
+            _refuse_other_drafter(cfg, recorded, out)  # the settings checks come before the shortcut
             # Nothing left to train: going on would only publish the drafter again and write a summary without
             # the run's figures (the supervisor resumes every start of a container run, finished or not).
             say(_finished_note(out, f"its last checkpoint is step {found.resume_step}, train.steps is "
                                     f"{cfg.train.steps}; "))
             return RunStart(out, False, False, found, finished=True)
     return start
+
+
+def _refuse_other_drafter(cfg: RunConfig, recorded: dict | None, out: Path) -> None:
+    """A finished run's shortcut ("nothing changed") with drafter settings other than the run recorded: refused,
+    each listed, as check_model refuses them for a run that goes on training."""
+    if recorded is None:
+        return
+    before, now = _flat(recorded), _flat(stored_config(cfg))
+    differ = [f"{key}: {before[key]} -> {value}" for key, value in now.items()
+              if key in DRAFTER_SETTINGS and key in before
+              and _canonical(before[key], out, Path.cwd()) != _canonical(value, out)]
+    if differ:
+        raise RunDirError(f"this config builds another drafter than the finished run in {out} trained:\n  - "
+                          + "\n  - ".join(differ) + f"\nA resumed run must train the same model: {_AGAIN}")
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(out: Path) -> Iterator[None]:
+    """A start that fails leaves no empty output directory behind when it was the one that created it."""
+    existed = out.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and out.is_dir() and not any(out.iterdir()):
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
 
 
 # ---- check_model: the drafter the config builds against the checkpoint's ---------------------

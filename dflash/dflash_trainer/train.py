@@ -32,11 +32,11 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     from tqdm import tqdm
 
     from . import checkpoint as ckpt
-    from . import parallel, run_dir, storage
+    from . import cli_args, parallel, run_dir, storage
     from .compile_guard import CompileReport, leave_run_phase, prefetch_triton_key
     from .compile_step import check_dense_fits, compile_drafter_step
-    from .config import ConfigError, RunConfig, load_config
-    from .data import DataError, MicroBatches
+    from .config import RunConfig, check_init_from, load_config
+    from .data import MicroBatches
     from .evaluate import evaluate, evaluate_saved, record_eval_prompts
     from .features import FeatureShards
     from .flops import peak_flops
@@ -462,6 +462,12 @@ def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False, auto_resu
     startup.mark("start-up and imports")
     cfg.output_dir = str(Path(cfg.output_dir).absolute())
     check_inputs(cfg)  # before anything loads or starts
+    check_init_from(cfg)  # explicit drafter settings that drafter.init_from would override: refused
+    with run_dir.removed_if_left_empty(Path(cfg.output_dir)):  # a refused start leaves no empty directory
+        return _start(cfg, resume, overwrite, auto_resume, startup)
+
+
+def _start(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool, startup: Startup) -> dict | None:
     start = run_dir.prepare(cfg, resume, overwrite, auto_resume, say=_say_once)
     if start.finished:  # --auto-resume / --resume of a finished run: said so; nothing to train or change
         return None
@@ -515,27 +521,35 @@ def _run_rank(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, st
     return summary
 
 
-# Exit 2: the input (config, data, run directory) needs a change; exit 1: a fault while running.
-USAGE_ERRORS = (ConfigError, DataError, run_dir.RunDirError)
+# Exit 2: the input (config, data, run directory) needs a change; exit 1: a fault while running (cli_args).
+USAGE_ERRORS = cli_args.bad_input_errors()
 
 
 def explain(exc: BaseException) -> tuple[int, str]:
     """(exit code, the one message) for an error that ends the run."""
     if isinstance(exc, USAGE_ERRORS):
-        return 2, str(exc)
+        return cli_args.BAD_INPUT, str(exc)
     if isinstance(exc, (storage.StorageError, ckpt.DamagedCheckpoint, FloatingPointError)):
-        return 1, str(exc)
+        return cli_args.FAULT, str(exc)
     if (error := storage.os_error_in(exc)) is not None:
         where = Path(error.filename) if error.filename else Path.cwd()
         return 1, f"{error.filename or type(exc).__name__}: {storage.describe(error, where)}"
     return 1, f"{type(exc).__name__}: {exc}"
 
 
+def flag_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The flags that set one config key each, as load_config takes them (named as themselves in its errors)."""
+    keys = {"--output-dir": ("output_dir", args.output_dir), "--target-gpus": ("parallel.target_ranks", args.target_gpus),
+            "--drafter-gpus": ("parallel.drafter_ranks", args.drafter_gpus)}
+    return {flag: f"{key}={value}" for flag, (key, value) in keys.items() if value is not None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash-train", description="Train a DFlash drafter.")
     p.add_argument("--config", default="embedded", help="a TOML file, or a bundled config name (embedded)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a field")
-    p.add_argument("--output-dir", help="where checkpoints, logs and the drafter go (overrides output_dir)")
+    p.add_argument("--output-dir", type=cli_args.directory,
+                   help="where checkpoints, logs and the drafter go (overrides output_dir)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
     p.add_argument("--overwrite", action="store_true", help="replace the run the output dir holds")
     p.add_argument("--auto-resume", action="store_true",
@@ -543,19 +557,20 @@ def main(argv: list[str] | None = None) -> int:
                         "its last checkpoint); a finished run is reported (where its drafter and summary are, how "
                         "to train again) and nothing changes, exit 0; otherwise a new run. Not with --resume or "
                         "--overwrite")
-    p.add_argument("--target-gpus", type=int, help="target ranks T (parallel.target_ranks)")
-    p.add_argument("--drafter-gpus", type=int, help="drafter ranks D (parallel.drafter_ranks)")
-    p.add_argument("--dump-features", metavar="DIR", help="offline mode: write target features to DIR and exit")
-    p.add_argument("--dump-batches", type=int, help="micro-batches to dump (default: one epoch)")
+    p.add_argument("--target-gpus", type=cli_args.for_key("parallel.target_ranks"),
+                   help="target ranks T (parallel.target_ranks)")
+    p.add_argument("--drafter-gpus", type=cli_args.for_key("parallel.drafter_ranks"),
+                   help="drafter ranks D (parallel.drafter_ranks)")
+    p.add_argument("--dump-features", metavar="DIR", type=cli_args.directory,
+                   help="offline mode: write target features to DIR and exit")
+    p.add_argument("--dump-batches", type=cli_args.STEPS, help="micro-batches to dump (default: one epoch)")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error (or DFLASH_DEBUG=1)")
     args = p.parse_args(argv)
     try:
-        overrides = list(args.set) + ([f"output_dir={args.output_dir}"] if args.output_dir else [])
-        overrides += [f"parallel.target_ranks={args.target_gpus}"] if args.target_gpus is not None else []
-        overrides += [f"parallel.drafter_ranks={args.drafter_gpus}"] if args.drafter_gpus is not None else []
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, args.set, flag_settings(args))
         if args.dump_features:
             check_inputs(cfg)
+            check_init_from(cfg)
             dump_features(cfg, Path(args.dump_features), args.dump_batches)
         else:
             run(cfg, resume=args.resume, overwrite=args.overwrite, auto_resume=args.auto_resume)

@@ -1,0 +1,150 @@
+"""What every command line of the trainer (dflash-train, dflash-eval, dflash-regenerate, dflash-bench) accepts,
+checked by the rules the config loader uses, and the exit-code contract all of them follow.
+
+A numeric flag's `type=` is a `Typed`: its value parsed as an integer or a finite number and checked
+against a config.Rule (ranges, with upper bounds where it counts work), so `--temperature nan` or
+`--max-new-tokens 1e23` is refused by argparse, exit 2, with one message naming the flag. A flag that
+sets a config key (`--drafter-gpus`) takes that key's own declared type and Rule (`for_key`). Paths that
+must be files or directories are checked the same way: "is a directory" is said as such, never "not found".
+
+Exit codes, for every command:
+    0  done
+    1  a fault at run time (a disk full, a damaged checkpoint, a diverged loss, output that differs)
+    2  bad input: a flag, a config key, a data file or a directory needs a change (the message says which)
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import (
+    MAX_PROCESSES,
+    MAX_PROMPTS,
+    MAX_ROWS,
+    MAX_STEPS,
+    MAX_TOKENS,
+    Rule,
+    check_value,
+    describe_rule,
+)
+from .config import setting as config_setting
+
+OK, FAULT, BAD_INPUT = 0, 1, 2
+
+
+def bad_input_errors(*more: type[BaseException]) -> tuple[type[BaseException], ...]:
+    """The errors whose fix is a change of input: the trainer's own, and a command's (EvalError, ...)."""
+    from .config import ConfigError
+    from .data import DataError
+    from .run_dir import RunDirError
+
+    return (ConfigError, DataError, RunDirError, *more)
+
+
+def exit_code(exc: BaseException, *more: type[BaseException]) -> int:
+    """BAD_INPUT for bad_input_errors(*more), FAULT for anything else that ends a command."""
+    return BAD_INPUT if isinstance(exc, bad_input_errors(*more)) else FAULT
+
+
+def _parse_number(text: str, hint):
+    """The text as an int (digits only: 1e3 and 2.0 are no integers) or a float (nan and inf included: check_value
+    refuses them by name); ValueError otherwise."""
+    text = text.strip()
+    return int(text, 10) if hint is int else float(text)
+
+
+@dataclass(frozen=True)
+class Typed:
+    """An argparse `type=`: the flag's text as `hint` (int or float), checked against `rule` as the config loader
+    checks a key. argparse turns the ArgumentTypeError into "argument --flag: ..." and exit 2."""
+
+    hint: type
+    rule: Rule
+
+    @property
+    def __name__(self) -> str:  # argparse names the type in some of its own messages
+        return self.hint.__name__
+
+    def describe(self) -> str:
+        return describe_rule(self.hint, self.rule)
+
+    def __call__(self, text: str):
+        try:
+            value = _parse_number(text, self.hint)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {self.describe()}") from None
+        typed, problem = check_value(value, self.hint, self.rule)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(f"{text}: {problem} (give {self.describe()})")
+        return typed
+
+
+def integer(ge: float | None = None, le: float | None = None, gt: float | None = None) -> Typed:
+    return Typed(int, Rule(ge=ge, gt=gt, le=le))
+
+
+def number(ge: float | None = None, le: float | None = None, gt: float | None = None) -> Typed:
+    """A finite float (nan and inf are refused) within the bounds."""
+    return Typed(float, Rule(ge=ge, gt=gt, le=le))
+
+
+def for_key(key: str) -> Typed:
+    """The type of a flag that sets the config key `key`: that key's declared type and Rule."""
+    hint, rule = config_setting(key)
+    return Typed(hint, rule)
+
+
+# Counts of work the command lines share (the config's bounds: config.MAX_*).
+STEPS = integer(ge=1, le=MAX_STEPS)
+NEW_TOKENS = integer(ge=1, le=MAX_TOKENS)
+TOKENS = integer(ge=1, le=MAX_TOKENS)
+PROMPTS = integer(ge=1, le=MAX_PROMPTS)
+ROWS = integer(ge=1, le=MAX_ROWS)
+PROCESSES = integer(ge=1, le=MAX_PROCESSES)
+SEED = for_key("train.seed")
+SECONDS = number(gt=0, le=7 * 24 * 3600)  # a week
+
+
+# ---- paths -------------------------------------------------------------------------------------
+
+def path_problem(path: Path, kind: str) -> str | None:
+    """What keeps `path` from being the `kind` ("file" or "directory") a flag needs, or None. A missing path is a
+    problem only for a file (a directory may be created)."""
+    if kind == "file" and path.is_dir():
+        return "is a directory: give a file (one in it, or a glob)"
+    if kind == "file" and not path.exists():
+        return f"not found (relative paths are from {Path.cwd()})"
+    if kind == "directory" and path.exists() and not path.is_dir():
+        return "is a file: give a directory"
+    return None
+
+
+def existing_file(text: str) -> str:
+    if problem := path_problem(Path(text), "file"):
+        raise argparse.ArgumentTypeError(f"{text} {problem}")
+    return text
+
+
+def directory(text: str) -> str:
+    """A directory, or a path where one can be made."""
+    if problem := path_problem(Path(text), "directory"):
+        raise argparse.ArgumentTypeError(f"{text} {problem}")
+    return text
+
+
+def file_or_dataset(text: str) -> str:
+    """A data file, a glob, or a hub dataset name: refused only when it names a directory (a hub name never does)."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give the JSONL file(s) in it (or a glob such as "
+                                         f"{Path(text) / '*.jsonl'}) or a hub dataset name")
+    return text
+
+
+def named_source(text: str) -> str:
+    """--name NAME=SOURCE, its SOURCE checked as file_or_dataset."""
+    _, sep, source = text.partition("=")
+    if sep and source.strip():
+        file_or_dataset(source.strip())
+    return text

@@ -1,0 +1,166 @@
+"""Bad input, second round: the trainer's flags and settings go through the config's rules (finite numbers,
+ranges with upper bounds, files vs directories), explicit settings never lose silently to drafter.init_from
+or a finished run's shortcut, and a refused start leaves the directory as it found it.
+
+Every case: exit 2 with one message naming the flag, key or file and the fix, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from dflash_trainer import checkpoint as ckpt
+from dflash_trainer.config import ConfigError, load_config
+from dflash_trainer.train import main
+
+from tests.test_faults import STEP6, _resume_sets, sets, snapshot, trainer
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_target, tmp_path_factory):
+    """A finished run: checkpoints at steps 3 and 6, drafter/ (2 layers, block 8), summary.json, config.json."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["--config", "embedded", "--output-dir", str(out), *sets(tiny_target)]) == 0
+    return out
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out, symlinks=True)
+    return out
+
+
+# ---- flags and keys: the config's rules -----------------------------------------------------------
+
+@pytest.mark.parametrize(("flag", "value", "expected"), [
+    ("--target-gpus", "-1", "argument --target-gpus: -1: must be >= 0"),
+    ("--drafter-gpus", "0", "argument --drafter-gpus: 0: must be >= 1"),
+    ("--drafter-gpus", "1e9", "argument --drafter-gpus: '1e9': give an integer"),
+    ("--dump-batches", "0", "argument --dump-batches: 0: must be >= 1"),
+])
+def test_train_flags_take_their_settings_rules(flag, value, expected, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", "embedded", flag, value])
+    err = " ".join(capsys.readouterr().err.split())
+    assert exit_.value.code == 2 and expected in err, err
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("train.steps=100000000000000000000000", "train.steps = 100000000000000000000000: must be <= 100000000"),
+    ("data.max_length=1099511627776", "must be <= 1048576"),
+    ("train.micro_batch=1000000", "train.micro_batch = 1000000: must be <= 65536"),
+    ("drafter.num_layers=100000", "drafter.num_layers = 100000: must be <= 1024"),
+    ("train.seed=99999999999999999999", "train.seed = 99999999999999999999: must be <= 4294967295"),
+])
+def test_counts_of_work_have_upper_bounds(override, expected):
+    with pytest.raises(ConfigError) as error:
+        load_config("embedded", [override])
+    assert expected in str(error.value)
+
+
+def test_a_directory_given_as_the_config_is_called_one(tmp_path, capsys):
+    code, err = trainer(capsys, tmp_path / "out", "--config", str(tmp_path))
+    assert code == 2 and f"config '{tmp_path}' is a directory: give a TOML file" in err, err
+
+
+def test_a_config_file_error_names_the_flags_given_not_set(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[target]\npath = "embedded"\n[train]\nsteps = 0\n')
+    code = main(["--config", str(bad), "--output-dir", str(tmp_path / "out")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "invalid config (bad.toml with --output-dir)" in err and "--set" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_dir_that_is_a_file_is_refused_by_its_flag(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", "embedded", "--output-dir", str(tmp_path / "f")])
+    assert exit_.value.code == 2 and "argument --output-dir" in capsys.readouterr().err
+
+
+# ---- drafter.init_from: its shape wins only where nothing says otherwise ----------------------------
+
+def test_init_from_with_another_explicit_shape_is_refused_and_listed(finished_run, tiny_target, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = trainer(capsys, out, *sets(tiny_target, f"drafter.init_from={finished_run / 'drafter'}",
+                                           "drafter.num_layers=3", "drafter.block_size=4"))
+    assert code == 2, err
+    assert "drafter.num_layers = 3, the drafter in it has 2 (num_hidden_layers)" in err, err
+    assert "drafter.block_size = 4, the drafter in it has 8 (block_size)" in err, err
+    assert "Remove these settings" in err and not out.exists()
+
+
+def test_init_from_a_target_model_is_refused(tiny_target, tmp_path, capsys):
+    code, err = trainer(capsys, tmp_path / "out", *sets(tiny_target, f"drafter.init_from={tiny_target['target']}"))
+    assert code == 2 and "has no dflash_config, so it is not a DFlash drafter (a target model's directory?)" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_init_from_with_an_impossible_block_size_is_refused(finished_run, tiny_target, tmp_path, capsys):
+    drafter = tmp_path / "drafter"
+    shutil.copytree(finished_run / "drafter", drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**config, "block_size": 0}))
+    code, err = trainer(capsys, tmp_path / "out", *sets(tiny_target, f"drafter.init_from={drafter}"))
+    assert code == 2 and "block_size = 0 (must be an integer, >= 2 and <= 1024, as drafter.block_size)" in err, err
+
+
+# ---- a finished run: the settings checks come before the shortcut -----------------------------------
+
+@pytest.mark.parametrize("flag", ["--resume", "--auto-resume"])
+@pytest.mark.parametrize(("override", "expected"), [
+    ("drafter.num_layers=3", "drafter.num_layers: 2 -> 3"),
+    ("drafter.target_layer_ids=[0]", "drafter.target_layer_ids: None -> [0]"),
+])
+def test_a_finished_run_with_another_drafter_is_refused_not_nothing_changed(flag, override, expected, run_copy,
+                                                                            capsys):
+    before = snapshot(run_copy)
+    code, err = trainer(capsys, run_copy, flag, *_resume_sets(run_copy), "--set", override)
+    assert code == 2 and expected in err and "nothing changed" not in err, err
+    assert snapshot(run_copy) == before
+
+
+def test_auto_resume_names_a_damaged_latest_checkpoint(run_copy, capsys):
+    for name in ("summary.json", "eval_prompts.jsonl"):
+        (run_copy / name).unlink()
+    shutil.rmtree(run_copy / "drafter")
+    state = run_copy / STEP6 / ckpt.TRAIN_STATE_FILE
+    state.write_bytes(state.read_bytes()[:100])
+    code, err = trainer(capsys, run_copy, "--auto-resume", *_resume_sets(run_copy))
+    assert code == 0, err
+    assert (f"{run_copy} holds an unfinished run: continuing it (--resume) (step-00000006 is damaged "
+            f"(training_state.pt is") in err, err
+    assert "continuing from the newest intact one, step-00000003" in err, err
+
+
+def test_a_refused_new_start_leaves_no_empty_directory(tiny_target, tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "no conversation here"}\n' * 4)
+    out = tmp_path / "new" / "run"
+    code, err = trainer(capsys, out, *sets({**tiny_target, "train": str(rows)}))
+    assert code == 2, err
+    assert not out.exists()
+
+
+def test_status_of_a_mistyped_run_dir_exits_2(tmp_path, capsys):
+    from dflash_run.cli import main as run_main
+
+    code = run_main(["status", "--run-dir", str(tmp_path / "no-such-run")])
+    out = capsys.readouterr().out
+    assert code == 2 and "no such directory" in out, out
+    assert run_main(["status", "--run-dir", str(tmp_path)]) == 0
+
+
+def test_the_exit_code_contract_is_one_table():
+    from dflash_trainer import cli_args
+    from dflash_trainer.data import DataError
+    from dflash_trainer.run_dir import RunDirError
+    from dflash_trainer.storage import StorageError
+
+    assert [cli_args.exit_code(e) for e in (ConfigError("x"), DataError("x"), RunDirError("x"))] == [2, 2, 2]
+    assert [cli_args.exit_code(e) for e in (StorageError("x"), ckpt.DamagedCheckpoint("x"), KeyError("x"))] == \
+        [1, 1, 1]
