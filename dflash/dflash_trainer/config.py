@@ -122,6 +122,9 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     steps: Annotated[int, STEPS] = 1000
+    # passes over data.train instead of train.steps (not both): steps = ceil(epochs x usable rows /
+    # (micro_batch x grad_accum x drafter ranks)), printed at the start and recorded as train.steps
+    epochs: Annotated[float | None, POSITIVE] = None
     micro_batch: Annotated[int, ROWS] = 1
     grad_accum: Annotated[int, ROWS] = 1
     num_anchors: Annotated[int, ROWS] = 512
@@ -422,6 +425,10 @@ def load_config(source: str, overrides: list[str] = (), flags: dict[str, str] | 
     for text in [*overrides, *flags.values()]:
         _apply_override(values, text)
     problems: list[str] = []
+    train = values.get("train")
+    if isinstance(train, dict) and "steps" in train and train.get("epochs") is not None:
+        problems.append(f"train.steps = {train['steps']} and train.epochs = {train['epochs']} are both given: keep one "
+                        "(epochs derives the steps from the data)")
     config = _build(RunConfig, values, "", problems)
     if not problems:
         problems = semantic_problems(config)

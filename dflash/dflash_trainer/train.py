@@ -14,6 +14,7 @@ finish (the published drafter, tau, the summary).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -36,7 +37,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     from .compile_guard import CompileReport, leave_run_phase, prefetch_triton_key
     from .compile_step import check_dense_fits, compile_drafter_step
     from .config import RunConfig, check_init_from, load_config
-    from .data import MicroBatches
+    from .data import MicroBatches, load_rows, tokenize_dataset
     from .evaluate import evaluate, evaluate_saved, record_eval_prompts
     from .features import FeatureShards
     from .flops import peak_flops
@@ -506,6 +507,8 @@ def _run_rank(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, st
     if embedded:
         startup.mark("embedded default's assets")
     target_files = read_target_files(cfg, ctx)  # once: the resume check and the setup below share them
+    if cfg.train.epochs is not None:
+        steps_from_epochs(cfg, ctx, target_files.tokenizer)
     drafter_config = _accept(cfg, ctx, start, target_files)
     if ctx.is_target:
         start_step, _ = start.resume_point  # prepare's look at the checkpoints, as rank 0 has cleaned them
@@ -519,6 +522,44 @@ def _run_rank(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, st
         print_summary(summary)
     ctx.barrier()
     return summary
+
+
+def steps_from_epochs(cfg: RunConfig, ctx: parallel.Context, tokenizer) -> None:
+    """train.epochs -> train.steps, from the usable rows of data.train (every rank derives the same)."""
+    from .config import ConfigError
+
+    if cfg.data.features_dir or not cfg.data.train:
+        raise ConfigError("train.epochs needs data.train (the rows it counts): give train.steps instead")
+    rows = tokenize_dataset(load_rows(cfg.data.train), tokenizer, cfg.data.max_length, cfg.data.num_proc,
+                            cfg.data.reasoning, say=lambda _: None)  # the refusals are said when the data loads
+    per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.num_drafters
+    cfg.train.steps = max(1, math.ceil(cfg.train.epochs * len(rows) / per_step))
+    if ctx.rank == 0:
+        console.print(f"train.epochs = {cfg.train.epochs:g}: {cfg.train.steps} steps ({len(rows)} usable rows, "
+                      f"{per_step} a step)", soft_wrap=True)
+
+
+def config_toml(values: dict, section: str = "") -> str:
+    """The merged config as TOML: top-level keys, then one [section] per table; an unset (null) key is a
+    comment, as TOML has no null."""
+    lines = [f"[{section}]"] if section else []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            continue
+        lines.append(f"# {key} is unset" if value is None else f"{key} = {_toml_value(value)}")
+    text = "\n".join(lines) + "\n"
+    for key, value in values.items():
+        if isinstance(value, dict):
+            text += "\n" + config_toml(value, f"{section}.{key}" if section else key)
+    return text
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # strings (JSON escapes are TOML's), ints, floats
 
 
 # Exit 2: the input (config, data, run directory) needs a change; exit 1: a fault while running (cli_args).
@@ -565,9 +606,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="offline mode: write target features to DIR and exit")
     p.add_argument("--dump-batches", type=cli_args.STEPS, help="micro-batches to dump (default: one epoch)")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error (or DFLASH_DEBUG=1)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the merged config (defaults, the file, --set and the flags) as TOML and exit")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.set, flag_settings(args))
+        if args.print_config:
+            values = cfg.to_dict()
+            if cfg.train.epochs is not None:  # derived from the data at the start, not read from here
+                values["train"]["steps"] = None
+            print(config_toml(values), end="")
+            return 0
         if args.dump_features:
             check_inputs(cfg)
             check_init_from(cfg)
