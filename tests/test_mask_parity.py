@@ -12,11 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Qwen3Config
-
 from dflash_trainer.anchors import build_blocks, sample_anchors
 from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
 from dflash_trainer.objective import block_attention
+from transformers import Qwen3Config
 
 VOCAB = 97
 
@@ -100,9 +99,9 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("batch", [1, 4, 8])
-@pytest.mark.parametrize("head_dim,kv_heads", [(128, 8), (128, 2), (256, 1), (256, 4)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,head_dim,kv_heads,dtype", [
+    (1, 128, 8, torch.float32), (4, 128, 2, torch.bfloat16), (8, 256, 1, torch.bfloat16), (8, 256, 4, torch.float32),
+])
 @pytest.mark.usefixtures("_gpu_run_phase_left")
 def test_flex_equals_dense_reference_at_batch_shapes_on_gpu(batch, head_dim, kv_heads, dtype):
     from dflash_trainer.objective import COMPILED_FUSE, COMPILED_LAYER, COMPILED_NORM
