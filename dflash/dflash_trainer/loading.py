@@ -84,11 +84,16 @@ def check_inputs(cfg: RunConfig) -> None:
     if cfg.target.path != "embedded":  # the family, from config.json and the model class alone
         config = target_config(cfg)
         check_supported_target(config, f"target.path {cfg.target.path}", cfg.target.trust_remote_code)
+        _CHECKED_CONFIGS[(cfg.target.path, cfg.target.trust_remote_code)] = config  # read_target_files takes it
     if not features:
         check_sources(cfg.data.train)
         check_sources(cfg.data.eval)
         if cfg.target.quantization == "fp8" and cfg.target.path != "embedded":  # from config.json alone
             check_not_prequantized(config, f"target.path {cfg.target.path}")
+
+
+# The target config check_inputs read, by (path, trust_remote_code): the start reads config.json once.
+_CHECKED_CONFIGS: dict[tuple[str, bool], PretrainedConfig] = {}
 
 
 def target_config(cfg: RunConfig):
@@ -130,7 +135,8 @@ def read_target_files(cfg: RunConfig, ctx: parallel.Context) -> TargetFiles:
     # Drafter ranks fed by target ranks or disk need the tokenizer only to look up a mask token.
     mask_lookup = cfg.drafter.mask_token_id is None and not cfg.drafter.init_from
     needs_tokenizer = ctx.is_target or ctx.colocated or mask_lookup
-    return TargetFiles(target_config(cfg), load_tokenizer(cfg) if needs_tokenizer else None)
+    config = _CHECKED_CONFIGS.pop((cfg.target.path, cfg.target.trust_remote_code), None) or target_config(cfg)
+    return TargetFiles(config, load_tokenizer(cfg) if needs_tokenizer else None)
 
 
 def mask_token_id(cfg: RunConfig, tokenizer) -> int:
@@ -176,7 +182,8 @@ def new_drafter(cfg: RunConfig, target_config, tokenizer, device="cpu", initiali
     return DFlashDrafter.initialised(config, device, cfg.train.seed)
 
 
-def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:
+def load_target(cfg: RunConfig, layer_ids: list[int], device, config=None) -> FrozenTarget:
+    """config: the target's config, where the caller has read it already."""
     import sys
 
     from transformers import AutoModelForCausalLM
@@ -188,7 +195,7 @@ def load_target(cfg: RunConfig, layer_ids: list[int], device) -> FrozenTarget:
     if cfg.target.quantization == "fp8":  # refused before 16 GB are read, not after
         check_fp8_device(torch.device(device))  # here, not in check_inputs: CUDA starts only after parallel.init
     trust = cfg.target.trust_remote_code
-    attention = attention_implementation(meta_skeleton(target_config(cfg), trust))
+    attention = attention_implementation(meta_skeleton(config if config is not None else target_config(cfg), trust))
     model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype],
                                                  attn_implementation=attention, trust_remote_code=trust).to(device)
     target = FrozenTarget(model, layer_ids, quantization=cfg.target.quantization)

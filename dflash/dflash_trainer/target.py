@@ -348,8 +348,11 @@ def load_embed_and_head(path: str, device, dtype, config=None, trust_remote_code
         raise ConfigError(f"target.path {path}: {index.name} is damaged ({type(exc).__name__}: {exc}); "
                           "restore it from the model's source") from None
 
+    stored = _stored_names(skeleton, root, weight_map)
+
     def locate(candidates: list[str]) -> tuple[str, str, list[int]]:  # (file, key, shape) from the headers only
         keys = [k for name in candidates for k in [name] + ([name.split(".", 1)[1]] if "." in name else [])]
+        keys += [stored[name] for name in candidates if name in stored]
         for key in keys:
             file = root / (weight_map.get(key, "") if weight_map else "model.safetensors")
             if file.is_file():
@@ -366,3 +369,27 @@ def load_embed_and_head(path: str, device, dtype, config=None, trust_remote_code
         return BorrowedWeights(embed, embed, [(embed, e_file, e_key)])
     head = torch.empty(h_shape, dtype=dtype, device=device)
     return BorrowedWeights(embed, head, [(embed, e_file, e_key), (head, h_file, h_key)])
+
+
+def _stored_names(skeleton: nn.Module, root, weight_map: dict | None) -> dict[str, str]:
+    """The model's parameter name -> the checkpoint's key, through transformers' own renamings: a multimodal
+    wrapper's checkpoint stores `language_model.model.embed_tokens.weight` for the model's
+    `model.language_model.embed_tokens.weight`. Empty where transformers has no such mapping."""
+    from safetensors import safe_open
+
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+    except ImportError:  # another transformers: the direct names only
+        return {}
+    renamings = [t for t in get_model_conversion_mapping(skeleton) if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return {}
+    if weight_map is not None:
+        keys = list(weight_map)
+    elif (root / "model.safetensors").is_file():
+        with safe_open(str(root / "model.safetensors"), "pt", device="cpu") as f:
+            keys = list(f.keys())
+    else:
+        return {}
+    return {apply_renamings(key, renamings): key for key in keys}

@@ -149,7 +149,7 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
     target = stream = eval_stream = borrowed = None
     prompts: list[list[int]] = []
     if ctx.colocated:
-        target = load_target(cfg, drafter.target_layer_ids, device)
+        target = load_target(cfg, drafter.target_layer_ids, device, target_files.config)
         startup.mark("target")
         # The drafter's dtype (a no-op unless the target's differs, e.g. an fp32 target and a bf16 drafter).
         embed, head = (w.to(DTYPES[train.dtype]) for w in (target.embed_weight, target.head_weight))
