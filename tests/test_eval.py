@@ -227,7 +227,7 @@ def bad_inputs(tiny_target, drafter_dir, tmp_path_factory):
         "no_dflash_config": variant("no-dflash", dflash_config=None),
         "layer_ids": variant("layer-ids", dflash_config={**raw["dflash_config"], "target_layer_ids": [1, layers + 2]}),
         "hidden": variant("hidden", hidden_size=raw["hidden_size"] * 2),
-        "block": variant("block", block_size=4096),
+        "block": variant("block", block_size=1000),  # within drafter.block_size's bound (1024), past the context
         "no_prompt": root / "no-prompt.jsonl",
     }
 
@@ -236,10 +236,10 @@ def bad_inputs(tiny_target, drafter_dir, tmp_path_factory):
     ("no_dflash_config", [], "has no dflash_config"),
     ("layer_ids", [], "target_layer_ids .* are not all layers of the target"),
     ("hidden", [], "hidden size is 128, the target's 64.*trained for"),
-    ("block", [], "block size 4096 is above target .* context of 512"),
+    ("block", [], "block size 1000 is above target .* context of 512"),
     ("missing_prompts", [], "does not exist: fix the path"),
     ("no_prompt", [], r"holds no usable prompt \(1 no prompt field, 1 no user turn\)"),
-    ("max_new_tokens", ["--max-new-tokens", "0"], "--max-new-tokens 0: give at least 1"),
+    ("max_new_tokens", ["--max-new-tokens", "0"], "argument --max-new-tokens: 0: must be >= 1"),
     ("temperature", ["--temperature", "0.7"], "decodes greedily"),
     ("fp8_fp32", ["--target-quantization", "fp8", "--dtype", "float32"], "fp8 needs a bf16 target.*add --dtype bfloat16"),
 ])

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config
 
+from . import cli_args
 from .anchors import sample_anchors
 from .attention import dense_scores_bytes
 from .compile_step import compile_drafter_step
@@ -89,17 +90,20 @@ def make_assets(root: Path, preset: str, seq: int, rows: int) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dflash-bench", description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
-    p.add_argument("--seq", type=int, default=3072, help="context tokens per sequence (S)")
-    p.add_argument("--anchors", type=int, default=512, help="blocks per sequence (N)")
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--seq", type=cli_args.for_key("data.max_length"), default=3072,
+                   help="context tokens per sequence (S)")
+    p.add_argument("--anchors", type=cli_args.for_key("train.num_anchors"), default=512, help="blocks per sequence (N)")
+    p.add_argument("--micro-batch", type=cli_args.for_key("train.micro_batch"), default=1)
+    p.add_argument("--grad-accum", type=cli_args.for_key("train.grad_accum"), default=1,
+                   help="micro-batches per optimizer step")
     p.add_argument("--no-compile-layers", action="store_true",
                    help="eager layers around the compiled flex_attention (A/B against the default)")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the timed steps")
     p.add_argument("--no-memory-probe", action="store_true", help="skip the attention memory probe")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--untimed-steps", type=int, default=2, help="steps run after the compile step, before timing")
-    p.add_argument("--chunk-rows", type=int, default=2048)
+    p.add_argument("--steps", type=cli_args.integer(ge=1, le=100_000), default=10)
+    p.add_argument("--untimed-steps", type=cli_args.integer(ge=0, le=100_000), default=2,
+                   help="steps run after the compile step, before timing")
+    p.add_argument("--chunk-rows", type=cli_args.for_key("train.loss_chunk_rows"), default=2048)
     p.add_argument("--moments-dtype", choices=MOMENTS_DTYPE_NAMES, default="float32",
                    help="AdamW's moments (train.moments_dtype): the bf16-moment A/B")
     p.add_argument("--with-target", action="store_true", help="features from a random-weight target")
@@ -110,17 +114,11 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default="runs/bench/compile-cache")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--make-assets", metavar="DIR", help="write a random target + data for end-to-end runs")
-    p.add_argument("--rows", type=int, default=64, help="data rows for --make-assets")
-    p.add_argument("--stack-dump-after", type=float, help="dump every thread's stack after N s (diagnosis)")
-    args = p.parse_args(argv)
-    counts = {"--seq": args.seq, "--anchors": args.anchors, "--micro-batch": args.micro_batch,
-              "--grad-accum": args.grad_accum, "--steps": args.steps, "--chunk-rows": args.chunk_rows,
-              "--rows": args.rows}
-    too_small = [f"{flag} {value}" for flag, value in counts.items() if value < 1]
-    if args.untimed_steps < 0:
-        too_small.append(f"--untimed-steps {args.untimed_steps}")
-    if too_small:
-        p.error(f"{', '.join(too_small)}: {', '.join(counts)} must be 1 or more, --untimed-steps 0 or more")
+    p.add_argument("--rows", type=cli_args.integer(ge=1, le=1_000_000), default=64, help="data rows for --make-assets")
+    p.add_argument("--stack-dump-after", type=cli_args.SECONDS, help="dump every thread's stack after N s (diagnosis)")
+    args = cli_args.parse(p, argv)
+    if isinstance(args, int):
+        return args
     if args.stack_dump_after:
         import faulthandler
 

@@ -148,3 +148,19 @@ def named_source(text: str) -> str:
     if sep and source.strip():
         file_or_dataset(source.strip())
     return text
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace | int:
+    """The parser's answer, or the exit code argparse chose after saying why (2: a bad flag; 0: --help): main()
+    returns it as it returns every other refusal, rather than raising SystemExit."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else BAD_INPUT
+
+
+def say_error(console, message: str, *, bold: str = "error:") -> None:
+    """One error line on a rich console: the message escaped (a path such as mt[bench].jsonl is text, not markup)."""
+    from rich.markup import escape
+
+    console.print(f"[red]{escape(bold)}[/] {escape(message)}", soft_wrap=True)

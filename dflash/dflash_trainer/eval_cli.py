@@ -27,10 +27,9 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     import torch
 
     from . import checkpoint as ckpt
+    from . import cli_args, storage
     from . import run_dir as run_dir_lib
-    from . import storage
-    from .config import TARGET_QUANTIZATIONS, ConfigError
-    from .data import DataError
+    from .config import TARGET_QUANTIZATIONS, ConfigError, drafter_file_problems
     from .eval_report import SetResult, build_report, plot, table, write_json, write_requests
     from .evaluate import EVAL_PROMPTS_FILE
     from .fp8 import check_fp8_device, check_not_prequantized
@@ -78,21 +77,25 @@ class Plan:
 EVAL_FP8_SETTING = ("--target-quantization fp8", "give --target-quantization none")
 
 
-def parse_args(argv):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--drafter", help="the drafter directory (this trainer's OUTPUT/drafter, a checkpoint, z-lab's)")
+    p.add_argument("--drafter", type=cli_args.directory,
+                   help="the drafter directory (this trainer's OUTPUT/drafter, a checkpoint, z-lab's)")
     p.add_argument("--target", help="the target model: a Hugging Face directory or hub id")
     p.add_argument("--prompts", nargs="+", default=[], metavar="FILE_OR_DATASET",
+                   type=cli_args.file_or_dataset,
                    help="prompt sources, one prompt set each: JSONL files or hub datasets (owner/name[:config][@split])")
-    p.add_argument("--name", action="append", default=[], metavar="NAME=SOURCE",
+    p.add_argument("--name", action="append", default=[], metavar="NAME=SOURCE", type=cli_args.named_source,
                    help="name a prompt set (the source is added when --prompts lacks it); default: the file name")
     p.add_argument("--out", help="where eval.json, requests.jsonl and eval.png go (default with --run: OUTPUT/eval)")
-    p.add_argument("--run", metavar="OUTPUT", help="a training run's output dir: its drafter (or latest checkpoint), "
+    p.add_argument("--run", metavar="OUTPUT", type=cli_args.directory,
+                   help="a training run's output dir: its drafter (or latest checkpoint), "
                    "target, held-out prompts and eval settings are the defaults")
-    p.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default 256; --run: the run's)")
-    p.add_argument("--limit", type=int, help="the first N usable prompts of each set (default: all)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 only: greedy decoding")
+    p.add_argument("--max-new-tokens", type=cli_args.NEW_TOKENS,
+                   help="tokens to generate per prompt (default 256; --run: the run's)")
+    p.add_argument("--limit", type=cli_args.PROMPTS, help="the first N usable prompts of each set (default: all)")
+    p.add_argument("--temperature", type=cli_args.number(), default=0.0, help="0 only: greedy decoding")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="target and drafter dtype (auto: bfloat16 on CUDA, float32 on CPU; --run: the run's)")
     p.add_argument("--target-quantization", choices=TARGET_QUANTIZATIONS,
@@ -102,9 +105,9 @@ def parse_args(argv):
     p.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="run the modelling code the target's directory ships (target.trust_remote_code; --run: "
                         "the run's)")
-    p.add_argument("--tie-tolerance", type=float,
+    p.add_argument("--tie-tolerance", type=cli_args.number(ge=0, le=1),
                    help="near-tie threshold, a share of the largest logit (default by dtype: fp32 1e-4, bf16 3e-2)")
-    return p.parse_args(argv)
+    return p
 
 
 # ---- checking the inputs (nothing is written) ------------------------------------------------------
@@ -130,15 +133,28 @@ def run_defaults(run_dir: Path) -> dict:
                        "directory (the trainer's --output-dir); give --drafter, --target and --prompts instead")
     drafter = run_dir / "drafter"
     if not (drafter / "config.json").is_file():
-        drafter = ckpt.latest_checkpoint(run_dir / "checkpoints")
-        if drafter is None:
-            raise EvalError(f"--run {run_dir}: no drafter yet (neither {run_dir / 'drafter'} nor a checkpoint under "
-                            f"{run_dir / 'checkpoints'}): wait for the first checkpoint, or give --drafter")
+        drafter = _run_checkpoint(run_dir)
     try:
         return _run_settings(cfg, run_dir, drafter)
     except (KeyError, TypeError) as exc:
         raise EvalError(f"--run {run_dir}: its config.json lacks {exc} (written by another version of the trainer?): "
                         "give --drafter, --target and --prompts instead") from None
+
+
+def _run_checkpoint(run_dir: Path) -> Path:
+    """A run without its published drafter: its newest intact checkpoint, said on the console (and which newer
+    ones are damaged), since tau then measures a drafter mid-training."""
+    found = ckpt.inspect(run_dir / "checkpoints")
+    if found.resume_from is None:
+        damaged = "".join(f"; {p.name} is damaged ({problem})" for p, problem in found.damaged)
+        raise EvalError(f"--run {run_dir}: no drafter yet (neither {run_dir / 'drafter'} nor an intact checkpoint "
+                        f"under {run_dir / 'checkpoints'}{damaged}): wait for the first checkpoint, or give --drafter")
+    newer = [f"{p.name} is damaged ({problem})" for p, problem in found.damaged
+             if (ckpt.step_of(p) or 0) > (found.resume_step or 0)]
+    console.print(f"--run {run_dir}: no published drafter (drafter/) yet: evaluating the checkpoint "
+                  f"{found.resume_from.name}" + (f", the newest intact one ({'; '.join(newer)})" if newer else ""),
+                  markup=False, soft_wrap=True)
+    return found.resume_from
 
 
 def _run_settings(cfg: dict, run_dir: Path, drafter: Path) -> dict:
@@ -147,7 +163,8 @@ def _run_settings(cfg: dict, run_dir: Path, drafter: Path) -> dict:
                 "max_new_tokens": cfg["eval"]["max_new_tokens"],
                 "target_dtype": cfg["target"]["dtype"], "drafter_dtype": cfg["train"]["dtype"],
                 "target_quantization": cfg["target"].get("quantization", "none"),  # older runs: none
-                "trust_remote_code": cfg["target"].get("trust_remote_code", False)}
+                "trust_remote_code": cfg["target"].get("trust_remote_code", False),
+                "block_size": cfg["drafter"].get("block_size")}
     if recorded.is_file():  # exactly the prompts the run's tau was measured on
         defaults["names"] = [f"held-out={recorded}"]
     elif cfg["data"]["eval"]:
@@ -168,11 +185,14 @@ def check_drafter_dir(path: Path) -> dict:
     if "DFlash2DraftModel" in (raw.get("architectures") or []):
         raise EvalError(f"{path} is a DFlash 2 drafter (candidate selector, convolutions), which dflash-eval does "
                         "not implement; evaluate it with z-lab's dflash benchmark")
-    missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash] + \
-        (["block_size"] if "block_size" not in raw else [])
+    missing = [k for k in ("mask_token_id", "target_layer_ids") if dflash.get(k) is None] + \
+        (["block_size"] if raw.get("block_size") is None else [])
     if missing:
         raise EvalError(f"{config_file} lacks {missing}: add them (dflash_config.mask_token_id, "
                         "dflash_config.target_layer_ids and a top-level block_size, as z-lab's drafters have)")
+    if problems := drafter_file_problems(raw):  # block_size 0, a negative layer id: what no drafter setting allows
+        raise EvalError(f"{config_file} holds values no drafter can have: {'; '.join(problems)}. The file was edited "
+                        "or damaged: copy it again from where the drafter came from")
     layer_types = set(raw.get("layer_types") or ["full_attention"])
     if layer_types != {"full_attention"} or raw.get("is_causal"):
         raise EvalError(f"{path}: drafter layers {sorted(layer_types)} (sliding-window or causal drafter attention) "
@@ -266,6 +286,11 @@ def plan(args) -> Plan:
 
     drafter_dir = Path(drafter)
     raw = check_drafter_dir(drafter_dir)
+    trained = defaults.get("block_size") if drafter == defaults.get("drafter") else None
+    if trained is not None and raw["block_size"] != trained:
+        console.print(f"note: {drafter_dir / 'config.json'} says block_size {raw['block_size']}, and the run trained "
+                      f"with {trained} (drafter.block_size): evaluating at {raw['block_size']}, as its config says",
+                      markup=False, soft_wrap=True)
     try:  # a missing directory, or a hub id while the hub is unreachable: refused in seconds, not after retries
         check_target(target)
     except ConfigError as exc:
@@ -309,10 +334,15 @@ def load_models(p: Plan):
 
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()
+    from safetensors import SafetensorError
+
     try:
         drafter = DFlashDrafter.from_pretrained(p.drafter_dir)
-    except (ValueError, RuntimeError, OSError) as exc:  # key or shape mismatch, unreadable safetensors
-        raise EvalError(f"--drafter {p.drafter_dir}: cannot load its weights ({exc})") from exc
+    except (ValueError, RuntimeError, OSError, SafetensorError) as exc:  # key or shape mismatch, a cut-short file
+        weights = p.drafter_dir / "model.safetensors"
+        raise EvalError(f"--drafter {p.drafter_dir}: cannot load its weights from {weights} ({exc}): the file is "
+                        "missing, cut short or from another model; copy the drafter directory again (or give "
+                        "another checkpoint)") from None
     drafter = drafter.to(device=p.device, dtype=p.drafter_dtype).eval()
     try:  # the attention implementation the trainer chose for this family (target.attention_implementation)
         attention = attention_implementation(meta_skeleton(AutoConfig.from_pretrained(
@@ -420,19 +450,19 @@ def evaluate(p: Plan) -> tuple[dict, list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = cli_args.parse(parser(), argv)
+    if isinstance(args, int):
+        return args
     try:
         p = plan(args)
         report, requests = evaluate(p)
-    except (EvalError, DataError, ConfigError) as exc:
-        console.print(f"[red]error:[/] {exc}")
-        return 2
-    except storage.StorageError as exc:
-        console.print(f"[red]error:[/] {exc}")
-        return 1
+    except (*cli_args.bad_input_errors(EvalError), storage.StorageError) as exc:
+        cli_args.say_error(console, str(exc))
+        return cli_args.exit_code(exc, EvalError)
     except OutputMismatch as exc:
-        console.print(f"[red]error: speculative output differs from target-only greedy decoding:[/] {exc}")
-        return 1
+        cli_args.say_error(console, str(exc),
+                           bold="error: speculative output differs from target-only greedy decoding:")
+        return cli_args.FAULT
     try:
         with storage.explained(f"writing the results to --out {p.out}", p.out,
                                "Free space or make it writable, then run again (or give another --out)"):
@@ -442,10 +472,10 @@ def main(argv: list[str] | None = None) -> int:
             plot(report, p.out / "eval.png")
     except storage.StorageError as exc:
         console.print(table(report))  # the numbers on the terminal at least
-        console.print(f"[red]error:[/] {exc}")
-        return 1
+        cli_args.say_error(console, str(exc))
+        return cli_args.FAULT
     console.print(table(report))
-    console.print(f"eval.json, requests.jsonl and eval.png in {p.out}")
+    console.print(f"eval.json, requests.jsonl and eval.png in {p.out}", markup=False)
     return 0
 
 

@@ -272,6 +272,17 @@ def _auto_resume(out: Path, found: ckpt.Inspection, held: list[str]) -> tuple[st
     return "new", None
 
 
+def _auto_choice(cfg: RunConfig, out: Path, found: ckpt.Inspection, held: list[str],
+                 say: Callable[[str], None]) -> bool | None:
+    """--auto-resume: True to resume, False for a new run, None for a finished run (said, nothing to do)."""
+    action, chosen = _auto_resume(out, found, held)
+    if action == "finished":  # a changed drafter is not "nothing changed": refused before that is said
+        _refuse_other_drafter(cfg, _recorded(out), out)
+    if chosen:
+        say(chosen)
+    return None if action == "finished" else action == "resume"
+
+
 def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = False,
             say: Callable[[str], None] = lambda _: None) -> RunStart:
     """What this start may do with the run directory; RunDirError when it may not start at all. say() hears
@@ -283,14 +294,9 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = F
     found = ckpt.inspect(out / CHECKPOINTS)
     held = _held(out, found)
     if auto_resume:
-        action, chosen = _auto_resume(out, found, held)
-        if action == "finished":  # a changed drafter is not "nothing changed": refused before that is said
-            _refuse_other_drafter(cfg, _recorded(out), out)
-        if chosen:
-            say(chosen)
-        if action == "finished":
+        resume = _auto_choice(cfg, out, found, held, say)
+        if resume is None:
             return RunStart(out, False, False, found, finished=True)
-        resume = action == "resume"
     if held and not resume and not overwrite:
         raise RunDirError(f"{out} already holds a run ({', '.join(held)}): continue it with --resume, start a new "
                           "run with another --output-dir, or replace this one with --overwrite")

@@ -23,6 +23,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     from rich.console import Console
     from rich.markup import escape
 
+    from .. import cli_args
     from ..config import ConfigError
     from ..data import DataError, load_rows
     from ..loading import check_target
@@ -55,17 +56,18 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--target", required=True, help="the target model directory (its tokenizer renders the prompts)")
-    p.add_argument("--data", required=True, nargs="+", metavar="FILE_OR_DATASET",
+    p.add_argument("--data", required=True, nargs="+", metavar="FILE_OR_DATASET", type=cli_args.file_or_dataset,
                    help="what data.train takes: JSONL files or globs (messages / conversations / prompt rows), "
                         "or one hub dataset name")
     p.add_argument("--out", required=True, help="output directory: part-*.jsonl shards and summary.json")
     p.add_argument("--engine", choices=("hf", "openai"), default="hf",
                    help="hf: the target in this process (default); openai: an OpenAI-compatible server")
     g = p.add_argument_group("sampling (part of every answer's resume key)")
-    g.add_argument("--max-new-tokens", type=int, default=2048)
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0 samples, seeded")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=cli_args.NEW_TOKENS, default=2048)
+    g.add_argument("--temperature", type=cli_args.number(ge=0, le=100), default=0.0,
+                   help="0: greedy (default); > 0 samples, seeded")
+    g.add_argument("--top-p", type=cli_args.number(gt=0, le=1), default=1.0)
+    g.add_argument("--seed", type=cli_args.SEED, default=0)
     g.add_argument("--turns", choices=("last", "all"), default="last",
                    help="last: answer the final user turn; all: every assistant turn, in order, each prompt "
                         "holding the target's own earlier answers")
@@ -74,12 +76,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-token", action="append", metavar="TOKEN",
                    help="a token that ends an answer (repeatable; default: the target's EOS tokens)")
     d = p.add_argument_group("input and output")
-    d.add_argument("--limit", type=int, help="only the first N source rows")
+    d.add_argument("--limit", type=cli_args.PROMPTS, help="only the first N source rows")
     d.add_argument("--split", default="train", help="dataset split (hub datasets)")
-    d.add_argument("--shard-size", type=int, default=1024,
+    d.add_argument("--shard-size", type=cli_args.PROMPTS, default=1024,
                    help="prompts per shard: a killed run loses at most the shard in progress")
     h = p.add_argument_group("engine hf")
-    h.add_argument("--batch-size", type=int, default=256,
+    h.add_argument("--batch-size", type=cli_args.ROWS, default=256,
                    help="most prompts per generate call (fewer when the KV cache would not fit)")
     h.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="auto: bfloat16 on a GPU, float32 on the CPU")
@@ -87,12 +89,14 @@ def parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("engine openai")
     o.add_argument("--endpoint", help="the server's base URL, e.g. http://localhost:8000/v1")
     o.add_argument("--model", help="the served model name (default: the server's only model)")
-    o.add_argument("--concurrency", type=int, default=64, help="requests in flight")
+    o.add_argument("--concurrency", type=cli_args.PROCESSES, default=64, help="requests in flight")
     o.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="bearer token (default: $OPENAI_API_KEY)")
-    o.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    o.add_argument("--retries", type=int, default=5, help="retries per request (connection errors, timeouts, 5xx)")
-    o.add_argument("--retry-backoff", type=float, default=1.0, help="first retry delay in s, doubling")
+    o.add_argument("--request-timeout", type=cli_args.SECONDS, default=600.0, help="seconds per request")
+    o.add_argument("--retries", type=cli_args.integer(ge=0, le=100), default=5,
+                   help="retries per request (connection errors, timeouts, 5xx)")
+    o.add_argument("--retry-backoff", type=cli_args.number(ge=0, le=3600), default=1.0,
+                   help="first retry delay in s, doubling")
     o.add_argument("--extra-body", type=json_object, default={}, metavar="JSON",
                    help='extra request fields, e.g. \'{"return_token_ids": true}\' for vLLM')
     return p
@@ -229,12 +233,14 @@ def run(args) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = cli_args.parse(parser(), argv)
+    if isinstance(args, int):
+        return args
     try:
         run(args)
     except (DataError, EndpointError, StorageError, ConfigError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
-        return 2
+        return cli_args.exit_code(exc, EndpointError)  # a full disk is a fault at run time (1), as in train and eval
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (driver.Stopped)
         console.print("stopped: the answered shards are kept; run the same command to resume")
         return 143 if isinstance(exc, Stopped) else 130
