@@ -152,6 +152,9 @@ class TrainConfig:
 class EvalConfig:
     prompts: Annotated[int, PROMPTS] = 16
     max_new_tokens: Annotated[int, NEW_TOKENS] = 128
+    # tau before training: teacher-forced (an estimate from per-slot accuracy on held-out data, seconds) or
+    # decode (speculative decoding of eval.prompts prompts, as after training: minutes at real shapes)
+    before_training: Annotated[str, Rule(choices=("teacher-forced", "decode"))] = "teacher-forced"
 
 
 @dataclass

@@ -27,7 +27,9 @@ def print_summary(summary: dict) -> None:
     table.add_row("MFU", fmt(summary["mfu"], ".1%") if summary["mfu"] else "n/a (no known GPU peak)")
     table.add_row("time split", ", ".join(f"{k} {v:.1f}s" for k, v in summary["time_split_s"].items()))
     if "tau_before" in summary:
-        table.add_row("tau (acceptance length)", f"{summary['tau_before']:.2f} -> {summary['tau_after']:.2f}")
+        method = summary.get("tau_before_method", "speculative decoding")
+        before = "" if method == "speculative decoding" else f" (before: {method})"
+        table.add_row("tau (acceptance length)", f"{summary['tau_before']:.2f} -> {summary['tau_after']:.2f}{before}")
     else:
         table.add_row("tau (acceptance length)", "n/a: no target in this run (offline)")
     table.add_row("drafter (HF dir)", summary["drafter_dir"])

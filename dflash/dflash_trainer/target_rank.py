@@ -87,6 +87,7 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
     before, after = evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, out / "drafter", device)
     summary = json.loads((out / "summary.json").read_text())
     summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"],
+                   tau_before_method=before.get("tau_method", "speculative decoding"),
                    target_ranks=ctx.roles.num_targets, target_busy_s=busy_s, target_wait_s=send_wait)
     write_summary(out, summary)
     print_summary(summary)

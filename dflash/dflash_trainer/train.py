@@ -38,7 +38,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     from .compile_step import check_dense_fits, compile_drafter_step
     from .config import RunConfig, check_init_from, load_config
     from .data import MicroBatches, load_rows, tokenize_dataset
-    from .evaluate import evaluate, evaluate_saved, record_eval_prompts
+    from .evaluate import evaluate, evaluate_before, evaluate_saved, record_eval_prompts
     from .features import FeatureShards
     from .flops import peak_flops
     from .loading import (
@@ -403,7 +403,8 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
         else:
             after = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
                              "after training")
-        summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"])
+        summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"],
+                       tau_before_method=before.get("tau_method", "speculative decoding"))
         if run.eval_stream is not None:  # the published drafter, reloaded, on the features serving computes
             summary["serving_check"] = check_published(cfg, run.drafter, final_dir, run.target, run.eval_stream)
         summary["target_attention"] = run.target.attention  # chosen per family at load (loading.load_target)
@@ -427,8 +428,7 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, 
         run_dir.commit(start, cfg)
     before = None
     if ctx.colocated and run.start_step == 0:
-        before = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
-                          "before training")
+        before = evaluate_before(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts)
         startup.mark("evaluation before training")
     report, compile_s = compile_or_check(run)
     startup.mark("compile step")
@@ -608,7 +608,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--debug", action="store_true", help="print the traceback of an error (or DFLASH_DEBUG=1)")
     p.add_argument("--print-config", action="store_true",
                    help="print the merged config (defaults, the file, --set and the flags) as TOML and exit")
-    args = p.parse_args(argv)
+    args = cli_args.parse(p, argv)
+    if isinstance(args, int):  # a bad flag, said by argparse (2), or --help (0)
+        return args
     try:
         cfg = load_config(args.config, args.set, flag_settings(args))
         if args.print_config:
