@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from dflash_trainer import checkpoint as ckpt
@@ -162,3 +163,93 @@ def test_the_exit_code_contract_is_one_table():
     assert [cli_args.exit_code(e) for e in (ConfigError("x"), DataError("x"), RunDirError("x"))] == [2, 2, 2]
     assert [cli_args.exit_code(e) for e in (StorageError("x"), ckpt.DamagedCheckpoint("x"), KeyError("x"))] == \
         [1, 1, 1]
+
+
+# ---- dflash-regenerate and dflash-eval: the same rules, the drafter's files, the console -------------
+
+def test_regenerate_refuses_a_temperature_of_nan(tmp_path, capsys):
+    from dflash_trainer.regenerate.cli import main as regenerate
+
+    code = regenerate(["--target", "t", "--data", "d.jsonl", "--out", str(tmp_path / "out"), "--temperature", "nan"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "argument --temperature: nan: must be a number (finite)" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-0.5", "2"])
+def test_eval_refuses_a_tie_tolerance_outside_0_to_1(value, tmp_path, capsys):
+    from dflash_trainer.eval_cli import main as evaluate
+
+    code = evaluate(["--drafter", str(tmp_path), "--target", "t", "--out", str(tmp_path / "out"),
+                     f"--tie-tolerance={value}"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and f"argument --tie-tolerance: {value}: must be" in err, err
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_target, tmp_path_factory) -> Path:
+    """A drafter with random weights, built for the tiny target (1 layer, block 4)."""
+    from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target["target"])
+    config = drafter_config(AutoConfig.from_pretrained(tiny_target["target"]),
+                            DrafterShape(num_layers=1, block_size=4, mask_token_id=tokenizer.mask_token_id))
+    out = tmp_path_factory.mktemp("drafter")
+    DFlashDrafter(config).save_pretrained(out)
+    return out
+
+
+def _eval(capsys, drafter: Path, tiny_target, out: Path, *extra: str) -> tuple[int, str]:
+    from dflash_trainer.eval_cli import main as evaluate
+
+    code = evaluate(["--drafter", str(drafter), "--target", tiny_target["target"], "--out", str(out),
+                     "--device", "cpu", "--max-new-tokens", "2", "--limit", "1", *extra])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return code, " ".join(err.split())
+
+
+def test_eval_refuses_a_drafter_config_with_block_size_0(drafter_dir, tiny_target, tmp_path, capsys):
+    edited = tmp_path / "drafter"
+    shutil.copytree(drafter_dir, edited)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "block_size": 0}))
+    code, err = _eval(capsys, edited, tiny_target, tmp_path / "out", "--prompts", tiny_target["eval"])
+    assert code == 2 and f"{edited / 'config.json'} holds values no drafter can have: block_size = 0" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_refuses_a_cut_short_weights_file_naming_it(drafter_dir, tiny_target, tmp_path, capsys):
+    cut = tmp_path / "drafter"
+    shutil.copytree(drafter_dir, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    code, err = _eval(capsys, cut, tiny_target, tmp_path / "out", "--prompts", tiny_target["eval"])
+    assert code == 2 and f"cannot load its weights from {weights}" in err and "copy the drafter directory again" \
+        in err, err
+
+
+def test_eval_keeps_brackets_in_its_messages(drafter_dir, tiny_target, tmp_path, capsys):
+    missing = tmp_path / "mt[bench].jsonl"
+    code, err = _eval(capsys, drafter_dir, tiny_target, tmp_path / "out", "--prompts", str(missing))
+    assert code == 2 and "mt[bench].jsonl" in err, err
+
+
+def test_eval_calls_a_directory_given_as_prompts_a_directory(drafter_dir, tiny_target, tmp_path, capsys):
+    code, err = _eval(capsys, drafter_dir, tiny_target, tmp_path / "out", "--prompts", str(tmp_path))
+    assert code == 2 and f"argument --prompts: {tmp_path} is a directory" in err and "not found" not in err, err
+
+
+def test_eval_of_a_run_says_which_checkpoint_it_falls_back_to(run_copy, tmp_path, capsys):
+    shutil.rmtree(run_copy / "drafter")
+    state = run_copy / STEP6 / ckpt.TRAIN_STATE_FILE
+    state.write_bytes(state.read_bytes()[:100])
+    from dflash_trainer.eval_cli import main as evaluate
+
+    code = evaluate(["--run", str(run_copy), "--out", str(tmp_path / "eval"), "--device", "cpu", "--limit", "1",
+                     "--max-new-tokens", "2"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 0, err
+    assert (f"--run {run_copy}: no published drafter (drafter/) yet: evaluating the checkpoint step-00000003, the "
+            "newest intact one (step-00000006 is damaged") in err, err

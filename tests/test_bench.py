@@ -87,7 +87,7 @@ def test_startup_bench_starts_the_trainer_cold_then_warm(tmp_path):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--starts", "0"], "--starts and --drafter-ranks must be >= 1"),
+    (["--starts", "0"], "argument --starts: 0: must be >= 1"),
     (["--work", "{file}/work"], "is a file, so no directory can be made there"),
     (["--json", "{file}/out.json"], "exists and is not a directory"),
 ])

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import storage
+from . import cli_args, storage
 from .bench import PRESETS
 
 
@@ -42,15 +42,17 @@ def run(cmd: list[str], log: Path, what: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dflash-bench-startup", description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
-    p.add_argument("--seq", type=int, default=3072, help="context tokens per sequence (S)")
-    p.add_argument("--anchors", type=int, default=512, help="blocks per sequence (N)")
-    p.add_argument("--drafter-ranks", type=int, default=1, help="drafter processes (one per GPU)")
-    p.add_argument("--starts", type=int, default=3, help="starts on one cache: the first cold, the rest warm")
+    p.add_argument("--seq", type=cli_args.for_key("data.max_length"), default=3072,
+                   help="context tokens per sequence (S)")
+    p.add_argument("--anchors", type=cli_args.for_key("train.num_anchors"), default=512,
+                   help="blocks per sequence (N)")
+    p.add_argument("--drafter-ranks", type=cli_args.for_key("parallel.drafter_ranks"), default=1,
+                   help="drafter processes (one per GPU)")
+    p.add_argument("--starts", type=cli_args.integer(ge=1, le=100), default=3,
+                   help="starts on one cache: the first cold, the rest warm")
     p.add_argument("--work", default="runs/bench-startup", help="assets, features, compile cache and runs")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
-    if args.starts < 1 or args.drafter_ranks < 1:
-        p.error("--starts and --drafter-ranks must be >= 1")
     work = Path(args.work).absolute()
     try:
         storage.check_can_create(work, "--work")

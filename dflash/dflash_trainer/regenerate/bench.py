@@ -117,16 +117,17 @@ def measure(name, model, prompts, args, device) -> tuple[dict, list[list[int]]]:
 
 
 def main(argv=None) -> int:
+    from .. import cli_args
     from ..bench import PRESETS
 
     p = argparse.ArgumentParser(prog="dflash-bench-regenerate", description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
     p.add_argument("--assets", metavar="DIR", help="use DIR/target (bench --make-assets) instead of a fresh random one")
-    p.add_argument("--prompts", type=int, default=512)
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=256, help="hf engine: most prompts per batch")
-    p.add_argument("--baseline-batch", type=int, default=32, help="baseline: prompts per generate call")
+    p.add_argument("--prompts", type=cli_args.PROMPTS, default=512)
+    p.add_argument("--prompt-tokens", type=cli_args.TOKENS, default=256)
+    p.add_argument("--new-tokens", type=cli_args.NEW_TOKENS, default=256)
+    p.add_argument("--batch-size", type=cli_args.ROWS, default=256, help="hf engine: most prompts per batch")
+    p.add_argument("--baseline-batch", type=cli_args.ROWS, default=32, help="baseline: prompts per generate call")
     p.add_argument("--no-compile", action="store_true", help="hf engine: eager decode on the GPU too")
     p.add_argument("--contenders", default=",".join(DEFAULT), help=f"comma-separated, from {CONTENDERS}")
     p.add_argument("--json", help="write the results here")
