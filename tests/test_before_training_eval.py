@@ -17,8 +17,10 @@ def test_slot_tau_adds_the_slots_up_to_the_first_miss():
     assert slot_tau([0.5, 0.5]) == pytest.approx(1.75)
 
 
-@pytest.mark.parametrize("setting, method", [("teacher-forced", "teacher-forced estimate"),
-                                             ("decode", "speculative decoding")])
+@pytest.mark.parametrize("setting, method", [
+    ("teacher-forced", "teacher-forced estimate"),
+    pytest.param("decode", "speculative decoding", marks=pytest.mark.slow),  # the evaluation as it was
+])
 def test_before_training_tau_as_set_and_its_cost_said(setting, method, tiny_target, tmp_path, capsys):
     summary = run(load_config("embedded", [
         f"target.path={tiny_target['target']}", f"data.train={json.dumps([tiny_target['train']])}",
