@@ -253,3 +253,9 @@ def test_eval_of_a_run_says_which_checkpoint_it_falls_back_to(run_copy, tmp_path
     assert code == 0, err
     assert (f"--run {run_copy}: no published drafter (drafter/) yet: evaluating the checkpoint step-00000003, the "
             "newest intact one (step-00000006 is damaged") in err, err
+
+
+def test_eval_keeps_brackets_in_its_table(drafter_dir, tiny_target, tmp_path, capsys):
+    code, err = _eval(capsys, drafter_dir, tiny_target, tmp_path / "out", "--name", f"mt[bench]={tiny_target['eval']}")
+    assert code == 0 and "mt[bench]" in err, err
+    assert list(json.loads((tmp_path / "out" / "eval.json").read_text())["sets"]) == ["mt[bench]"]

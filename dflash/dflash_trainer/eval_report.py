@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from . import storage
@@ -107,7 +108,8 @@ def table(report: dict) -> Table:
         ties = f" (+{len(r['near_tie_divergences'])} near ties)" if r["near_tie_divergences"] else ""
         if name == "all":
             t.add_section()
-        t.add_row(name, str(r["prompts"]), f"{r['tau']:.2f}", f"{r['tau_per_request_mean']:.2f}",
+        t.add_row(escape(name), str(r["prompts"]),  # a set named mt[bench] is text, not markup
+                  f"{r['tau']:.2f}", f"{r['tau_per_request_mean']:.2f}",
                   str(r["verify_steps"]), str(r["tokens"]), rate(r["speculative_tokens_per_s"]),
                   rate(r["target_only_tokens_per_s"]),
                   "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x", f"{r['outputs_equal']}{ties}")
