@@ -259,3 +259,16 @@ def test_eval_keeps_brackets_in_its_table(drafter_dir, tiny_target, tmp_path, ca
     code, err = _eval(capsys, drafter_dir, tiny_target, tmp_path / "out", "--name", f"mt[bench]={tiny_target['eval']}")
     assert code == 0 and "mt[bench]" in err, err
     assert list(json.loads((tmp_path / "out" / "eval.json").read_text())["sets"]) == ["mt[bench]"]
+
+
+def test_eval_of_a_run_says_when_the_drafter_config_has_another_block_size(run_copy, tmp_path, capsys):
+    from dflash_trainer.eval_cli import main as evaluate
+
+    config_file = run_copy / "drafter" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "block_size": 4}))
+    code = evaluate(["--run", str(run_copy), "--out", str(tmp_path / "eval"), "--device", "cpu", "--limit", "1",
+                     "--max-new-tokens", "2"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 0, err
+    assert (f"note: {config_file} says block_size 4, and the run trained with 8 (drafter.block_size): evaluating "
+            "at 4") in err, err
