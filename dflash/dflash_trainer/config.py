@@ -77,7 +77,7 @@ TARGET_QUANTIZATIONS = ("none", "fp8")
 @dataclass
 class TargetConfig:
     path: Annotated[str, PATH] = ""  # HF directory or hub id of the target; "embedded" builds the tiny one
-    dtype: Annotated[str, DTYPE] = "bfloat16"
+    dtype: Annotated[str, DTYPE] = "bfloat16"  # the dtype the frozen target's weights and features run in
     # fp8: the decoder layers' GEMMs in FP8 (weights per channel, activations per token, as vLLM serves
     # *-FP8-dynamic checkpoints): features as an FP8-served target computes them, faster (fp8.py)
     quantization: Annotated[str, Rule(choices=TARGET_QUANTIZATIONS)] = "none"
@@ -87,22 +87,23 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    num_layers: Annotated[int, Rule(ge=1, le=MAX_LAYERS)] = 5
-    block_size: Annotated[int, Rule(ge=2, le=MAX_BLOCK)] = 16
+    num_layers: Annotated[int, Rule(ge=1, le=MAX_LAYERS)] = 5  # decoder layers of the drafter
+    block_size: Annotated[int, Rule(ge=2, le=MAX_BLOCK)] = 16  # tokens per block: one known token, then block_size - 1 drafted
     mask_token_id: Annotated[int | None, NOT_NEGATIVE] = None  # None: the tokenizer's mask token
     target_layer_ids: Annotated[list[int] | None, Rule(ge=0, le=MAX_LAYERS - 1)] = None  # None: the published rule
-    intermediate_size: Annotated[int | None, Rule(ge=1, le=1 << 24)] = None
+    intermediate_size: Annotated[int | None, Rule(ge=1, le=1 << 24)] = None  # MLP width; None: the target's
     gamma: Annotated[float | None, POSITIVE] = None  # None: 7 for B=16 (paper)
     init_from: Annotated[str | None, PATH] = None  # an existing drafter directory to continue from
 
 
 @dataclass
 class DataConfig:
-    train: Annotated[list[str], PATH] = field(default_factory=list)
-    eval: Annotated[list[str], PATH] = field(default_factory=list)
-    max_length: Annotated[int, TOKENS] = 3072
+    train: Annotated[list[str], PATH] = field(default_factory=list)  # training data: files, globs or hub datasets
+    eval: Annotated[list[str], PATH] = field(default_factory=list)  # held-out data for tau; empty: split from train
+    max_length: Annotated[int, TOKENS] = 3072  # tokens per training row; longer rows are cut
+    # tokens: each row is padded to the next bucket (one compiled shape each); the last >= max_length
     context_buckets: Annotated[list[int], TOKENS] = field(default_factory=lambda: [512, 1024, 2048, 3072])
-    num_proc: Annotated[int | None, PROCESSES] = None
+    num_proc: Annotated[int | None, PROCESSES] = None  # processes tokenizing the data; None: this process alone
     features_dir: Annotated[str | None, PATH] = None  # offline mode: features dumped with --dump-features
     # An assistant turn's reasoning text (reasoning_content / reasoning / thinking): keep passes it to the chat
     # template as reasoning_content (rendered where the template renders it), drop leaves it out
@@ -121,37 +122,37 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: Annotated[int, STEPS] = 1000
+    steps: Annotated[int, STEPS] = 1000  # optimizer steps of the run
     # passes over data.train instead of train.steps (not both): steps = ceil(epochs x usable rows /
     # (micro_batch x grad_accum x drafter ranks)), printed at the start and recorded as train.steps
     epochs: Annotated[float | None, POSITIVE] = None
-    micro_batch: Annotated[int, ROWS] = 1
-    grad_accum: Annotated[int, ROWS] = 1
-    num_anchors: Annotated[int, ROWS] = 512
-    lr: Annotated[float, POSITIVE] = 6e-4
-    warmup_ratio: Annotated[float, FRACTION] = 0.04
-    min_lr_ratio: Annotated[float, FRACTION] = 0.0
-    weight_decay: Annotated[float, NOT_NEGATIVE] = 0.0
-    max_grad_norm: Annotated[float, POSITIVE] = 1.0
-    seed: Annotated[int, SEED] = 0
+    micro_batch: Annotated[int, ROWS] = 1  # rows per micro-batch on each drafter rank
+    grad_accum: Annotated[int, ROWS] = 1  # micro-batches per optimizer step on each drafter rank
+    num_anchors: Annotated[int, ROWS] = 512  # blocks (random anchor positions) trained per row
+    lr: Annotated[float, POSITIVE] = 6e-4  # peak learning rate of AdamW
+    warmup_ratio: Annotated[float, FRACTION] = 0.04  # fraction of the steps spent warming the lr up linearly
+    min_lr_ratio: Annotated[float, FRACTION] = 0.0  # the lr the cosine decay ends at, as a fraction of lr
+    weight_decay: Annotated[float, NOT_NEGATIVE] = 0.0  # AdamW's decoupled weight decay
+    max_grad_norm: Annotated[float, POSITIVE] = 1.0  # gradients are clipped to this global L2 norm
+    seed: Annotated[int, SEED] = 0  # seeds the drafter's init, the data order and the anchors
     dtype: Annotated[str, DTYPE] = "bfloat16"  # drafter parameters; the optimizer keeps fp32 masters
     # AdamW's two moments; bfloat16 halves their memory and the update's moment traffic (fp32 math and
-    # masters still); needs low-precision parameters and no FSDP sharding (README "The trainer")
+    # masters still); needs low-precision parameters and no FSDP sharding (docs/configuration.md)
     moments_dtype: Annotated[str, Rule(choices=MOMENTS_DTYPE_NAMES)] = "float32"
     attention: Annotated[str, Rule(choices=("auto", "flex", "sdpa"))] = "auto"  # auto: flex on CUDA, sdpa on CPU
-    loss_chunk_rows: Annotated[int, Rule(ge=1, le=1 << 24)] = 2048
+    loss_chunk_rows: Annotated[int, Rule(ge=1, le=1 << 24)] = 2048  # token rows per chunk of the LM head + CE
     compile_layers: bool = True  # flex backend: compile each drafter layer whole (fused norms/RoPE/SwiGLU), and the norms after fc and at the end
-    log_every: Annotated[int, STEPS] = 10
+    log_every: Annotated[int, STEPS] = 10  # steps between progress lines and metrics
     checkpoint_every: Annotated[int, Rule(ge=0, le=MAX_STEPS)] = 500  # steps; 0: none (the final drafter is always saved)
-    keep_last: Annotated[int, Rule(ge=1, le=10_000)] = 3
-    compile_cache_dir: Annotated[str | None, PATH] = None
+    keep_last: Annotated[int, Rule(ge=1, le=10_000)] = 3  # checkpoints kept; older ones are removed
+    compile_cache_dir: Annotated[str | None, PATH] = None  # compile cache shared by runs; None: in output_dir
     wandb_project: str | None = None  # W&B logging when wandb is installed (or set WANDB_PROJECT)
 
 
 @dataclass
 class EvalConfig:
-    prompts: Annotated[int, PROMPTS] = 16
-    max_new_tokens: Annotated[int, NEW_TOKENS] = 128
+    prompts: Annotated[int, PROMPTS] = 16  # held-out prompts tau is measured on
+    max_new_tokens: Annotated[int, NEW_TOKENS] = 128  # tokens decoded per prompt when measuring tau
     # tau before training: teacher-forced (an estimate from per-slot accuracy on held-out data, seconds) or
     # decode (speculative decoding of eval.prompts prompts, as after training: minutes at real shapes)
     before_training: Annotated[str, Rule(choices=("teacher-forced", "decode"))] = "teacher-forced"
@@ -165,7 +166,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    output_dir: Annotated[str, PATH] = "runs/default"
+    output_dir: Annotated[str, PATH] = "runs/default"  # the run directory: checkpoints, drafter/, summary.json
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

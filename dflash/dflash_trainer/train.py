@@ -1,9 +1,9 @@
 """Train a DFlash drafter.
 
     python -m dflash_trainer.train --config embedded                  # one process: target + drafter
-    torchrun --nproc-per-node 8 -m dflash_trainer.train --config run.toml --target-gpus 5 --drafter-gpus 3
-    python -m dflash_trainer.train --config run.toml --dump-features feats/   # offline: dump once ...
-    torchrun --nproc-per-node 2 -m dflash_trainer.train --config run.toml --set data.features_dir=feats/ \\
+    torchrun --nproc-per-node 8 -m dflash_trainer.train --config qwen3-8b --target-gpus 3 --drafter-gpus 5
+    python -m dflash_trainer.train --config qwen3-8b --dump-features feats/   # offline: dump once ...
+    torchrun --nproc-per-node 2 -m dflash_trainer.train --config qwen3-8b --set data.features_dir=feats/ \\
         --target-gpus 0 --drafter-gpus 2                                   # ... train many epochs on it
 
 A drafter rank reads top to bottom: setup (drafter, sharding, optimizer, feature source, the one
