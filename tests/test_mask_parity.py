@@ -104,27 +104,38 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 ])
 @pytest.mark.usefixtures("_gpu_run_phase_left")
 def test_flex_equals_dense_reference_at_batch_shapes_on_gpu(batch, head_dim, kv_heads, dtype):
+    """float32: flex (eager layers and compiled ones) equals the dense reference to rounding. bfloat16: the
+    flex path is no further from the float32 dense reference than the bfloat16 dense path is (twice its
+    error at most, FlashAttention's own test criterion): bf16 rounding differs between kernels, a mask
+    error does not stay within it."""
+    import copy
+
     from dflash_trainer.objective import COMPILED_FUSE, COMPILED_LAYER, COMPILED_NORM
 
     drafter, blocks, feats, embeds, pos = make_case("cuda", batch, ctx_len=300, head_dim=head_dim,
                                                     kv_heads=kv_heads, block=16, anchors=12)
-    drafter = drafter.to(dtype)
-    feats, embeds = feats.to(dtype), embeds.to(dtype)
-    results = {}
-    for name, backend, compiled in (("dense", "sdpa", {}), ("flex", "flex", {}),
-                                    ("flex-compiled", "flex", {"layer_fn": COMPILED_LAYER, "fuse_fn": COMPILED_FUSE,
-                                                               "norm_fn": COMPILED_NORM})):
-        drafter.zero_grad()
-        f = feats.clone().requires_grad_()
-        attention = block_attention(backend, blocks, f.shape[1], drafter.block_size, drafter.config)
-        out = drafter(f, embeds, pos, attention, **compiled)
-        live = blocks.keep.repeat_interleave(drafter.block_size, 1)
+    live = blocks.keep.repeat_interleave(drafter.block_size, 1)
+
+    def run(model, dt, backend, **compiled):
+        model.zero_grad()
+        f = feats.to(dt).clone().requires_grad_()
+        attention = block_attention(backend, blocks, f.shape[1], model.block_size, model.config)
+        out = model(f, embeds.to(dt), pos, attention, **compiled)
         (out.float().square() * live.unsqueeze(-1)).sum().backward()
-        results[name] = (out.detach()[live], f.grad.clone(), drafter.layers[0].self_attn.k_proj.weight.grad.clone())
-    tol = {"rtol": 2e-3, "atol": 2e-3} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
-    for name in ("flex", "flex-compiled"):
-        for got, ref, what in zip(results[name], results["dense"], ("outputs", "feature grads", "k_proj grads")):
-            torch.testing.assert_close(got.float(), ref.float(), **tol, msg=lambda m, n=name, w=what: f"{n} {w}: {m}")
+        return [t.float() for t in (out.detach()[live], f.grad, model.layers[0].self_attn.k_proj.weight.grad)]
+
+    reference = run(drafter, torch.float32, "sdpa")
+    model = copy.deepcopy(drafter).to(dtype)
+    dense = run(model, dtype, "sdpa")
+    compiled = {"layer_fn": COMPILED_LAYER, "fuse_fn": COMPILED_FUSE, "norm_fn": COMPILED_NORM}
+    for name, got in (("flex", run(model, dtype, "flex")), ("flex-compiled", run(model, dtype, "flex", **compiled))):
+        for what, g, d, r in zip(("outputs", "feature grads", "k_proj grads"), got, dense, reference):
+            if dtype == torch.float32:
+                torch.testing.assert_close(g, r, rtol=2e-3, atol=2e-3, msg=lambda m, n=name, w=what: f"{n} {w}: {m}")
+            else:
+                err, dense_err = (g - r).abs().max().item(), (d - r).abs().max().item()
+                assert err <= 2 * dense_err + 1e-3 * r.abs().max().item(), (
+                    f"{name} {what}: max error {err:.3g} against the fp32 reference, the bf16 dense path's {dense_err:.3g}")
 
 
 @pytest.mark.gpu
