@@ -53,6 +53,18 @@ def test_resume_continues_with_the_same_losses(full_run, tiny_target, tmp_path):
     assert again["losses"] == summary["losses"][3:]  # bit-identical on CPU: same data, anchors, state
 
 
+def test_a_run_killed_after_its_last_checkpoint_resumes_to_a_summary_with_its_losses(full_run, tiny_target, tmp_path):
+    """Killed between the final checkpoint and summary.json: the resume trains nothing, publishes the drafter,
+    and its summary has the losses that checkpoint recorded (it said loss n/a)."""
+    out, summary = full_run
+    resumed = tmp_path / "killed"
+    shutil.copytree(out / "checkpoints" / "step-00000006", resumed / "checkpoints" / "step-00000006")
+    shutil.copytree(out / "embedded", resumed / "embedded") if (out / "embedded").exists() else None
+    again = run(tiny_config(tiny_target, resumed), resume=True)
+    assert again["losses"] == summary["losses"]
+    assert (again["first_loss"], again["final_loss"]) == (summary["first_loss"], summary["final_loss"])
+
+
 def counted(monkeypatch, module, name: str) -> list[tuple]:
     """Wrap the real module.name in every dflash_trainer module that holds it (`from .x import name` copies
     it); the list gets one entry per call, and the real function does the work."""

@@ -92,6 +92,7 @@ class DrafterRun:
     eval_stream: MicroBatches | None = None
     prompts: list[list[int]] = field(default_factory=list)
     borrowed: BorrowedWeights | None = None  # the embedding and head being read (target-less drafter ranks)
+    checkpoint_losses: list[float] = field(default_factory=list)  # the resumed checkpoint's run so far
 
     @property
     def out(self) -> Path:
@@ -205,6 +206,7 @@ def restore(run: DrafterRun) -> None:
         raise error from exc
     run.scheduler.load_state_dict(state["scheduler"])
     ckpt.set_rng_state(state["rng"])
+    run.checkpoint_losses = [float(x) for x in state.get("losses", [])]  # absent in older checkpoints
     run.log(f"resumed from {run.latest} at step {run.start_step}")
 
 
@@ -221,7 +223,7 @@ def compile_or_check(run: DrafterRun) -> tuple[CompileReport | None, float]:
     return report, time.perf_counter() - t0
 
 
-def save_checkpoint(run: DrafterRun, done: int) -> Path | None:
+def save_checkpoint(run: DrafterRun, done: int, losses: list[float] | None = None) -> Path | None:
     """Every drafter rank calls it (FSDP gathers the state from all of them); the lead writes."""
     weights, optimizer_state = run.shard.full_state(run.optimizer, run.lead)
     if not run.lead:
@@ -229,7 +231,9 @@ def save_checkpoint(run: DrafterRun, done: int) -> Path | None:
     train, root = run.cfg.train, run.out / "checkpoints"
     state = {"optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(), "rng": ckpt.rng_state(),
              "step": done, "data_position": done * train.grad_accum * run.ctx.num_drafters,
-             "config": run.cfg.to_dict()}
+             "config": run.cfg.to_dict(),
+             # the losses up to this step: a run killed after its last save resumes to a summary that has them
+             "losses": run.checkpoint_losses + list(losses or [])}
     previous = ckpt.latest_checkpoint(root)
     kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
     with storage.explained(f"saving checkpoint step {done} in {root}", root,
@@ -347,7 +351,7 @@ def train_loop(run: DrafterRun, metrics: Metrics | None, startup: Startup) -> Hi
                 read(*pending)
                 pending = None
             if due or stop_now:
-                path = save_checkpoint(run, done)
+                path = save_checkpoint(run, done, history.losses)
             if stop_now:
                 history.stopped_at = done
                 run.log(f"stopped at step {done}: checkpoint {path}; continue with --resume")
@@ -395,6 +399,10 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
         # again: the run's figures are the ones its summary already holds.
         summary.update({k: previous[k] for k in ("first_loss", "final_loss", "tokens_per_s", "mfu", "time_split_s",
                                                  "time_to_first_step_s", "losses") if k in previous})
+    elif not history.losses and run.checkpoint_losses:
+        # Killed after its last checkpoint and before summary.json: the losses that checkpoint recorded.
+        summary.update(first_loss=run.checkpoint_losses[0], final_loss=run.checkpoint_losses[-1],
+                       losses=run.checkpoint_losses)
     if run.ctx.colocated:
         leave_run_phase()  # evaluation shapes (batch sizes) differ from the training step's
         if before is None:  # resumed: rebuild the initial drafter for the comparison
