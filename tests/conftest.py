@@ -80,3 +80,15 @@ def tiny_target(tmp_path_factory):
         with open(root / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps({"messages": c}) + "\n" for c in rows)
     return {"target": str(root / "target"), "train": str(root / "train.jsonl"), "eval": str(root / "eval.jsonl")}
+
+
+@pytest.fixture(autouse=True)
+def _cuda_visible_devices_restored():
+    """An in-process trainer run makes this process see one GPU (isolate_local_gpu sets CUDA_VISIBLE_DEVICES to
+    its local rank's); a later test's torchrun workers must not inherit that list."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    yield
+    if saved is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = saved

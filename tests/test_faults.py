@@ -240,7 +240,7 @@ def test_no_usable_rows(tiny_target, tmp_path, capsys):
     odd = tmp_path / "odd.jsonl"
     odd.write_text(json.dumps({"messages": [{"role": "user", "content": 3}]}) + "\n")
     code, err = trainer(capsys, tmp_path / "c", *sets(tiny_target, f'data.train=["{odd}"]'))
-    assert code == 2 and f"row 1 of {odd}" in err, err
+    assert code == 2 and f"no usable rows in {odd}" in err and "role/content" in err and "(row 1)" in err, err
 
 
 # ---- resume with another config ----------------------------------------------------------------

@@ -113,7 +113,7 @@ def test_every_make_target_the_docs_and_messages_name_exists():
              *[p for p in (REPO / "ansible").rglob("*") if p.suffix in (".yml", ".py", ".j2", ".md", ".mk")]]
     for path in files:
         if path.is_file():
-            for target in re.findall(r"\bmake ([a-z][a-z0-9-]*)", path.read_text()):
+            for target in re.findall(r"\bmake ([a-z][a-z0-9]*(?:-[a-z0-9]+)*)", path.read_text()):
                 named.setdefault(target, path.relative_to(REPO))
     missing = {t: str(p) for t, p in named.items() if t not in make_targets() | english}
     assert not missing, f"make targets named but not defined: {missing}"

@@ -61,7 +61,7 @@ class Site:
                 "drafter": {"num_layers": 2, "block_size": 8},
                 "data": {"max_length": 128, "context_buckets": [64, 128]},
                 "train": {"steps": steps, "checkpoint_every": every, "micro_batch": 4, "num_anchors": 8,
-                          "lr": 3e-3, "dtype": "float32", "log_every": 1, "keep_last": 2},
+                          "lr": 3e-3, "dtype": "float32", "log_every": 50, "keep_last": 2},
                 "eval": {"prompts": 2, "max_new_tokens": 8}},
             "training_run_env": {"LD_LIBRARY_PATH": f"{sys.base_prefix}/lib:/host-libs"}, "training_run_min_free_gb": 0.1, "training_run_restart_delay_s": 1, "training_run_stop_timeout_s": 120,
             **(run_vars or {}),
