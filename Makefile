@@ -39,7 +39,7 @@ venv: $(VENV)/.installed ## create the development venv (.venv)
 test: venv ## run the test suite (GPU tests skip without a GPU)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: venv ## the tests not marked slow (over ~30 s on 2 cores), docker, lxc or gpu: under 2 minutes on 2 cores
+test-fast: venv ## the tests not marked slow (over ~30 s on 2 cores), docker, lxc or gpu: about 5 minutes on 2 cores
 	$(PY) -m pytest -m "not slow and not docker and not lxc and not gpu" $(PYTEST_ARGS)
 
 lint: venv ## ruff on the Python code (ansible/ too), ansible-lint on the playbooks and roles
