@@ -47,17 +47,21 @@ def record_eval_prompts(out_dir: Path, prompts: list[list[int]]) -> Path:
 
 # ---- evaluation during and after training (where the target is) ----------------------------------
 @torch.no_grad()
-def teacher_forced_accuracy(cfg, drafter, target, eval_stream, batches: int = 4) -> list[float]:
-    """Per-slot accuracy on held-out data, the training objective's view (no target in the loop)."""
+def teacher_forced_accuracy(cfg, drafter, target, eval_stream, batches: int = 4, features=None,
+                            seed_offset: int = 7) -> list[float]:
+    """Per-slot accuracy on held-out data, the training objective's view (no target in the loop).
+
+    features(batch) -> [b, S, K*H]: where the target features come from (default: the trainer's own,
+    target.features on the padded micro-batch); seed_offset picks the anchors (the same offset, the same)."""
     block, device, dtype = drafter.block_size, target.embed_weight.device, drafter.fc.weight.dtype
     # The drafter's dtype (a no-op unless the target's differs, e.g. an fp32 target and a bf16 drafter).
     embed, head = target.embed_weight.to(dtype), target.head_weight.to(dtype)
     correct = torch.zeros(block, device=device)
     count = torch.zeros(block, device=device)
-    g = torch.Generator(device=device).manual_seed(cfg.train.seed + 7)
+    g = torch.Generator(device=device).manual_seed(cfg.train.seed + seed_offset)
     for i in range(min(batches, eval_stream.per_epoch)):
         batch = eval_stream.batch(i).to(device)
-        feats = target.features(batch.input_ids, batch.attention_mask).to(dtype)
+        feats = (features(batch) if features else target.features(batch.input_ids, batch.attention_mask)).to(dtype)
         # The dense reference: no compiled variant is needed for this no-grad pass.
         mb = prepare_micro_batch(batch.input_ids, batch.loss_mask, cfg.train.num_anchors, drafter.config,
                                  drafter.mask_token_id, None, "sdpa", g)

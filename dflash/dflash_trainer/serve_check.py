@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from .evaluate import teacher_forced_accuracy
 from .loading import console
 from .model import DFlashDrafter
-from .objective import drafter_loss, prepare_micro_batch
 
 # Mean per-slot accuracy as trained minus as served above which the run is flagged: bf16 features and
 # weights move single argmaxes, not the mean of thousands of them by a tenth.
 GAP_FLAG = 0.1
+ANCHOR_SEED_OFFSET = 11  # the anchors of both passes (train.seed + this)
 
 
 def serving_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids) -> torch.Tensor:
@@ -35,35 +36,18 @@ def serving_features(target, input_ids: torch.Tensor, attention_mask: torch.Tens
     return torch.stack(rows)
 
 
-@torch.no_grad()
-def _slot_accuracy(cfg, drafter, target, batches, features_fn) -> list[float]:
-    dtype = drafter.fc.weight.dtype
-    embed, head = target.embed_weight.to(dtype), target.head_weight.to(dtype)
-    device = embed.device
-    correct = torch.zeros(drafter.block_size, device=device)
-    count = torch.zeros(drafter.block_size, device=device)
-    g = torch.Generator(device=device).manual_seed(cfg.train.seed + 11)  # the same anchors on both passes
-    for batch in batches:
-        feats = features_fn(batch).to(dtype)
-        mb = prepare_micro_batch(batch.input_ids, batch.loss_mask, cfg.train.num_anchors, drafter.config,
-                                 drafter.mask_token_id, None, "sdpa", g)
-        sums = drafter_loss(drafter, embed, head, feats, mb.blocks, mb.attention)
-        correct += sums.slot_correct
-        count += sums.slot_count
-    return (correct[1:] / count[1:].clamp(min=1)).tolist()
-
-
 def check_published(cfg, drafter, drafter_dir, target, eval_stream, batches: int = 2) -> dict:
     """Per-slot accuracy as trained and as served, their mean gap, and whether it is flagged (logged)."""
     device = target.embed_weight.device
-    rows = [eval_stream.batch(i).to(device) for i in range(min(batches, eval_stream.per_epoch))]
     was_training = drafter.training
     drafter.eval()
-    trained = _slot_accuracy(cfg, drafter, target, rows, lambda b: target.features(b.input_ids, b.attention_mask))
+    # The same rows and anchors (seed offset) for both; the trainer's features for the first.
+    trained = teacher_forced_accuracy(cfg, drafter, target, eval_stream, batches, seed_offset=ANCHOR_SEED_OFFSET)
     drafter.train(was_training)
     published = DFlashDrafter.from_pretrained(drafter_dir).to(device=device, dtype=drafter.fc.weight.dtype).eval()
-    served = _slot_accuracy(cfg, published, target, rows, lambda b: serving_features(
-        target, b.input_ids, b.attention_mask, published.target_layer_ids))
+    served = teacher_forced_accuracy(cfg, published, target, eval_stream, batches, seed_offset=ANCHOR_SEED_OFFSET,
+                                     features=lambda b: serving_features(target, b.input_ids, b.attention_mask,
+                                                                         published.target_layer_ids))
     gap = sum(trained) / len(trained) - sum(served) / len(served)
     result = {"slot_accuracy_as_trained": trained, "slot_accuracy_as_served": served, "mean_gap": gap,
               "flagged": gap > GAP_FLAG}
