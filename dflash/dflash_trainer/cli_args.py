@@ -19,16 +19,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import (
-    MAX_PROCESSES,
-    MAX_PROMPTS,
-    MAX_ROWS,
-    MAX_STEPS,
-    MAX_TOKENS,
-    Rule,
-    check_value,
-    describe_rule,
-)
+from . import config
+from .config import MAX_TOKENS, Rule, check_value, describe_rule
 from .config import setting as config_setting
 
 OK, FAULT, BAD_INPUT = 0, 1, 2
@@ -96,13 +88,13 @@ def for_key(key: str) -> Typed:
     return Typed(hint, rule)
 
 
-# Counts of work the command lines share (the config's bounds: config.MAX_*).
-STEPS = integer(ge=1, le=MAX_STEPS)
-NEW_TOKENS = integer(ge=1, le=MAX_TOKENS)
-TOKENS = integer(ge=1, le=MAX_TOKENS)
-PROMPTS = integer(ge=1, le=MAX_PROMPTS)
-ROWS = integer(ge=1, le=MAX_ROWS)
-PROCESSES = integer(ge=1, le=MAX_PROCESSES)
+# Counts of work the command lines share: the config's own rules for them.
+STEPS = Typed(int, config.STEPS)
+NEW_TOKENS = Typed(int, config.NEW_TOKENS)
+TOKENS = integer(ge=1, le=MAX_TOKENS)  # one token is a usable count here (config.TOKENS starts at 2: a context)
+PROMPTS = Typed(int, config.PROMPTS)
+ROWS = Typed(int, config.ROWS)
+PROCESSES = Typed(int, config.PROCESSES)
 SEED = for_key("train.seed")
 SECONDS = number(gt=0, le=7 * 24 * 3600)  # a week
 
