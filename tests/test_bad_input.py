@@ -16,6 +16,7 @@ from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.train import main
 
+from tests.helpers.training import random_drafter_dir
 from tests.test_faults import STEP6, _resume_sets, sets, snapshot, trainer
 
 
@@ -189,15 +190,7 @@ def test_eval_refuses_a_tie_tolerance_outside_0_to_1(value, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def drafter_dir(tiny_target, tmp_path_factory) -> Path:
     """A drafter with random weights, built for the tiny target (1 layer, block 4)."""
-    from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
-    from transformers import AutoConfig, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_target["target"])
-    config = drafter_config(AutoConfig.from_pretrained(tiny_target["target"]),
-                            DrafterShape(num_layers=1, block_size=4, mask_token_id=tokenizer.mask_token_id))
-    out = tmp_path_factory.mktemp("drafter")
-    DFlashDrafter(config).save_pretrained(out)
-    return out
+    return random_drafter_dir(tiny_target["target"], tmp_path_factory.mktemp("drafter"))
 
 
 def _eval(capsys, drafter: Path, tiny_target, out: Path, *extra: str) -> tuple[int, str]:

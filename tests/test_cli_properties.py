@@ -22,6 +22,8 @@ from dflash_trainer.regenerate import cli as regenerate_cli
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.training import random_drafter_dir
+
 FIXED = settings(derandomize=True, database=None, deadline=None, max_examples=25,
                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -184,15 +186,7 @@ def test_the_numeric_keys_cover_every_section():
 @pytest.fixture(scope="module")
 def drafter_files(tiny_target, tmp_path_factory) -> Path:
     """A drafter (random weights) built for the tiny target: config.json and model.safetensors."""
-    from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
-    from transformers import AutoConfig, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_target["target"])
-    config = drafter_config(AutoConfig.from_pretrained(tiny_target["target"]),
-                            DrafterShape(num_layers=1, block_size=4, mask_token_id=tokenizer.mask_token_id))
-    out = tmp_path_factory.mktemp("drafter")
-    DFlashDrafter(config).save_pretrained(out)
-    return out
+    return random_drafter_dir(tiny_target["target"], tmp_path_factory.mktemp("drafter"))
 
 
 FILE_KEYS = {"block_size": ("drafter.block_size", None), "num_hidden_layers": ("drafter.num_layers", None),

@@ -16,3 +16,15 @@ def sdpa_step(drafter, optimizer, target, ids, loss_mask, features, num_anchors:
     sums.weighted_ce.backward()
     optimizer.step(1.0 / mb.blocks.total_weight)
     optimizer.zero_grad()
+
+
+def random_drafter_dir(target_dir, out):
+    """A drafter with random weights built for the target in `target_dir` (1 layer, block 4), saved in `out`."""
+    from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    config = drafter_config(AutoConfig.from_pretrained(target_dir),
+                            DrafterShape(num_layers=1, block_size=4, mask_token_id=tokenizer.mask_token_id))
+    DFlashDrafter(config).save_pretrained(out)
+    return out
