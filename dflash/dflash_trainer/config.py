@@ -114,6 +114,9 @@ class DataConfig:
 class ParallelConfig:
     target_ranks: Annotated[int, Rule(ge=0, le=MAX_PROCESSES)] = 0  # processes running the frozen target (torchrun --nproc-per-node = T + D)
     drafter_ranks: Annotated[int, PROCESSES] = 1  # processes training the drafter
+    # GPUs per target: the target ranks form groups of target_tp, each holding one target sharded with tensor
+    # parallelism (for targets larger than one GPU); target_ranks must be a multiple of it
+    target_tp: Annotated[int, PROCESSES] = 1
     # ddp: a full copy per drafter rank; fsdp: split across them (sharding.py)
     drafter_sharding: Annotated[str, Rule(choices=("ddp", "fsdp"))] = "ddp"
     prefetch: Annotated[int, Rule(ge=1, le=1024)] = 2  # micro-batches in flight per target -> drafter pair
@@ -463,6 +466,7 @@ def semantic_problems(c: RunConfig) -> list[str]:
         problems.append(f"target.quantization = fp8 needs target.dtype = bfloat16 (the FP8 GEMMs write bf16 "
                         f"features), and target.dtype is {c.target.dtype}: set target.dtype = bfloat16, or "
                         "target.quantization = none")
+    problems += parallel_problems(c)
     if c.train.moments_dtype != "float32":
         # Only the one-pass update stores moments apart from the fp32 masters (optim.py).
         if c.train.dtype == "float32":
@@ -476,6 +480,29 @@ def semantic_problems(c: RunConfig) -> list[str]:
     return problems
 
 
+def parallel_problems(c: RunConfig) -> list[str]:
+    """The parallel section's combinations (the target's heads are checked against target_tp once its
+    config.json is read: target_tp.check_tp_shape)."""
+    p, problems = c.parallel, []
+    if p.target_tp > 1:
+        if p.target_ranks == 0 and not c.data.features_dir:
+            problems.append(f"parallel.target_tp = {p.target_tp} needs target ranks, and target_ranks is 0 (one "
+                            "process holds the whole target): run under torchrun with --target-gpus "
+                            f"{p.target_tp} (or a multiple of it), or set parallel.target_tp = 1")
+        elif p.target_ranks % p.target_tp:
+            fits = sorted({max(p.target_tp, p.target_ranks // p.target_tp * p.target_tp),
+                           -(-p.target_ranks // p.target_tp) * p.target_tp})
+            problems.append(f"parallel.target_ranks = {p.target_ranks} is not a multiple of parallel.target_tp = "
+                            f"{p.target_tp} (each group of {p.target_tp} target GPUs holds one target): give "
+                            f"--target-gpus {' or '.join(map(str, fits))}, or another target_tp")
+        if c.data.features_dir:
+            problems.append(f"parallel.target_tp = {p.target_tp} shards the target across target ranks, and "
+                            "data.features_dir (offline mode) has none: set parallel.target_tp = 1")
+        if c.target.quantization != "none":
+            problems.append(f"target.quantization = {c.target.quantization} with parallel.target_tp = {p.target_tp}: "
+                            "the FP8 target runs whole on each target rank; set target.quantization = none to "
+                            "shard the bf16 target, or parallel.target_tp = 1")
+    return problems
 
 
 # ---- a drafter's config.json: its values as the drafter settings allow them ---------------------

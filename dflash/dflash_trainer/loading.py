@@ -22,6 +22,7 @@ from .target import (
     check_supported_target,
     meta_skeleton,
 )
+from .target_tp import check_tp_shape
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -84,6 +85,7 @@ def check_inputs(cfg: RunConfig) -> None:
     if cfg.target.path != "embedded":  # the family, from config.json and the model class alone
         config = target_config(cfg)
         check_supported_target(config, f"target.path {cfg.target.path}", cfg.target.trust_remote_code)
+        check_tp_shape(config, cfg.parallel.target_tp, cfg.target.path)  # N splits the heads evenly
         _CHECKED_CONFIGS[(cfg.target.path, cfg.target.trust_remote_code)] = config  # read_target_files takes it
     if not features:
         check_sources(cfg.data.train)

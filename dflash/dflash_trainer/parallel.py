@@ -1,6 +1,8 @@
 """Process layout: one process per GPU under torchrun; target ranks feed drafter ranks.
 
 Ranks 0..T-1 run the frozen target and send features; ranks T..T+D-1 train the drafter with DDP.
+With parallel.target_tp = N the target ranks form T / N groups of N, each holding one target sharded
+with tensor parallelism (target_tp.py); the first rank of a group sends the group's features.
 With T = 0 the drafters read features dumped to disk (offline mode). A plain single process
 (no torchrun) runs target and drafter together ("colocated"), which is how the embedded default
 runs on a laptop or one GPU.
@@ -39,6 +41,15 @@ class Context:
         return self.roles is not None and self.roles.is_target(self.rank)
 
     @property
+    def target_tp(self) -> int:
+        return 1 if self.roles is None else self.roles.target_tp
+
+    @property
+    def sends_features(self) -> bool:
+        """A target rank that sends its group's features (every target rank when target_tp = 1)."""
+        return self.roles is not None and self.roles.sends_features(self.rank)
+
+    @property
     def drafter_index(self) -> int:
         return 0 if self.roles is None else self.roles.drafter_index(self.rank)
 
@@ -62,9 +73,10 @@ class Context:
             dist.barrier(group=self.groups.header)  # gloo: no device synchronisation needed
 
 
-def init(target_ranks: int, drafter_ranks: int, offline: bool, isolate_gpus: bool = True) -> Context:
+def init(target_ranks: int, drafter_ranks: int, offline: bool, isolate_gpus: bool = True,
+         target_tp: int = 1) -> Context:
     """Read torchrun's environment, check the role split (ConfigError when it does not fit the world or
-    the mode), start the process group."""
+    the mode), start the process group (and the target groups of target_tp ranks)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -74,7 +86,7 @@ def init(target_ranks: int, drafter_ranks: int, offline: bool, isolate_gpus: boo
     if offline and target_ranks:
         raise ConfigError("data.features_dir is set (offline mode), so there are no target ranks: set "
                          "parallel.target_ranks = 0 (--target-gpus 0)")
-    roles = Roles.from_world(world, target_ranks, drafter_ranks)
+    roles = Roles.from_world(world, target_ranks, drafter_ranks, target_tp)
     if roles.offline and not offline:
         raise ConfigError("0 target ranks means offline mode: set data.features_dir to features dumped with "
                          "--dump-features, or give target ranks (--target-gpus T)")
@@ -115,33 +127,40 @@ def synchronize(device: torch.device) -> None:
 
 # ---- the T:D split: how many target ranks feed how many drafter ranks ------------------------------
 
-def suggest_split(target_s: float, drafter_s: float, gpus: int) -> tuple[int, int]:
-    """The split of `gpus` into T target and D drafter ranks that moves the most micro-batches per
-    second: max over T of min(T / target_s, D / drafter_s), where target_s and drafter_s are one
-    micro-batch's time on one GPU of each role. Ties go to fewer target ranks."""
-    if gpus < 2:
-        raise ValueError(f"a split needs at least 2 GPUs (one target rank, one drafter rank), got {gpus}")
-    return max(((t, gpus - t) for t in range(1, gpus)),
-               key=lambda td: (min(td[0] / target_s, td[1] / drafter_s), -td[0]))
+def suggest_split(target_s: float, drafter_s: float, gpus: int, target_tp: int = 1) -> tuple[int, int]:
+    """The split of `gpus` into T target and D drafter GPUs that moves the most micro-batches per second:
+    max over the group count G (T = G x target_tp) of min(G / target_s, D / drafter_s), where target_s is one
+    micro-batch's time on one target group and drafter_s on one drafter rank. Ties go to fewer target GPUs."""
+    if gpus < target_tp + 1:
+        raise ValueError(f"a split needs at least {target_tp + 1} GPUs (one target group of {target_tp}, one "
+                         f"drafter rank), got {gpus}")
+    splits = [(g * target_tp, gpus - g * target_tp) for g in range(1, (gpus - 1) // target_tp + 1)]
+    return max(splits, key=lambda td: (min(td[0] / target_tp / target_s, td[1] / drafter_s), -td[0]))
 
 
-def split_advice(target_s: float, drafter_s: float, targets: int, drafters: int) -> str:
-    """One line: who waits for whom at this split, and the split suggest_split gives for this GPU count."""
-    supply, demand = targets / target_s, drafters / drafter_s  # micro-batches per second
+def _target_unit(target_tp: int) -> str:
+    return "a target rank" if target_tp == 1 else f"a target group of {target_tp} GPUs"
+
+
+def split_advice(target_s: float, drafter_s: float, targets: int, drafters: int, target_tp: int = 1) -> str:
+    """One line: who waits for whom at this split (targets: target GPUs, in groups of target_tp), and the
+    split suggest_split gives for this GPU count."""
+    supply, demand = targets / target_tp / target_s, drafters / drafter_s  # micro-batches per second
     ratio = supply / demand
     if ratio >= 1:
         state = f"targets idle {1 - 1 / ratio:.0%}"
     else:
         state = f"drafters wait {1 - ratio:.0%} of the time for features"
     gpus = targets + drafters
-    best = suggest_split(target_s, drafter_s, gpus)
-    head = (f"{state} (supply/demand {ratio:.2f}: {target_s * 1e3:.0f} ms per micro-batch on a target rank, "
-            f"{drafter_s * 1e3:.0f} ms on a drafter rank)")
+    best = suggest_split(target_s, drafter_s, gpus, target_tp)
+    head = (f"{state} (supply/demand {ratio:.2f}: {target_s * 1e3:.0f} ms per micro-batch on "
+            f"{_target_unit(target_tp)}, {drafter_s * 1e3:.0f} ms on a drafter rank)")
     if best == (targets, drafters):
         return f"{head}; {targets}:{drafters} is the best split for {gpus} GPUs"
     now = min(supply, demand)
-    then = min(best[0] / target_s, best[1] / drafter_s)
-    return (f"{head}: for {gpus} GPUs try --target-gpus {best[0]} --drafter-gpus {best[1]} "
+    then = min(best[0] / target_tp / target_s, best[1] / drafter_s)
+    groups = f" ({best[0] // target_tp} groups of {target_tp})" if target_tp > 1 else ""
+    return (f"{head}: for {gpus} GPUs try --target-gpus {best[0]} --drafter-gpus {best[1]}{groups} "
             f"({then / now - 1:+.0%} micro-batches/s)")
 
 
@@ -159,9 +178,9 @@ class SplitWindow:
             self.t0 = time.perf_counter()
         return not self.done and count == self.end
 
-    def advice(self, intervals, targets: int, drafters: int, now: float | None = None) -> str:
+    def advice(self, intervals, targets: int, drafters: int, now: float | None = None, target_tp: int = 1) -> str:
         """The target side's view: its own time per micro-batch, and the drafters' from how fast they
-        took the batches (a target that waits sends at the drafters' pace: wall = drafter_s * T / D)."""
+        took the batches (a target group that waits sends at the drafters' pace: wall = drafter_s * G / D)."""
         self.done = True
         n = self.end - self.start
         wall = ((time.perf_counter() if now is None else now) - self.t0) / n
@@ -169,18 +188,18 @@ class SplitWindow:
         if target_s >= 0.9 * wall:  # busy: the targets bound the run; the drafter side measures its own need
             return (f"targets busy {target_s / wall:.0%} of the time ({target_s * 1e3:.0f} ms per micro-batch): "
                     "the target ranks bound the run (the lead drafter rank reports how long it waits)")
-        return split_advice(target_s, wall * drafters / targets, targets, drafters)
+        return split_advice(target_s, wall * drafters / (targets // target_tp), targets, drafters, target_tp)
 
 
 def drafter_side_advice(seconds: list[float], stalls: list[float], grad_accum: int, targets: int,
-                        drafters: int) -> str:
-    """The lead drafter's view over a window of steps: its own time per micro-batch, and the targets'
+                        drafters: int, target_tp: int = 1) -> str:
+    """The lead drafter's view over a window of steps: its own time per micro-batch, and the target groups'
     from how fast the features came when it had to wait (a drafter that waits takes batches at the
-    targets' pace: wall = target_s * D / T)."""
+    targets' pace: wall = target_s * D / G)."""
     n = len(seconds) * grad_accum
     wall, stall = sum(seconds) / n, sum(stalls) / n
     drafter_s = wall - stall
     if stall <= 0.1 * wall:
         return (f"drafters wait {stall / wall:.0%} of the time for features ({drafter_s * 1e3:.0f} ms per "
                 "micro-batch): the drafter ranks bound the run (the first target rank reports its idle time)")
-    return split_advice(wall * targets / drafters, drafter_s, targets, drafters)
+    return split_advice(wall * (targets // target_tp) / drafters, drafter_s, targets, drafters, target_tp)

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from . import parallel
 from .compile_guard import leave_run_phase
 from .compile_step import compile_target_step
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .evaluate import evaluate_saved
 from .features import write_meta, write_shard
 from .loading import (
@@ -30,6 +30,8 @@ from .loading import (
 from .parallel import SplitWindow
 from .sources import Wait
 from .summary import print_summary, write_summary
+from .target import FrozenTarget
+from .target_tp import check_fits_before_loading, load_sharded_target
 
 
 def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_files: TargetFiles,
@@ -46,7 +48,7 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
     if drafter_config is None:
         drafter_config = drafter_config_for(cfg, target_files.config, tokenizer)
     layer_ids = drafter_config.dflash_config["target_layer_ids"]
-    target = load_target(cfg, layer_ids, device)
+    target = _load_group_target(cfg, ctx, layer_ids, target_files.config)
     stream, eval_stream, prompts = load_data(cfg, tokenizer)
     compile_target_step(target, cfg.data.context_buckets, cfg.train.micro_batch,
                         Path(cfg.train.compile_cache_dir or Path(cfg.output_dir) / "compile-cache"), console.print,
@@ -54,7 +56,9 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
     batches_per_step = cfg.train.grad_accum * ctx.num_drafters
     num_batches = cfg.train.steps * batches_per_step
     first_batch = start_step * batches_per_step
-    sender = FeatureSender(ctx.roles, ctx.rank, ctx.groups, cfg.parallel.prefetch, start=first_batch)
+    # Every rank of a target group computes each of the group's micro-batches; its first rank sends them.
+    sender = FeatureSender(ctx.roles, ctx.rank, ctx.groups, cfg.parallel.prefetch, start=first_batch) \
+        if ctx.sends_features else None
     intervals: list[Wait] = []  # the target's GPU time per micro-batch, read without a sync per batch
     send_wait, tokens = 0.0, 0
     t_start = time.perf_counter()
@@ -66,36 +70,56 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
         busy = Wait.interval(device)
         feats = target.features(batch.input_ids, batch.attention_mask)
         intervals.append(busy.stop())
+        if sender is None:
+            continue
         t1 = time.perf_counter()
         sender.send({"features": feats, "input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
                      "attention_mask": batch.attention_mask})
         send_wait += time.perf_counter() - t1
-        if ctx.roles.target_index(ctx.rank) == 0 and window.due(len(intervals)):
+        if ctx.rank == 0 and window.due(len(intervals)):
             parallel.synchronize(device)
-            console.print(ctx.label + window.advice(intervals, ctx.roles.num_targets, ctx.roles.num_drafters))
-    sender.close(num_batches)
+            console.print(ctx.label + window.advice(intervals, ctx.roles.num_targets, ctx.roles.num_drafters,
+                                                    target_tp=ctx.target_tp))
+    if sender is not None:
+        sender.close(num_batches)
     wall = time.perf_counter() - t_start
     busy_s = sum(w.seconds() for w in intervals)
     console.print(f"{ctx.label}target done: {tokens / max(wall, 1e-9):,.0f} tok/s; target compute {busy_s:.1f}s, "
                   f"waiting on drafters {send_wait:.1f}s of {wall:.1f}s"
                   + (" (drafters bound the run)" if send_wait > 0.2 * wall else " (target supply bounds the run)"))
     ctx.barrier()  # the lead drafter has written the final drafter and the summary
-    if ctx.rank != 0:
+    if ctx.roles.target_index(ctx.rank) != 0:  # the first target group measures tau: all its ranks run the target
         return None
     out = Path(cfg.output_dir)
     leave_run_phase()  # evaluation shapes differ from the training batches'
+    console.quiet = ctx.rank != 0  # the group's other ranks run the same evaluation: one report
     before, after = evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, out / "drafter", device)
+    if ctx.rank != 0:
+        return None
     summary = json.loads((out / "summary.json").read_text())
     summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"],
                    tau_before_method=before.get("tau_method", "speculative decoding"),
-                   target_ranks=ctx.roles.num_targets, target_busy_s=busy_s, target_wait_s=send_wait)
+                   target_ranks=ctx.roles.num_targets, target_tp=ctx.target_tp, target_busy_s=busy_s,
+                   target_wait_s=send_wait)
     write_summary(out, summary)
     print_summary(summary)
     return summary
 
 
+def _load_group_target(cfg: RunConfig, ctx: parallel.Context, layer_ids: list[int], config) -> FrozenTarget:
+    """The whole target, or with parallel.target_tp > 1 this rank's share of its group's; either after a check
+    that the share fits this GPU's free memory."""
+    check_fits_before_loading(cfg, config, ctx.device)
+    if ctx.target_tp == 1:
+        return load_target(cfg, layer_ids, ctx.device, config)
+    return load_sharded_target(cfg, layer_ids, ctx.device, ctx.groups.target_group, config)
+
+
 def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
     """Run the target over the training stream once; rank r of W writes micro-batches i = r mod W."""
+    if cfg.parallel.target_tp > 1:
+        raise ConfigError(f"--dump-features runs one whole target per process, and parallel.target_tp is "
+                          f"{cfg.parallel.target_tp}: set parallel.target_tp = 1 (--set parallel.target_tp=1) to dump")
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if world > 1:  # one GPU per process, chosen before the driver reads CUDA_VISIBLE_DEVICES
         from .compile_guard import isolate_local_gpu

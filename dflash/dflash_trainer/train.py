@@ -328,7 +328,7 @@ def train_loop(run: DrafterRun, metrics: Metrics | None, startup: Startup) -> Hi
             seen.append((seconds, figures.step_wait_s))
             if done == judged[-1]:
                 run.log(ctx.label + drafter_side_advice([t for t, _ in seen], [w for _, w in seen], train.grad_accum,
-                                                        ctx.roles.num_targets, ctx.num_drafters))
+                                                        ctx.roles.num_targets, ctx.num_drafters, ctx.target_tp))
         return figures.stop_votes
 
     run.drafter.train()
@@ -482,7 +482,7 @@ def _start(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool, sta
         return None
     p = cfg.parallel
     ctx = parallel.init(p.target_ranks, p.drafter_ranks, offline=bool(cfg.data.features_dir),
-                        isolate_gpus=p.isolate_gpus)
+                        isolate_gpus=p.isolate_gpus, target_tp=p.target_tp)
     startup.mark("run directory, process group and GPU")
     prefetch_triton_key(ctx.device)  # the compile step's first cache lookup needs it: hashed beside the setup
     # After a failure, no graceful teardown: destroy_process_group can wait forever on a peer still

@@ -1,7 +1,9 @@
 """Feature hand-off from target ranks to drafter ranks over torch.distributed point-to-point.
 
-Ranks 0..T-1 run the frozen target; ranks T..T+D-1 train the drafter. Global micro-batch i is produced
-by target i % T and consumed by drafter i % D, so both sides know the whole schedule without talking.
+Ranks 0..T-1 run the frozen target; ranks T..T+D-1 train the drafter. The target ranks form G = T / N
+groups of N (parallel.target_tp; N = 1: every target rank is a group of its own), each holding one target
+sharded across its ranks (target_tp.py). Global micro-batch i is produced by target group i % G, whose first
+rank sends it, and consumed by drafter i % D, so both sides know the whole schedule without talking.
 
 Each micro-batch is a dict of tensors ({"features": [b, S, K*H], "input_ids": [b, S], "loss_mask":
 [b, S], ...}; shapes may change per batch, e.g. with bucketed S). It travels as:
@@ -74,16 +76,22 @@ class Roles:
     """Which global rank is a target and which a drafter: targets first, then drafters."""
 
     world_size: int
-    num_targets: int
+    num_targets: int  # target ranks (GPUs)
     num_drafters: int
+    target_tp: int = 1  # target ranks per target group
 
     @classmethod
-    def from_world(cls, world_size: int, target_ranks: int, drafter_ranks: int) -> Roles:
+    def from_world(cls, world_size: int, target_ranks: int, drafter_ranks: int, target_tp: int = 1) -> Roles:
         """The split of the world; ConfigError (the run's settings, exit 2) when it does not fit."""
         if target_ranks < 0 or drafter_ranks < 1:
             raise ConfigError(
                 f"need target_ranks >= 0 and drafter_ranks >= 1, got T={target_ranks}, D={drafter_ranks} "
                 "(T = 0 is offline mode: drafters read dumped features)."
+            )
+        if target_tp < 1 or target_ranks % target_tp:
+            raise ConfigError(
+                f"target ranks ({target_ranks}) must be a multiple of parallel.target_tp ({target_tp}): each group "
+                f"of {target_tp} holds one target; give --target-gpus as a multiple of {target_tp}."
             )
         if target_ranks + drafter_ranks != world_size:
             raise ConfigError(
@@ -91,7 +99,7 @@ class Roles:
                 f"{target_ranks + drafter_ranks}, but the world has {world_size} processes; launch "
                 f"torchrun with --nproc-per-node (x nodes) = T + D, or change --target-gpus/--drafter-gpus."
             )
-        return cls(world_size, target_ranks, drafter_ranks)
+        return cls(world_size, target_ranks, drafter_ranks, target_tp)
 
     @property
     def target_ranks(self) -> tuple[int, ...]:
@@ -100,6 +108,18 @@ class Roles:
     @property
     def drafter_ranks(self) -> tuple[int, ...]:
         return tuple(range(self.num_targets, self.world_size))
+
+    @property
+    def num_target_groups(self) -> int:
+        """Targets producing features: groups of target_tp ranks, each holding one (sharded) target."""
+        return self.num_targets // self.target_tp
+
+    def target_group_ranks(self, g: int) -> tuple[int, ...]:
+        return tuple(range(g * self.target_tp, (g + 1) * self.target_tp))
+
+    def sends_features(self, rank: int) -> bool:
+        """The first rank of each target group sends the group's features; the others only compute."""
+        return self.is_target(rank) and rank % self.target_tp == 0
 
     @property
     def offline(self) -> bool:
@@ -120,9 +140,10 @@ class Roles:
         return "target" if self.is_target(rank) else "drafter"
 
     def target_index(self, rank: int) -> int:
+        """The index of the target group the rank belongs to (its rank when target_tp = 1)."""
         if not self.is_target(rank):
             raise ValueError(f"rank {rank} is a drafter rank, not a target rank ({self})")
-        return rank
+        return rank // self.target_tp
 
     def drafter_index(self, rank: int) -> int:
         if not self.is_drafter(rank):
@@ -130,20 +151,21 @@ class Roles:
         return rank - self.num_targets
 
     def producer_of(self, i: int) -> int:
-        """Global rank of the target that produces micro-batch i."""
+        """Global rank that sends micro-batch i: the first rank of the target group producing it."""
         if self.offline:
             raise ValueError("offline mode (0 target ranks): micro-batches come from dumped features")
-        return i % self.num_targets
+        return (i % self.num_target_groups) * self.target_tp
 
     def consumer_of(self, i: int) -> int:
         """Global rank of the drafter that consumes micro-batch i."""
         return self.num_targets + i % self.num_drafters
 
     def batches_for_target(self, t: int, num_batches: int, start: int = 0) -> range:
-        """Micro-batch ids target index t produces, in order (t = target_index(rank)), from `start` on."""
-        if not 0 <= t < self.num_targets:
-            raise ValueError(f"target index {t} is outside 0..{self.num_targets - 1}")
-        return range(_first_at_or_after(start, t, self.num_targets), num_batches, self.num_targets)
+        """Micro-batch ids target group t produces, in order (t = target_index(rank)), from `start` on."""
+        groups = self.num_target_groups
+        if not 0 <= t < groups:
+            raise ValueError(f"target index {t} is outside 0..{groups - 1}")
+        return range(_first_at_or_after(start, t, groups), num_batches, groups)
 
     def batches_for_drafter(self, d: int, num_batches: int, start: int = 0) -> range:
         """Micro-batch ids drafter index d consumes, in order (d = drafter_index(rank)), from `start` on."""
@@ -152,14 +174,14 @@ class Roles:
         return range(_first_at_or_after(start, d, self.num_drafters), num_batches, self.num_drafters)
 
     def stop_positions(self, t: int, d: int, end: int, prefetch: int) -> list[int]:
-        """Positions past the end for which target t owes drafter d a stop header.
+        """Positions past the end for which target group t owes drafter d a stop header.
 
         Drafter d keeps its next `prefetch` headers posted, so when it meets the end it has posted the
         first `prefetch` positions of its schedule at or past `end`; each producer answers its own.
         """
         first = max(0, math.ceil((end - d) / self.num_drafters))
         positions = (d + k * self.num_drafters for k in range(first, first + prefetch))
-        return [i for i in positions if i % self.num_targets == t]
+        return [i for i in positions if i % self.num_target_groups == t]
 
 
 @dataclass
@@ -169,19 +191,27 @@ class TransportGroups:
     header: dist.ProcessGroup  # gloo, every rank
     data: dist.ProcessGroup | None  # None: the default group
     drafters: dist.ProcessGroup | None  # the drafter ranks (DDP, loss-weight all-reduce); None on targets
+    target_group: dist.ProcessGroup | None = None  # this rank's target group (target_tp > 1); else None
 
 
 def setup_transport(roles: Roles, data_group: dist.ProcessGroup | None = None) -> TransportGroups:
-    """Create the header group and the drafter group. Collective: every rank must call it."""
+    """Create the header group, the drafter group and the target groups. Collective: every rank must call it."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first (torchrun).")
     if dist.get_world_size() != roles.world_size:
         raise ValueError(f"{roles} does not match the initialized world of {dist.get_world_size()} ranks")
+    rank = dist.get_rank()
     header = dist.new_group(backend="gloo")
     drafters = dist.new_group(ranks=list(roles.drafter_ranks))
-    if not roles.is_drafter(dist.get_rank()):
+    if not roles.is_drafter(rank):
         drafters = None
-    return TransportGroups(header=header, data=data_group, drafters=drafters)
+    target_group = None
+    if roles.target_tp > 1:  # every rank creates every group, in the same order (new_group is collective)
+        for g in range(roles.num_target_groups):
+            group = dist.new_group(ranks=list(roles.target_group_ranks(g)))
+            if rank in roles.target_group_ranks(g):
+                target_group = group
+    return TransportGroups(header=header, data=data_group, drafters=drafters, target_group=target_group)
 
 
 def _encode_header(kind: int, index: int, end: int, prefetch: int, batch: Mapping[str, torch.Tensor]):
@@ -271,11 +301,13 @@ class FeatureSender:
     ):
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if not roles.sends_features(rank):
+            raise ValueError(f"rank {rank} does not send features: only the first rank of a target group does")
         self.roles, self.rank, self.groups = roles, rank, groups
         self.t = roles.target_index(rank)
         self.prefetch, self.timeout_s = prefetch, timeout_s
         self.start = start
-        self.next_index = _first_at_or_after(start, self.t, roles.num_targets)
+        self.next_index = _first_at_or_after(start, self.t, roles.num_target_groups)
         self.num_sent = 0
         self.closed = False
         self._inflight: deque[_InFlight] = deque()
@@ -291,7 +323,7 @@ class FeatureSender:
         data_works = [dist.isend(t, dst, group=self.groups.data) for t in tensors]
         on_cuda = any(t.is_cuda for t in tensors)
         self._inflight.append(_InFlight(index, header_work, data_works, on_cuda, [header, *tensors]))
-        self.next_index += self.roles.num_targets
+        self.next_index += self.roles.num_target_groups
         self.num_sent += 1
         while len(self._inflight) > self.prefetch:
             self._retire()
