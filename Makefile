@@ -6,11 +6,14 @@ SHELL      := /bin/bash
 PYTHON     ?= python3
 VENV       ?= .venv
 PY         := $(VENV)/bin/python
-# The local development venv takes any torch >= 2.11 (the frozen image pins 2.11.0+cu128).
-TORCH      ?= torch>=2.11
-# z-lab's inference package (imported as `dflash`): installed beside ours to prove the
-# checkpoints we write load in it. Its own pins are not ours, hence --no-deps.
-ZLAB_DFLASH ?= dflash==0.1.0
+# The development venv is exactly uv.lock (image/devenv.py; `make dev-lock` refreshes it), plus z-lab's inference
+# package (imported as `dflash`, pinned in requirements-zlab.txt without its own pins) to prove the checkpoints we
+# write load in it. torch: TORCH_BUILD=lock is PyPI's build with the lock's hashes (CUDA on Linux), cpu the CPU
+# build of the locked version from TORCH_CPU_INDEX (an index URL or a directory of wheels); auto: cpu where no
+# NVIDIA driver is loaded. WHEEL_CACHE=DIR installs offline from DIR (`make dev-wheels` fills it).
+TORCH_BUILD     ?= auto
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+WHEEL_CACHE     ?=
 RUN_DIR    ?= runs/default
 # make train: trainer arguments instead of the default --auto-resume (continue an unfinished RUN_DIR, report
 # a finished one); --overwrite trains a finished RUN_DIR again.
@@ -26,21 +29,23 @@ ON_CONTAINER := $(filter command line environment,$(origin INVENTORY))
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_ -]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[control,test]"
-	$(PY) -m pip install -q --no-deps "$(ZLAB_DFLASH)"
-	touch $@
+# The stamp is written last and names the lock it was built from: a failed install leaves none. A TORCH_BUILD on
+# the command line always reaches the script (a no-op when the venv already has that build).
+$(VENV)/.installed: pyproject.toml uv.lock requirements-zlab.txt $(if $(filter command line,$(origin TORCH_BUILD)),FORCE)
+	$(PYTHON) image/devenv.py install --venv $(VENV) --python $(PYTHON) --torch-build $(TORCH_BUILD) \
+	  --torch-cpu-index $(TORCH_CPU_INDEX) $(if $(strip $(WHEEL_CACHE)),--wheels $(WHEEL_CACHE))
 
-venv: $(VENV)/.installed ## create the development venv (.venv)
+.PHONY: FORCE
+FORCE:
+
+venv: $(VENV)/.installed ## create the development venv (.venv) from uv.lock (TORCH_BUILD=lock|cpu|auto, WHEEL_CACHE=DIR offline)
 
 test: venv ## run the test suite (GPU tests skip without a GPU)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+FAST_MARKERS := not slow and not docker and not lxc and not gpu
 test-fast: venv ## the tests not marked slow (over ~30 s on 2 cores), docker, lxc or gpu: about 5 minutes on 2 cores
-	$(PY) -m pytest -m "not slow and not docker and not lxc and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 lint: venv ## ruff on the Python code (ansible/ too), ansible-lint on the playbooks and roles
 	$(VENV)/bin/ruff check dflash image tests ansible
@@ -86,6 +91,7 @@ config-doc: venv ## regenerate the run config's settings reference (docs/setting
 clean: ## remove build outputs and runs (keeps the venv)
 	rm -rf build dist *.egg-info runs .pytest_cache
 
+-include devenv.mk
 -include image/image.mk
 -include ansible/ansible.mk
 -include tests/testhost.mk

@@ -1,0 +1,328 @@
+"""The development venv, installed from the committed lock (uv.lock): `make venv`, `make dev-lock`, `make dev-wheels`.
+
+`install` builds VENV with exactly the lock's versions and hashes (runtime, the control and test extras, the
+locked setuptools for the editable install) plus z-lab's `dflash` (requirements-zlab.txt, without its own
+pins). torch comes as PyPI serves it for the platform (the CUDA build on Linux), or with --torch-build cpu
+as the CPU build of the locked version from a PyTorch CPU index or a directory of wheels. With --wheels DIR
+nothing is downloaded: every file comes from DIR (fill it with `make dev-wheels`).
+
+A venv is only good once its stamp (VENV/.installed) names the lock it was built from: the stamp is removed
+before anything is touched and written last, so an interrupted or failed install never passes for a good one.
+Standard library only: it runs from the bare `python3` that creates the venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ZLAB_PINS = "requirements-zlab.txt"  # z-lab's dflash, installed without its own (exact, foreign) pins
+DEV_SELECTION = ["--extra", "control", "--extra", "test", "--group", "build"]
+SUPPORTED_MACHINES = ("x86_64", "aarch64")  # [tool.uv] environments in pyproject.toml
+SUPPORTED_PYTHON = ((3, 11), (3, 13))
+# What PyPI's Linux torch pulls in for CUDA and the CPU build does without.
+CUDA_RUNTIME = re.compile(r"^(nvidia-.*|cuda-.*|triton)$")
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+STAMP = ".installed"
+
+
+class DevEnvError(RuntimeError):
+    """The venv cannot be built as asked; the message names the fix."""
+
+
+def platform_problem(system: str, machine: str, python: tuple[int, int]) -> str | None:
+    """Why the lock cannot serve this machine, or None."""
+    low, high = SUPPORTED_PYTHON
+    if system != "Linux" or machine not in SUPPORTED_MACHINES or not low <= python <= high:
+        return (f"uv.lock covers Linux {' and '.join(SUPPORTED_MACHINES)} with CPython {low[0]}.{low[1]}-"
+                f"{high[0]}.{high[1]}, not {system} {machine} with Python {python[0]}.{python[1]}: use a supported "
+                "machine, or PYTHON=python3.12 (say) for another interpreter, or add the platform to [tool.uv] "
+                "environments in pyproject.toml and run `make dev-lock`")
+    return None
+
+
+def _python_of(python: str) -> tuple[int, int]:
+    try:
+        out = subprocess.run([python, "-I", "-c", "import sys; print(*sys.version_info[:2])"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise DevEnvError(f"cannot run {python} ({exc}): install Python 3.11-3.13 or pass PYTHON=...") from exc
+    return int(out[0]), int(out[1])
+
+
+def stamp_text(project: Path, python: tuple[int, int], torch_build: str) -> str:
+    """What a venv built from `project`'s lock for this interpreter and torch build records in its stamp."""
+    lines = [f"python {python[0]}.{python[1]}", f"torch-build {torch_build}"]
+    for name in ("pyproject.toml", "uv.lock", ZLAB_PINS):
+        path = project / name
+        digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "absent"
+        lines.append(f"{name} {digest}")
+    return "\n".join(lines) + "\n"
+
+
+def run(cmd: list, what: str, env: dict | None = None) -> str:
+    """Run a step, echo it, return its stdout; on failure raise with the tail of its stderr."""
+    print("+ " + " ".join(str(c) for c in cmd), flush=True)
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False,
+                          env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+        raise DevEnvError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    return proc.stdout
+
+
+def locked_package(project: Path, name: str) -> dict:
+    lock = tomllib.loads((project / "uv.lock").read_text())
+    for package in lock.get("package", []):
+        if package["name"] == name:
+            return package
+    raise DevEnvError(f"{name} is not in {project / 'uv.lock'}: run `make dev-lock`")
+
+
+def uv_requirement(project: Path) -> str:
+    """uv's pin with every hash the lock holds for it: pip installs it (hash-checked) to install the rest."""
+    uv = locked_package(project, "uv")
+    hashes = [f["hash"] for f in [*uv.get("wheels", []), uv.get("sdist", {})] if f.get("hash")]
+    return " ".join([f"uv=={uv['version']}", *(f"--hash={h}" for h in hashes)])
+
+
+def source_args(wheels: Path | None) -> list[str]:
+    """uv/pip arguments that keep every download inside the wheel cache when there is one."""
+    return ["--offline", "--no-index", "--find-links", str(wheels)] if wheels else []
+
+
+def bootstrap_uv(venv: Path, python: str, project: Path, wheels: Path | None) -> Path:
+    """A venv holding the locked uv (pip checks its hash); uv installs the rest."""
+    uv = venv / "bin" / "uv"
+    if not (venv / "bin" / "python").exists():
+        run([python, "-m", "venv", venv], f"creating the venv {venv}")
+    if uv.exists() and run([uv, "--version"], "uv --version").split()[1] == uv_requirement(project).split()[0][4:]:
+        return uv
+    with tempfile.TemporaryDirectory() as tmp:
+        pins = Path(tmp) / "uv.txt"
+        pins.write_text(uv_requirement(project) + "\n")
+        pip_source = ["--no-index", "--find-links", str(wheels)] if wheels else []
+        run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--require-hashes", *pip_source,
+             "-r", pins], "installing uv from the lock" + (f" (wheel cache {wheels})" if wheels else ""))
+    return uv
+
+
+def check_lock_current(uv: Path, project: Path) -> None:
+    try:
+        run([uv, "lock", "--check", "--offline", "--project", project], "uv lock --check")
+    except DevEnvError as exc:
+        raise DevEnvError(f"{project / 'uv.lock'} is stale: {project / 'pyproject.toml'} changed since it was "
+                          f"locked. Run `make dev-lock` and commit uv.lock ({exc})") from exc
+
+
+def export_requirements(uv: Path, project: Path, out: Path, selection: list[str], skip: list[str]) -> None:
+    """The lock's packages for `selection`, hashed, as a requirements file (uv export reads the lock only)."""
+    skips = [arg for name in skip for arg in ("--no-emit-package", name)]
+    run([uv, "export", "--frozen", "--project", project, "--format", "requirements.txt", "--no-emit-project",
+         "--no-header", *selection, *skips, "-o", out], "exporting the lock")
+
+
+def cpu_only_skips(project: Path) -> list[str]:
+    """torch and the CUDA runtime it pulls in: the CPU build replaces them."""
+    lock = tomllib.loads((project / "uv.lock").read_text())
+    return ["torch", *sorted(p["name"] for p in lock.get("package", []) if CUDA_RUNTIME.match(p["name"]))]
+
+
+def cpu_torch_requirement(uv: Path, project: Path, out: Path, torch_source: str, wheels: Path | None) -> None:
+    """The CPU build of the locked torch, with the hash its index serves (or of the wheel file in a directory)."""
+    version = locked_package(project, "torch")["version"]
+    directory = Path(torch_source) if Path(torch_source).is_dir() else wheels
+    try:
+        if directory:
+            out.write_text(_local_requirement(directory, "torch", f"{version}+cpu"))
+        else:
+            _compile_stdin(uv, f"torch=={version}+cpu\n", ["--index-url", torch_source, "-o", str(out)])
+    except DevEnvError as exc:
+        raise DevEnvError(f"no CPU build of the locked torch {version} in {directory or torch_source}: set "
+                          f"TORCH_CPU_INDEX to a PyTorch CPU index or a directory holding torch-{version}+cpu "
+                          f"wheels, or TORCH_BUILD=lock for PyPI's build ({exc})") from exc
+
+
+def torch_source_args(torch_source: str, wheels: Path | None) -> list[str]:
+    """Where the sync finds the CPU torch: its directory, its index (not with a wheel cache: offline)."""
+    if Path(torch_source).is_dir():
+        return ["--find-links", torch_source]
+    return [] if wheels else ["--extra-index-url", torch_source]
+
+
+def _local_requirement(directory: Path, name: str, version: str) -> str:
+    """A hashed pin of the wheels of name==version in a directory (uv hashes no local find-links file)."""
+    files = sorted(directory.glob(f"{name}-{version}-*.whl"))
+    if not files:
+        raise DevEnvError(f"no {name}-{version}-*.whl in {directory}")
+    hashes = [f"--hash=sha256:{hashlib.sha256(f.read_bytes()).hexdigest()}" for f in files]
+    return " ".join([f"{name}=={version}", *hashes]) + "\n"
+
+
+def _compile_stdin(uv: Path, requirement: str, args: list[str]) -> None:
+    cmd = [str(uv), "pip", "compile", "-", "--no-deps", "--generate-hashes", "--no-header", "--quiet", *args]
+    print("+ " + " ".join(cmd) + f"  <<< {requirement.strip()}", flush=True)
+    proc = subprocess.run(cmd, input=requirement, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise DevEnvError("\n".join(proc.stderr.strip().splitlines()[-6:]))
+
+
+def sync(uv: Path, venv: Path, requirements: list[Path], wheels: Path | None, torch_args: list[str]) -> None:
+    """Exactly these packages, each hash-checked; anything else in the venv is removed."""
+    try:
+        run([uv, "pip", "sync", "--require-hashes", "--python", venv / "bin" / "python", *source_args(wheels),
+             *torch_args, *requirements], "installing the locked packages")
+    except DevEnvError as exc:
+        if wheels:
+            raise DevEnvError(f"the wheel cache {wheels} lacks a locked wheel for this machine: run "
+                              f"`make dev-wheels WHEEL_CACHE={wheels}` where PyPI is reachable ({exc})") from exc
+        raise
+
+
+def install_editable(uv: Path, venv: Path, source: Path, wheels: Path | None) -> None:
+    """The project itself, editable, built by the locked setuptools already in the venv (no build isolation)."""
+    run([uv, "pip", "install", "--python", venv / "bin" / "python", "--no-deps", "--no-build-isolation",
+         *source_args(wheels), "-e", source], f"installing {source} (editable)")
+
+
+def build(venv: Path, python: str, project: Path, *, selection: list[str], torch_build: str = "lock",
+          torch_source: str = TORCH_CPU_INDEX, wheels: Path | None = None, editable: Path | None = None) -> None:
+    """Build `venv` from `project`'s uv.lock; the stamp is written by the caller once this returns."""
+    uv = bootstrap_uv(venv, python, project, wheels)
+    check_lock_current(uv, project)
+    with tempfile.TemporaryDirectory() as tmp:
+        locked, cpu_torch = Path(tmp) / "locked.txt", Path(tmp) / "torch-cpu.txt"
+        skips = cpu_only_skips(project) if torch_build == "cpu" else []
+        export_requirements(uv, project, locked, selection, skips)
+        requirements, torch_args = [locked, *[p for p in [project / ZLAB_PINS] if p.is_file()]], []
+        if torch_build == "cpu":
+            cpu_torch_requirement(uv, project, cpu_torch, torch_source, wheels)
+            requirements.append(cpu_torch)
+            torch_args = torch_source_args(torch_source, wheels)
+        sync(uv, venv, requirements, wheels, torch_args)
+    if editable:
+        install_editable(uv, venv, editable, wheels)
+
+
+def install(args: argparse.Namespace) -> int:
+    python = _python_of(args.python)
+    problem = platform_problem(platform.system(), platform.machine(), python)
+    if problem:
+        raise DevEnvError(problem)
+    if args.wheels and not args.wheels.is_dir():
+        raise DevEnvError(f"no wheel cache at {args.wheels}: run `make dev-wheels WHEEL_CACHE={args.wheels}` "
+                          "where PyPI is reachable (or copy one made on a machine like this), or leave WHEEL_CACHE "
+                          "empty to download")
+    stamp, wanted = args.venv / STAMP, stamp_text(ROOT, python, args.torch_build)
+    if stamp.is_file() and stamp.read_text() == wanted:
+        return 0
+    stamp.unlink(missing_ok=True)
+    build(args.venv, args.python, ROOT, selection=DEV_SELECTION, torch_build=args.torch_build,
+          torch_source=args.torch_cpu_index, wheels=args.wheels, editable=ROOT)
+    stamp.write_text(wanted)
+    print(f"venv: {args.venv} holds exactly uv.lock (torch build: {args.torch_build})")
+    return 0
+
+
+def refresh(args: argparse.Namespace) -> int:
+    """Re-resolve uv.lock (keeping locked versions that still fit) and z-lab's pin; needs PyPI."""
+    uv = bootstrap_uv(args.venv, args.python, ROOT, None)  # the lock's own uv, even while the lock is stale
+    run([uv, "lock", "--project", ROOT, *(["--upgrade"] if args.upgrade else [])], "uv lock (needs PyPI)")
+    zlab = ROOT / ZLAB_PINS
+    pins = [line for line in zlab.read_text().splitlines() if re.match(r"^[A-Za-z0-9]", line)]
+    _compile_stdin(uv, "\n".join(p.split(";")[0].split()[0] for p in pins) + "\n",
+                   ["--universal", "--project", str(ROOT), "-o", str(zlab)])
+    print(f"lock: {ROOT / 'uv.lock'} and {zlab} refreshed; review `git diff` and commit them")
+    return 0
+
+
+def deprecations(output: str) -> list[str]:
+    """The lines of a build's output that warn of a deprecation (setuptools boxes them in asterisks)."""
+    return [line.strip() for line in output.splitlines() if re.search(r"deprecat", line, re.IGNORECASE)]
+
+
+def build_check(args: argparse.Namespace) -> int:
+    """Build the project's wheel from a copy of its tracked files with the venv's setuptools, all warnings shown."""
+    files = run(["git", "-C", args.project, "ls-files", "-z"], "listing the tracked files").split("\0")
+    with tempfile.TemporaryDirectory(prefix="dflash-build-check-") as tmp:
+        for name in filter(None, files):
+            if (args.project / name).is_file():
+                (Path(tmp) / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(args.project / name, Path(tmp) / "src" / name)
+        code = "import sys, setuptools.build_meta as b; print(b.build_wheel(sys.argv[1]))"
+        proc = subprocess.run([sys.executable, "-W", "always", "-c", code, tmp], cwd=Path(tmp) / "src",
+                              capture_output=True, text=True, check=False)
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise DevEnvError(f"building the wheel failed (exit {proc.returncode}):\n{output[-2000:]}")
+    found = deprecations(output)
+    for line in found:
+        print(f"build-check: {line}", file=sys.stderr)
+    print(f"build-check: {len(found)} deprecation warning(s) building {args.project}'s wheel")
+    return 1 if found else 0
+
+
+def wheels(args: argparse.Namespace) -> int:
+    """Download every locked wheel this machine installs (hash-checked) into the wheel cache, for offline venvs."""
+    from dflash_image import wheelhouse  # needs packaging: run from the venv
+
+    uv = args.venv / "bin" / "uv"
+    python = "{}.{}".format(*sys.version_info[:2])
+    glibc = tuple(int(x) for x in platform.libc_ver()[1].split(".")[:2])
+    with tempfile.TemporaryDirectory() as tmp:
+        lock = Path(tmp) / "pylock.dev.toml"
+        run([uv, "export", "--frozen", "--project", ROOT, "--format", "pylock.toml", "--no-emit-project",
+             *DEV_SELECTION, "-o", lock], "exporting the lock")
+        wheelhouse.fetch(lock, args.dest, python, platform.machine(), glibc)
+    # The venv holds no pip (it is not in the lock): the interpreter that built it downloads z-lab's wheel.
+    run([args.python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "--require-hashes",
+         "-d", args.dest, "-r", ROOT / ZLAB_PINS], "downloading z-lab's dflash")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="image/devenv.py", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="action", required=True)
+    inst = sub.add_parser("install", help="build VENV from uv.lock (a no-op when its stamp is current)")
+    inst.add_argument("--python", default="python3", help="the interpreter the venv is built on")
+    inst.add_argument("--torch-build", choices=["lock", "cpu", "auto"], default="auto",
+                      help="lock: PyPI's build, hashes from uv.lock; cpu: the CPU build of the locked version; "
+                           "auto: cpu where no NVIDIA driver is loaded")
+    inst.add_argument("--torch-cpu-index", default=TORCH_CPU_INDEX, help="index URL or directory of CPU torch wheels")
+    inst.add_argument("--wheels", type=Path, default=None, help="wheel cache: install offline from it")
+    lock = sub.add_parser("lock", help="re-resolve uv.lock and requirements-zlab.txt (needs PyPI)")
+    lock.add_argument("--upgrade", action="store_true", help="move every package to its newest allowed version")
+    check = sub.add_parser("build-check", help="build the wheel; exit 1 on a deprecation warning")
+    check.add_argument("--project", type=Path, default=ROOT, help="a git checkout with a pyproject.toml")
+    fill = sub.add_parser("wheels", help="download the locked wheels of this machine into DEST")
+    fill.add_argument("--dest", type=Path, required=True)
+    fill.add_argument("--python", default="python3", help="an interpreter with pip (downloads z-lab's dflash)")
+    lock.add_argument("--python", default="python3", help="the interpreter a missing venv is created with")
+    for p in (inst, lock, fill, check):
+        p.add_argument("--venv", type=Path, default=ROOT / ".venv")
+    args = ap.parse_args(argv)
+    if getattr(args, "torch_build", None) == "auto":
+        args.torch_build = "lock" if Path("/proc/driver/nvidia/version").exists() else "cpu"
+    try:
+        actions = {"install": install, "lock": refresh, "wheels": wheels, "build-check": build_check}
+        return actions[args.action](args)
+    except DevEnvError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if args.action == "install":
+            print(f"error: {args.venv} is incomplete and unstamped: `make venv` rebuilds it once the above is fixed",
+                  file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
