@@ -84,16 +84,20 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
         sender.close(num_batches)
     wall = time.perf_counter() - t_start
     busy_s = sum(w.seconds() for w in intervals)
-    console.print(f"{ctx.label}target done: {tokens / max(wall, 1e-9):,.0f} tok/s; target compute {busy_s:.1f}s, "
-                  f"waiting on drafters {send_wait:.1f}s of {wall:.1f}s"
-                  + (" (drafters bound the run)" if send_wait > 0.2 * wall else " (target supply bounds the run)"))
+    if sender is not None:  # one line per target group
+        console.print(f"{ctx.label}target done: {tokens / max(wall, 1e-9):,.0f} tok/s; target compute {busy_s:.1f}s, "
+                      f"waiting on drafters {send_wait:.1f}s of {wall:.1f}s"
+                      + (" (drafters bound the run)" if send_wait > 0.2 * wall else " (target supply bounds the run)"))
     ctx.barrier()  # the lead drafter has written the final drafter and the summary
     if ctx.roles.target_index(ctx.rank) != 0:  # the first target group measures tau: all its ranks run the target
         return None
     out = Path(cfg.output_dir)
     leave_run_phase()  # evaluation shapes differ from the training batches'
     console.quiet = ctx.rank != 0  # the group's other ranks run the same evaluation: one report
-    before, after = evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, out / "drafter", device)
+    try:
+        before, after = evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, out / "drafter", device)
+    finally:
+        console.quiet = False
     if ctx.rank != 0:
         return None
     summary = json.loads((out / "summary.json").read_text())

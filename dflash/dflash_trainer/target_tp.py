@@ -234,6 +234,7 @@ def load_sharded_target(cfg, layer_ids: list[int], device: torch.device, group, 
     # The compiled layer runs with the layers' forward hooks suspended, and tensor parallelism's all-reduce
     # is one of them: the group's layers run eagerly.
     target = FrozenTarget(model, layer_ids, compile_layers=False)
-    console.print(f"target: {target.describe()}; {sharded} projections of its decoder layers split across a "
-                  f"group of {mesh.size()} (parallel.target_tp)", soft_wrap=True)
+    if mesh.get_local_rank() == 0:  # one line per group
+        console.print(f"target: {target.describe()}; {sharded} projections of its decoder layers split across a "
+                      f"group of {mesh.size()} (parallel.target_tp)", soft_wrap=True)
     return target
