@@ -78,6 +78,7 @@ def run(cmd: list, what: str, env: dict | None = None) -> str:
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
         raise DevEnvError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    sys.stderr.write(proc.stderr)  # uv's summary and any warning stay visible (CI greps them for deprecations)
     return proc.stdout
 
 
