@@ -32,11 +32,12 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     from .config import TARGET_QUANTIZATIONS, ConfigError, drafter_file_problems
     from .eval_report import SetResult, build_report, plot, table, write_json, write_requests
     from .evaluate import EVAL_PROMPTS_FILE
+    from .fast_decode import FastDecoding
     from .fp8 import check_fp8_device, check_not_prequantized
     from .loading import DTYPES, check_target, console
     from .metrics import PlainProgress, say_progress
     from .prompt_sets import PromptSet, load_prompt_set, name_sources
-    from .speculative import AcceptanceStats, greedy_generate, speculative_generate, stop_token_ids
+    from .speculative import AcceptanceStats, stop_token_ids
     from .target import FrozenTarget, attention_implementation, check_supported_target, meta_skeleton
 
 
@@ -72,6 +73,7 @@ class Plan:
     tokenizer: object
     sets: list[PromptSet] = field(default_factory=list)
     trust_remote_code: bool = False
+    batch_size: int = 1
 
 
 EVAL_FP8_SETTING = ("--target-quantization fp8", "give --target-quantization none")
@@ -105,6 +107,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="run the modelling code the target's directory ships (target.trust_remote_code; --run: "
                         "the run's)")
+    p.add_argument("--batch-size", type=cli_args.ROWS, default=1,
+                   help="prompts decoded together, each verify step checking a block of each (default 1: the "
+                        "speedup one request sees; more: the throughput of a batched server)")
+    p.add_argument("--bench", action="store_true",
+                   help="no drafter, no prompts: time target-only decoding and the verify step at a model shape "
+                        "with random weights (--preset; eval_bench.py) and print the figures")
+    p.add_argument("--preset", default="qwen3-8b", help="--bench: the model shape (qwen3-8b, or tiny on a CPU)")
     p.add_argument("--tie-tolerance", type=cli_args.number(ge=0, le=1),
                    help="near-tie threshold, a share of the largest logit (default by dtype: fp32 1e-4, bf16 3e-2)")
     return p
@@ -323,7 +332,7 @@ def plan(args) -> Plan:
             for name, source in sources]
     tolerance = args.tie_tolerance if args.tie_tolerance is not None else TIE_TOLERANCE[target_dtype]
     return Plan(drafter_dir, target, out, device, target_dtype, drafter_dtype, quantization, max_new, limit,
-                tolerance, raw, tokenizer, sets, trust)
+                tolerance, raw, tokenizer, sets, trust, args.batch_size)
 
 
 def load_models(p: Plan):
@@ -388,43 +397,68 @@ def compare(target: FrozenTarget, prompt_len: int, spec: list[int], ref: list[in
     return where
 
 
-def evaluate_set(p: Plan, drafter, target: FrozenTarget, prompts: PromptSet, stop: set[int],
+def _decode_batch(p: Plan, loops: FastDecoding, batch: list[list[int]], stop: set[int]):
+    """Speculative and target-only decoding of one batch, each timed without the recording of a new shape."""
+    def timed(fn):
+        setup = loops.setup_s
+        result, seconds = _timed(p.device, fn, batch, p.max_new_tokens, stop)
+        return result, seconds - (loops.setup_s - setup)
+
+    specs, spec_s = timed(loops.speculative)
+    refs, ref_s = timed(loops.greedy)
+    return specs, spec_s, refs, ref_s
+
+
+def _check_request(p: Plan, target: FrozenTarget, prompts: PromptSet, rid, prompt, spec, ref) -> dict | None:
+    try:
+        return compare(target, len(prompt), spec.tokens, ref, p.tie_tolerance)
+    except OutputMismatch as exc:
+        raise OutputMismatch(f"prompt set {prompts.name!r}, request {rid}: {exc}. Greedy speculative decoding "
+                             "must reproduce the target's own output; this is a bug in the decoding loop, or the "
+                             "drafter and target disagree on the tokenizer (report it)") from None
+
+
+def evaluate_set(p: Plan, loops: FastDecoding, target: FrozenTarget, prompts: PromptSet, stop: set[int],
                  requests: list[dict]) -> SetResult:
     from tqdm import tqdm
 
     result = SetResult(prompts.name, prompts.source, len(prompts.prompts), prompts.skipped,
-                       AcceptanceStats(drafter.block_size))
+                       AcceptanceStats(loops.drafter.block_size))
     # A terminal shows a bar per set; a log gets a plain line at the first prompt, every 30 s and at the last.
     said = PlainProgress(len(prompts.prompts))
-    for done, (rid, prompt) in enumerate(tqdm(list(zip(prompts.ids, prompts.prompts, strict=True)),
-                                              desc=prompts.name, leave=False, disable=None), 1):
-        spec, spec_s = _timed(p.device, speculative_generate, drafter, target, prompt, p.max_new_tokens, stop)
-        ref, ref_s = _timed(p.device, greedy_generate, target, prompt, p.max_new_tokens, stop)
-        try:
-            tie = compare(target, len(prompt), spec.tokens, ref, p.tie_tolerance)
-        except OutputMismatch as exc:
-            raise OutputMismatch(f"prompt set {prompts.name!r}, request {rid}: {exc}. Greedy speculative decoding "
-                                 "must reproduce the target's own output; this is a bug in the decoding loop, or the "
-                                 "drafter and target disagree on the tokenizer (report it)") from None
-        new = len(spec.tokens) - len(prompt)
-        result.stats.add(spec.accept_lengths, new)
+    pairs = list(zip(prompts.ids, prompts.prompts, strict=True))
+    bar = tqdm(total=len(pairs), desc=prompts.name, leave=False, disable=None)
+    for start in range(0, len(pairs), p.batch_size):
+        batch = pairs[start : start + p.batch_size]
+        specs, spec_s, refs, ref_s = _decode_batch(p, loops, [prompt for _, prompt in batch], stop)
         result.speculative_s += spec_s
         result.target_only_s += ref_s
-        result.target_only_tokens += len(ref) - len(prompt)
-        if tie is None:
-            result.outputs_equal += 1
-        else:
-            result.near_ties.append({"id": rid, **tie})
-        requests.append({
-            "set": prompts.name, "id": rid, "prompt_tokens": len(prompt), "new_tokens": new,
-            "accept_lengths": spec.accept_lengths,
-            "tau": sum(spec.accept_lengths) / max(1, len(spec.accept_lengths)), "equal_to_target_only": tie is None,
-            "output_ids": spec.tokens[len(prompt):], "output": p.tokenizer.decode(spec.tokens[len(prompt):]),
-        })
+        for (rid, prompt), spec, ref in zip(batch, specs, refs, strict=True):
+            tie = _check_request(p, target, prompts, rid, prompt, spec, ref)
+            _record(p, result, requests, prompts.name, rid, prompt, spec, ref, tie)
+        bar.update(len(batch))
+        done = start + len(batch)
         if said.due(done):
             say_progress(f"eval: {prompts.name} {done}/{said.total} prompts | tau {result.stats.tau:.2f} | "
                          f"{said.timing(done)}")
+    bar.close()
     return result
+
+
+def _record(p: Plan, result: SetResult, requests: list[dict], set_name: str, rid, prompt, spec, ref, tie) -> None:
+    new = len(spec.tokens) - len(prompt)
+    result.stats.add(spec.accept_lengths, new)
+    result.target_only_tokens += len(ref) - len(prompt)
+    if tie is None:
+        result.outputs_equal += 1
+    else:
+        result.near_ties.append({"id": rid, **tie})
+    requests.append({
+        "set": set_name, "id": rid, "prompt_tokens": len(prompt), "new_tokens": new,
+        "accept_lengths": spec.accept_lengths,
+        "tau": sum(spec.accept_lengths) / max(1, len(spec.accept_lengths)), "equal_to_target_only": tie is None,
+        "output_ids": spec.tokens[len(prompt):], "output": p.tokenizer.decode(spec.tokens[len(prompt):]),
+    })
 
 
 def evaluate(p: Plan) -> tuple[dict, list[dict]]:
@@ -432,27 +466,44 @@ def evaluate(p: Plan) -> tuple[dict, list[dict]]:
     stop = stop_token_ids(target.model, p.tokenizer)
     # transformers 5.2x renames past_key_values to cache with a FutureWarning; both work.
     warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+    loops = FastDecoding(target, drafter, p.batch_size, log=lambda line: console.print(line, markup=False))
     if p.device.type == "cuda":  # kernels, allocator and cuBLAS handles warm before anything is timed
-        first = p.sets[0].prompts[0]
-        speculative_generate(drafter, target, first, min(32, p.max_new_tokens), stop)
-        greedy_generate(target, first, min(32, p.max_new_tokens), stop)
+        first = p.sets[0].prompts[: p.batch_size]
+        loops.speculative(first, p.max_new_tokens, stop)
+        loops.greedy(first, p.max_new_tokens, stop)
     requests: list[dict] = []
-    results = [evaluate_set(p, drafter, target, s, stop, requests) for s in p.sets]
+    results = [evaluate_set(p, loops, target, s, stop, requests) for s in p.sets]
     meta = {
         "drafter": str(p.drafter_dir), "target": p.target_path,
         "device": torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu",
         "dtype": str(p.target_dtype).removeprefix("torch."), "drafter_dtype": str(p.drafter_dtype).removeprefix("torch."),
         "target_quantization": p.target_quantization, "target_attention": target.attention,
         "block_size": drafter.block_size, "max_new_tokens": p.max_new_tokens, "limit": p.limit, "temperature": 0.0,
-        "stop_token_ids": sorted(stop), "torch": torch.__version__,
+        "stop_token_ids": sorted(stop), "torch": torch.__version__, "batch_size": p.batch_size,
+        "decoding": "static cache, CUDA graphs" if p.device.type == "cuda" else "static cache, eager",
     }
     return build_report(meta, results, drafter.block_size), requests
+
+
+def bench(args) -> int:
+    """--bench: eval_bench.py's figures at --preset's shape (no drafter, prompts or --out are read)."""
+    from . import eval_bench
+
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        new_tokens = args.max_new_tokens if args.max_new_tokens is not None else 128
+        return eval_bench.main(args.preset, args.batch_size, new_tokens, device, _dtype(args.dtype, device))
+    except (ValueError, RuntimeError) as exc:
+        cli_args.say_error(console, f"--bench: {exc}")
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     args = cli_args.parse(parser(), argv)
     if isinstance(args, int):
         return args
+    if args.bench:
+        return bench(args)
     try:
         p = plan(args)
         report, requests = evaluate(p)

@@ -18,6 +18,7 @@ When the slots run out the valid ones are packed to the front (rare: see `cache_
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -384,6 +385,7 @@ class FastDecoding:
                  log: Callable[[str], None] = print):
         self.target, self.drafter, self.batch_size, self.log = target, drafter, batch_size, log
         self._decoders: dict[bool, tuple[tuple[int, int], StaticDecoder]] = {}  # speculative or not -> the last
+        self.setup_s = 0.0  # time spent building decoders (allocating, recording the steps): not decoding
 
     def decoder(self, prompts: list[list[int]], max_new_tokens: int, speculative: bool, batch: int) -> StaticDecoder:
         """The decoder of this shape, kept while shapes repeat; one per kind, so a new shape frees the old."""
@@ -395,7 +397,11 @@ class FastDecoding:
             if self.target.embed_weight.is_cuda:
                 torch.cuda.empty_cache()
             drafter = self.drafter if speculative else None
+            started = time.perf_counter()
             self._decoders[speculative] = (shape, StaticDecoder(self.target, drafter, *shape, log=self.log))
+            if self.target.embed_weight.is_cuda:
+                torch.cuda.synchronize(self.target.embed_weight.device)
+            self.setup_s += time.perf_counter() - started
         return self._decoders[speculative][1]
 
     def batches(self, prompts: list[list[int]]) -> Iterable[list[list[int]]]:
