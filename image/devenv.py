@@ -184,7 +184,7 @@ def sync(uv: Path, venv: Path, requirements: list[Path], wheels: Path | None, to
         run([uv, "pip", "sync", "--require-hashes", "--python", venv / "bin" / "python", *source_args(wheels),
              *torch_args, *requirements], "installing the locked packages")
     except DevEnvError as exc:
-        if wheels:
+        if wheels and re.search(r"not found|no version of|unsatisfiable", str(exc), re.IGNORECASE):
             raise DevEnvError(f"the wheel cache {wheels} lacks a locked wheel for this machine: run "
                               f"`make dev-wheels WHEEL_CACHE={wheels}` where PyPI is reachable ({exc})") from exc
         raise
@@ -196,11 +196,12 @@ def install_editable(uv: Path, venv: Path, source: Path, wheels: Path | None) ->
          *source_args(wheels), "-e", source], f"installing {source} (editable)")
 
 
-def build(venv: Path, python: str, project: Path, *, selection: list[str], torch_build: str = "lock",
+def build(uv: Path, venv: Path, project: Path, *, python: str, selection: list[str], torch_build: str = "lock",
           torch_source: str = TORCH_CPU_INDEX, wheels: Path | None = None, editable: Path | None = None) -> None:
-    """Build `venv` from `project`'s uv.lock; the stamp is written by the caller once this returns."""
-    uv = bootstrap_uv(venv, python, project, wheels)
+    """Build `venv` from `project`'s uv.lock with `uv`; the caller writes the stamp once this returns."""
     check_lock_current(uv, project)
+    if not (venv / "bin" / "python").exists():
+        run([uv, "venv", "--quiet", "--python", python, venv], f"creating the venv {venv}")
     with tempfile.TemporaryDirectory() as tmp:
         locked, cpu_torch = Path(tmp) / "locked.txt", Path(tmp) / "torch-cpu.txt"
         skips = cpu_only_skips(project) if torch_build == "cpu" else []
@@ -215,6 +216,12 @@ def build(venv: Path, python: str, project: Path, *, selection: list[str], torch
         install_editable(uv, venv, editable, wheels)
 
 
+def is_package(project: Path) -> bool:
+    """False for a project that uv treats as virtual ([tool.uv] package = false): nothing of its own to install."""
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())
+    return pyproject.get("tool", {}).get("uv", {}).get("package", True)
+
+
 def install(args: argparse.Namespace) -> int:
     python = _python_of(args.python)
     problem = platform_problem(platform.system(), platform.machine(), python)
@@ -224,14 +231,16 @@ def install(args: argparse.Namespace) -> int:
         raise DevEnvError(f"no wheel cache at {args.wheels}: run `make dev-wheels WHEEL_CACHE={args.wheels}` "
                           "where PyPI is reachable (or copy one made on a machine like this), or leave WHEEL_CACHE "
                           "empty to download")
-    stamp, wanted = args.venv / STAMP, stamp_text(ROOT, python, args.torch_build)
+    stamp, wanted = args.venv / STAMP, stamp_text(args.project, python, args.torch_build)
     if stamp.is_file() and stamp.read_text() == wanted:
         return 0
     stamp.unlink(missing_ok=True)
-    build(args.venv, args.python, ROOT, selection=DEV_SELECTION, torch_build=args.torch_build,
-          torch_source=args.torch_cpu_index, wheels=args.wheels, editable=ROOT)
+    uv = args.uv or bootstrap_uv(args.venv, args.python, args.project, args.wheels)
+    build(uv, args.venv, args.project, python=args.python, selection=DEV_SELECTION, torch_build=args.torch_build,
+          torch_source=args.torch_cpu_index, wheels=args.wheels,
+          editable=args.project if is_package(args.project) else None)
     stamp.write_text(wanted)
-    print(f"venv: {args.venv} holds exactly uv.lock (torch build: {args.torch_build})")
+    print(f"venv: {args.venv} holds exactly {args.project / 'uv.lock'} (torch build: {args.torch_build})")
     return 0
 
 
@@ -301,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                            "auto: cpu where no NVIDIA driver is loaded")
     inst.add_argument("--torch-cpu-index", default=TORCH_CPU_INDEX, help="index URL or directory of CPU torch wheels")
     inst.add_argument("--wheels", type=Path, default=None, help="wheel cache: install offline from it")
+    inst.add_argument("--project", type=Path, default=ROOT, help="the project whose uv.lock is installed")
+    inst.add_argument("--uv", type=Path, default=None, help="a uv to use instead of the lock's own")
     lock = sub.add_parser("lock", help="re-resolve uv.lock and requirements-zlab.txt (needs PyPI)")
     lock.add_argument("--upgrade", action="store_true", help="move every package to its newest allowed version")
     check = sub.add_parser("build-check", help="build the wheel; exit 1 on a deprecation warning")

@@ -1,0 +1,233 @@
+"""The development lock: `make venv` installs exactly uv.lock or refuses clearly; `make drift` names what moved.
+
+Each install test works on a tiny project of its own, locked offline against a directory of wheels made here,
+with the uv of the lock (this venv's): no network, seconds per test.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+from dflash_image import devenv, drift
+
+ROOT = Path(__file__).resolve().parent.parent
+UV = Path(sys.prefix) / "bin" / "uv"
+DEVENV = [sys.executable, str(ROOT / "image" / "devenv.py")]
+
+
+def make_wheel(directory: Path, name: str, version: str) -> Path:
+    """A pure-Python wheel whose module records its version (enough for uv to lock and install it)."""
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": f"VERSION = {version!r}\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    files[f"{dist}/RECORD"] = "\n".join([*record, f"{dist}/RECORD,,"]) + "\n"
+    directory.mkdir(parents=True, exist_ok=True)
+    wheel = directory / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path, text in files.items():
+            zf.writestr(path, text)
+    return wheel
+
+
+def write_index(wheels: Path) -> Path:
+    """A PEP 503 simple index of the wheels, each link carrying its sha256 (so the lock records it)."""
+    index = wheels.parent / "simple"
+    for wheel in wheels.glob("*.whl"):
+        page = index / wheel.name.split("-")[0]
+        page.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        links = page / "links.txt"
+        previous = links.read_text() if links.is_file() else ""
+        links.write_text(previous + f'<a href="{wheel.as_uri()}#sha256={digest}">{wheel.name}</a>\n')
+        (page / "index.html").write_text(f"<html><body>\n{links.read_text()}</body></html>\n")
+    return index
+
+
+def write_project(project: Path, wheels: Path, dependencies: list[str]) -> None:
+    """A virtual project (nothing of its own to install) with the extras and group `make venv` selects, locked
+    against a local simple index of the wheels."""
+    project.mkdir(parents=True, exist_ok=True)
+    deps = ", ".join(f'"{d}"' for d in dependencies)
+    (project / "pyproject.toml").write_text(f"""[project]
+name = "tinyproj"
+version = "0"
+requires-python = ">=3.11"
+dependencies = [{deps}]
+
+[project.optional-dependencies]
+control = []
+test = []
+
+[dependency-groups]
+build = []
+
+[tool.uv]
+package = false
+
+[[tool.uv.index]]
+name = "local"
+url = "{write_index(wheels).as_uri()}"
+default = true
+""")
+
+
+@pytest.fixture
+def locked_project(tmp_path):
+    """A project locked at tinydep 1.0, the only version in its wheel cache."""
+    wheels, project = tmp_path / "wheels", tmp_path / "project"
+    make_wheel(wheels, "tinydep", "1.0")
+    write_project(project, wheels, ["tinydep>=1.0"])
+    subprocess.run([UV, "lock", "--offline", "--quiet", "--project", project], check=True)
+    return project, wheels
+
+
+def install(project: Path, venv: Path, wheels: Path | str) -> subprocess.CompletedProcess:
+    return subprocess.run([*DEVENV, "install", "--project", project, "--venv", venv, "--python", sys.executable,
+                           "--uv", UV, "--torch-build", "lock", "--wheels", wheels],
+                          capture_output=True, text=True, check=False)
+
+
+def test_offline_install_from_the_wheel_cache_is_stamped_then_a_no_op(locked_project, tmp_path):
+    project, wheels = locked_project
+    venv = tmp_path / "venv"
+    first = install(project, venv, wheels)
+    assert first.returncode == 0, first.stderr
+    version = subprocess.run([venv / "bin" / "python", "-c", "import tinydep; print(tinydep.VERSION)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert version == "1.0"
+    assert "uv.lock" in (venv / devenv.STAMP).read_text()
+    again = install(project, venv, wheels)
+    assert again.returncode == 0 and "+ " not in again.stdout  # the stamp matches: nothing runs
+
+
+def test_stale_lock_is_refused_and_leaves_no_stamp(locked_project, tmp_path):
+    project, wheels = locked_project
+    venv = tmp_path / "venv"
+    assert install(project, venv, wheels).returncode == 0
+    make_wheel(wheels, "otherdep", "2.0")
+    write_project(project, wheels, ["tinydep>=1.0", "otherdep>=2"])  # pyproject changed, lock not refreshed
+    stale = install(project, venv, wheels)
+    assert stale.returncode == 2
+    assert "is stale" in stale.stderr and "make dev-lock" in stale.stderr
+    assert "incomplete and unstamped" in stale.stderr
+    assert not (venv / devenv.STAMP).exists()
+
+
+def test_missing_wheel_cache_names_the_fix_and_builds_nothing(locked_project, tmp_path):
+    project, _ = locked_project
+    venv = tmp_path / "venv"
+    missing = install(project, venv, tmp_path / "no-such-cache")
+    assert missing.returncode == 2
+    assert "no wheel cache at" in missing.stderr and "make dev-wheels" in missing.stderr
+    assert not venv.exists()
+
+
+def test_wheel_cache_without_a_locked_wheel_leaves_the_venv_unstamped(locked_project, tmp_path):
+    project, _ = locked_project
+    venv, empty = tmp_path / "venv", tmp_path / "empty-cache"
+    empty.mkdir()
+    lacking = install(project, venv, empty)
+    assert lacking.returncode == 2
+    assert "lacks a locked wheel" in lacking.stderr and "make dev-wheels" in lacking.stderr
+    assert not (venv / devenv.STAMP).exists()
+
+
+@pytest.mark.parametrize(("system", "machine", "python"), [
+    ("Darwin", "arm64", (3, 12)), ("Linux", "x86_64", (3, 14)), ("Linux", "x86_64", (3, 10)),
+    ("Linux", "riscv64", (3, 12)),
+])
+def test_a_platform_the_lock_does_not_cover_is_named_with_the_fix(system, machine, python):
+    problem = devenv.platform_problem(system, machine, python)
+    assert problem and f"{system} {machine} with Python {python[0]}.{python[1]}" in problem
+    assert "make dev-lock" in problem and "PYTHON=" in problem
+
+
+def test_the_locked_platforms_pass():
+    for machine in devenv.SUPPORTED_MACHINES:
+        for minor in (11, 12, 13):
+            assert devenv.platform_problem("Linux", machine, (3, minor)) is None
+
+
+def test_cpu_torch_missing_from_its_directory_names_the_switches(tmp_path):
+    with pytest.raises(devenv.DevEnvError, match="TORCH_CPU_INDEX.*TORCH_BUILD=lock"):
+        devenv.cpu_torch_requirement(UV, ROOT, tmp_path / "torch.txt", str(tmp_path), None)
+
+
+def test_cpu_torch_pin_carries_the_hash_of_the_real_file(tmp_path):
+    version = devenv.locked_package(ROOT, "torch")["version"]
+    wheel = tmp_path / f"torch-{version}+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"stand-in wheel bytes")
+    devenv.cpu_torch_requirement(UV, ROOT, tmp_path / "torch.txt", str(tmp_path), None)
+    pin = (tmp_path / "torch.txt").read_text()
+    assert pin.startswith(f"torch=={version}+cpu ") and hashlib.sha256(wheel.read_bytes()).hexdigest() in pin
+
+
+def test_the_committed_lock_is_current_hashed_and_covers_both_machines():
+    subprocess.run([UV, "lock", "--check", "--offline", "--quiet", "--project", ROOT], check=True)
+    lock = tomllib.loads((ROOT / "uv.lock").read_text())
+    markers = " ".join(lock["supported-markers"])
+    assert "x86_64" in markers and "aarch64" in markers and "python_full_version < '3.14'" in markers
+    for package in lock["package"]:
+        if "registry" in package.get("source", {}):
+            files = [*package.get("wheels", []), *([package["sdist"]] if "sdist" in package else [])]
+            assert files and all(f["hash"].startswith("sha256:") for f in files), package["name"]
+
+
+def test_pyproject_license_is_spdx_and_the_build_backend_is_bounded():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == "Apache-2.0"
+    [backend] = [r for r in pyproject["build-system"]["requires"] if r.startswith("setuptools")]
+    assert ">=" in backend and "<" in backend.replace("<=", "")
+    assert pyproject["dependency-groups"]["build"] == [backend]  # the locked build backend has the same bounds
+
+
+def test_build_check_catches_a_setuptools_deprecation(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pyproject.toml").write_text("""[build-system]
+requires = ["setuptools>=77,<85"]
+build-backend = "setuptools.build_meta"
+[project]
+name = "oldlicense"
+version = "1"
+license = { text = "Apache-2.0" }
+[tool.setuptools]
+packages = ["pkg"]
+""")
+    subprocess.run(["git", "init", "-q", tmp_path], check=True)
+    subprocess.run(["git", "-C", tmp_path, "add", "."], check=True)
+    proc = subprocess.run([sys.executable, "-m", "dflash_image.devenv", "build-check", "--project", tmp_path],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "project.license" in proc.stderr and "deprecated" in proc.stderr
+
+
+def run_drift(project: Path, wheels: Path, capsys) -> tuple[int, str]:
+    check_version = "{python} -c \"import sys, tinydep; sys.exit(tinydep.VERSION != '1.0')\""
+    rc = drift.main(["--project", str(project), "--find-links", str(wheels), "--no-editable", "--uv", str(UV),
+                     "--python", sys.executable, "--test-command", check_version])
+    return rc, capsys.readouterr().out
+
+
+def test_drift_offline_reports_the_moved_package_and_what_broke(locked_project, capsys):
+    project, wheels = locked_project
+    rc, out = run_drift(project, wheels, capsys)
+    assert rc == 0 and "0 package(s) differ" in out
+    make_wheel(wheels, "tinydep", "1.1")  # a new release the lock has not seen
+    rc, out = run_drift(project, wheels, capsys)
+    assert rc == 1
+    assert "tinydep 1.0 -> 1.1" in out and "FAIL with the newest allowed versions" in out
