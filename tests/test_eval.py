@@ -394,3 +394,40 @@ def test_a_runs_stored_paths_resolve_from_any_directory(tmp_path, monkeypatch):
     (out / "config.json").write_text('{"target": {}}')  # another layout
     with pytest.raises(EvalError, match="lacks 'path'"):
         run_defaults(out)
+
+
+def test_fast_loops_give_the_reference_loops_tokens_and_acceptance_lengths(models, drafter_dir, tiny_target,
+                                                                            monkeypatch):
+    """fast_decode (static slot cache; eager on a CPU) against speculative.py's loops, at batch 1 and 3: rows
+    of a batch accept different lengths, and a cache too short for their holes is packed on the way."""
+    from dflash_trainer import fast_decode
+    from dflash_trainer.speculative import speculative_generate
+
+    tokenizer, model = models
+    drafter = DFlashDrafter.from_pretrained(drafter_dir).eval()
+    target = FrozenTarget(model, drafter.target_layer_ids)
+    prompts = eval_prompts(tiny_target, tokenizer)
+    stop = stop_token_ids(model, tokenizer)
+    reference = [speculative_generate(drafter, target, p, NEW, stop) for p in prompts]
+    assert len({n for r in reference for n in r.accept_lengths}) >= 3  # the rows' acceptance lengths differ
+    greedy = [greedy_generate(target, p, NEW, stop) for p in prompts]
+    for batch in (1, 3):
+        loops = fast_decode.FastDecoding(target, drafter, batch)
+        fast = loops.speculative(prompts, NEW, stop)
+        assert [r.tokens for r in fast] == [r.tokens for r in reference]
+        assert [r.accept_lengths for r in fast] == [r.accept_lengths for r in reference]
+        assert loops.greedy(prompts, NEW, stop) == greedy
+    # Room for the answer and one block only: the holes of rows that accepted less fill it, and are packed away.
+    monkeypatch.setattr(fast_decode, "cache_length", lambda width, new, block, batch: width + new + block + 2)
+    packs, make_room = [], fast_decode.StaticDecoder._make_room
+
+    def counted(decoder):
+        before = decoder.packs
+        make_room(decoder)
+        packs.append(decoder.packs - before)
+
+    monkeypatch.setattr(fast_decode.StaticDecoder, "_make_room", counted)
+    fast = fast_decode.FastDecoding(target, drafter, 3).speculative(prompts, NEW, stop)
+    assert [r.tokens for r in fast] == [r.tokens for r in reference]
+    assert [r.accept_lengths for r in fast] == [r.accept_lengths for r in reference]
+    assert sum(packs) > 0

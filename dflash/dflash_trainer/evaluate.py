@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from . import storage
+from .fast_decode import FastDecoding
 from .loading import DTYPES, console, new_drafter
 from .model import DFlashDrafter
 from .objective import drafter_loss, prepare_micro_batch
@@ -24,14 +25,16 @@ EVAL_PROMPTS_FILE = "eval_prompts.jsonl"
 
 
 def evaluate_tau(drafter, target, prompts: list[list[int]], max_new_tokens: int,
-                 stop_ids=frozenset()) -> AcceptanceStats:
+                 stop_ids=frozenset(), batch_size: int = 1) -> AcceptanceStats:
+    """tau by speculative decoding through fast_decode's loop (static cache; CUDA graphs on a GPU): the tokens
+    and acceptance lengths of speculative.py's reference loop, at the speed dflash-eval and serving run."""
     was_training = drafter.training
     drafter.eval()
     # transformers 5.2x renames past_key_values to cache with a FutureWarning; both work.
     warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
     stats = AcceptanceStats(drafter.block_size)
-    for prompt in prompts:
-        r = speculative_generate(drafter, target, prompt, max_new_tokens, stop_ids)
+    loops = FastDecoding(target, drafter, batch_size, log=lambda line: console.print(line, markup=False))
+    for prompt, r in zip(prompts, loops.speculative(prompts, max_new_tokens, stop_ids), strict=True):
         stats.add(r.accept_lengths, len(r.tokens) - len(prompt))
     drafter.train(was_training)
     return stats

@@ -227,6 +227,7 @@ class StaticDecoder:
         if drafter is not None:
             self.context = DrafterContext(drafter, batch, length, self.device, drafter.fc.weight.dtype)
         self.written = 0  # the host's copy of the write pointer
+        self.packs = 0  # times the valid slots were packed to the front (_make_room)
         self._warm_cache()
         self.spec_step = Graphed(self._spec_step, self.device, log) if drafter is not None else None
         self.greedy_step = Graphed(self._greedy_step, self.device, log)
@@ -339,6 +340,7 @@ class StaticDecoder:
             raise RuntimeError(f"fast decoding: {used} tokens and a block of {self.block} exceed the {self.length} "
                                "slots of the static cache")
         self._set_pointer(used)
+        self.packs += 1
 
     def speculative(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[SpecResult]:
         first = self._prefill(prompts, max_new_tokens, hidden=True)
