@@ -92,3 +92,14 @@ def _cuda_visible_devices_restored():
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     else:
         os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_for_gpu_tests(request):
+    """GPU tests compile many shapes of the same layer function in one process: each starts from an empty
+    dynamo cache, as a training process does, so one test's variants do not use up the next's recompile limit."""
+    if request.node.get_closest_marker("gpu") is not None:
+        import torch
+
+        torch._dynamo.reset()
+    yield

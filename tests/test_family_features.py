@@ -19,8 +19,10 @@ from tests.helpers.families import FAMILIES, WINDOW, build_family, tokenizer_for
 
 LAYER_IDS = [0, 2]
 # Relative error (per token, L2 over the concatenated features) of GPU bf16 training-path features against
-# the CPU fp32 serving path: bf16 keeps 8 bits of mantissa, and 4 layers compound it.
-BF16_REL_TOL = 0.05
+# the CPU fp32 serving path: bf16 keeps 8 bits of mantissa, and 4 layers compound it. The GPU's bf16 features against the CPU's fp32 ones may be at most this many times as far off as the CPU's
+# own bf16 features are (bf16 rounding; in MoE families a rounded router score picks another expert for a
+# few tokens on either device), compared at the median token and the 90th-percentile token.
+DEVICE_VS_DTYPE_FACTOR = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +54,13 @@ def rows(device):
     return ids.to(device), mask.to(device)
 
 
+def token_errors(got, want) -> torch.Tensor:
+    """Per-token relative error of feature vectors."""
+    return (got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1).clamp(min=1e-6)
+
+
 def relative_error(got, want):
-    return ((got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1).clamp(min=1e-6)).max().item()
+    return token_errors(got, want).max().item()
 
 
 def assert_causal(target, ids, mask):
@@ -89,7 +96,12 @@ def test_gpu_bf16_training_features_match_the_cpu_fp32_serving_features(family, 
     gpu = load(targets(family), "cuda", "bfloat16")
     ids, mask = rows("cpu")
     want = serving_features(cpu, ids, mask, LAYER_IDS)
-    got = gpu.features(ids.cuda(), mask.cuda()).cpu()
     real = mask.bool()
-    assert relative_error(got[real], want[real]) < BF16_REL_TOL, family
+    # bf16's own error on this family: the CPU's bf16 serving features against its fp32 ones
+    cpu_bf16 = serving_features(load(targets(family), "cpu", "bfloat16"), ids, mask, LAYER_IDS)
+    rounding = token_errors(cpu_bf16[real], want[real])
+    device = token_errors(gpu.features(ids.cuda(), mask.cuda()).cpu()[real], want[real])
+    for q in (0.5, 0.9):
+        gpu_q, cpu_q = device.quantile(q).item(), rounding.quantile(q).item()
+        assert gpu_q <= DEVICE_VS_DTYPE_FACTOR * cpu_q + 1e-3, f"{family}: quantile {q}: GPU bf16 {gpu_q:.4f}, CPU bf16 {cpu_q:.4f}"
     assert_causal(gpu, ids.cuda(), mask.cuda())
