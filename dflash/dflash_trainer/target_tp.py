@@ -211,26 +211,40 @@ def check_fits_before_loading(cfg, config, device: torch.device) -> None:
     check_target_fits(config, cfg.parallel.target_tp, dtype_bytes, free, cfg.target.trust_remote_code)
 
 
-def load_sharded_target(cfg, layer_ids: list[int], device: torch.device, group, config):
-    """The target of this rank's group: read whole into host memory, each decoder layer cut to this rank's
-    share on the device (parallelize_module), the rest (embeddings, norms, LM head) copied whole."""
-    import sys
-
+def _read_and_shard(cfg, config, device: torch.device, mesh) -> tuple[nn.Module, int]:
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    from .loading import DTYPES, console
-    from .target import FrozenTarget, attention_implementation
+    from .loading import DTYPES
+    from .target import attention_implementation
 
-    if not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()
     trust = cfg.target.trust_remote_code
     attention = attention_implementation(meta_skeleton(config, trust))
     model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype],
                                                  attn_implementation=attention, trust_remote_code=trust)
-    mesh = tp_mesh(group, device)
     sharded = shard_target(model, mesh)
-    model.to(device)
+    return model.to(device), sharded
+
+
+def load_sharded_target(cfg, layer_ids: list[int], device: torch.device, group, config):
+    """The target of this rank's group: read whole into host memory, each decoder layer cut to this rank's
+    share on the device (parallelize_module), the rest (embeddings, norms, LM head) copied whole. The group's
+    ranks read in turn, so host memory holds one whole copy per group at a time, not one per GPU."""
+    import sys
+
+    import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
+
+    from .loading import console
+    from .target import FrozenTarget
+
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    mesh = tp_mesh(group, device)
+    model, sharded = None, 0
+    for turn in range(mesh.size()):
+        if turn == mesh.get_local_rank():
+            model, sharded = _read_and_shard(cfg, config, device, mesh)
+        dist.barrier(group=group)
     # The compiled layer runs with the layers' forward hooks suspended, and tensor parallelism's all-reduce
     # is one of them: the group's layers run eagerly.
     target = FrozenTarget(model, layer_ids, compile_layers=False)
