@@ -12,7 +12,8 @@ dev-lock: ## re-resolve uv.lock and requirements-zlab.txt (needs PyPI); UPGRADE=
 	$(PYTHON) image/devenv.py lock --venv $(VENV) --python $(PYTHON) $(if $(strip $(UPGRADE)),--upgrade)
 
 dev-wheels: venv ## download the locked wheels this machine installs into WHEEL_CACHE (default wheels-dev/), hash-checked
-	$(PY) -m dflash_image.devenv wheels --venv $(VENV) --python $(PYTHON) --dest $(DEV_WHEELS)
+	$(PY) -m dflash_image.devenv wheels --venv $(VENV) --python $(PYTHON) --dest $(DEV_WHEELS) \
+	  --torch-build $(TORCH_BUILD) --torch-cpu-index $(TORCH_CPU_INDEX)
 
 drift: venv ## test-fast against the newest allowed versions in a scratch venv: which package moved from uv.lock, what broke
 	$(PY) -m dflash_image.drift --dev-extras --python $(PYTHON) --test-command '$(DRIFT_TEST)' $(DRIFT_ARGS)

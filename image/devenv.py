@@ -289,14 +289,26 @@ def wheels(args: argparse.Namespace) -> int:
     uv = args.venv / "bin" / "uv"
     python = "{}.{}".format(*sys.version_info[:2])
     glibc = tuple(int(x) for x in platform.libc_ver()[1].split(".")[:2])
+    skips = cpu_only_skips(ROOT) if args.torch_build == "cpu" else []
     with tempfile.TemporaryDirectory() as tmp:
         lock = Path(tmp) / "pylock.dev.toml"
         run([uv, "export", "--frozen", "--project", ROOT, "--format", "pylock.toml", "--no-emit-project",
-             *DEV_SELECTION, "-o", lock], "exporting the lock")
-        wheelhouse.fetch(lock, args.dest, python, platform.machine(), glibc)
-    # The venv holds no pip (it is not in the lock): the interpreter that built it downloads z-lab's wheel.
-    run([args.python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "--require-hashes",
-         "-d", args.dest, "-r", ROOT / ZLAB_PINS], "downloading z-lab's dflash")
+             *DEV_SELECTION, *[a for name in skips for a in ("--no-emit-package", name)], "-o", lock],
+            "exporting the lock")
+        try:
+            wheelhouse.fetch(lock, args.dest, python, platform.machine(), glibc)
+        except wheelhouse.WheelhouseError as exc:
+            raise DevEnvError(str(exc)) from exc
+    # The venv holds no pip (it is not in the lock): the interpreter that built it downloads the rest.
+    pip = [args.python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "-d", args.dest]
+    run([*pip, "--require-hashes", "-r", ROOT / ZLAB_PINS], "downloading z-lab's dflash")
+    if args.torch_build == "cpu":
+        version = locked_package(ROOT, "torch")["version"]
+        local = Path(args.torch_cpu_index).is_dir()
+        where = ["--no-index", "--find-links"] if local else ["--index-url"]
+        run([*pip, *where, args.torch_cpu_index, f"torch=={version}+cpu"], f"downloading torch {version}+cpu")
+    print(f"wheels: {args.dest} holds every wheel `make venv WHEEL_CACHE={args.dest}` installs here "
+          f"(torch build: {args.torch_build})")
     return 0
 
 
@@ -305,10 +317,6 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="action", required=True)
     inst = sub.add_parser("install", help="build VENV from uv.lock (a no-op when its stamp is current)")
     inst.add_argument("--python", default="python3", help="the interpreter the venv is built on")
-    inst.add_argument("--torch-build", choices=["lock", "cpu", "auto"], default="auto",
-                      help="lock: PyPI's build, hashes from uv.lock; cpu: the CPU build of the locked version; "
-                           "auto: cpu where no NVIDIA driver is loaded")
-    inst.add_argument("--torch-cpu-index", default=TORCH_CPU_INDEX, help="index URL or directory of CPU torch wheels")
     inst.add_argument("--wheels", type=Path, default=None, help="wheel cache: install offline from it")
     inst.add_argument("--project", type=Path, default=ROOT, help="the project whose uv.lock is installed")
     inst.add_argument("--uv", type=Path, default=None, help="a uv to use instead of the lock's own")
@@ -320,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     fill.add_argument("--dest", type=Path, required=True)
     fill.add_argument("--python", default="python3", help="an interpreter with pip (downloads z-lab's dflash)")
     lock.add_argument("--python", default="python3", help="the interpreter a missing venv is created with")
+    for p in (inst, fill):
+        p.add_argument("--torch-build", choices=["lock", "cpu", "auto"], default="auto",
+                       help="lock: PyPI's build, hashes from uv.lock; cpu: the CPU build of the locked version; "
+                            "auto: cpu where no NVIDIA driver is loaded")
+        p.add_argument("--torch-cpu-index", default=TORCH_CPU_INDEX, help="index URL or directory of CPU torch wheels")
     for p in (inst, lock, fill, check):
         p.add_argument("--venv", type=Path, default=ROOT / ".venv")
     args = ap.parse_args(argv)
