@@ -50,3 +50,31 @@ def test_speculative_vs_target_only_wall_time_at_the_8b_shape(tmp_path):
     assert report["device"].startswith("NVIDIA") and report["dtype"] == "bfloat16"
     assert s["outputs_equal"] + len(s["near_tie_divergences"]) == s["prompts"] == 8
     assert s["speedup"] > 0 and 1.0 <= s["tau"] <= 16
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_fast_loops_replayed_as_cuda_graphs_equal_the_reference_loops(family, tmp_path):
+    """On a GPU the fast loops' steps are recorded as CUDA graphs; in float32 their tokens and acceptance
+    lengths are the eager reference loops', at batch 1 and 2 (gemma3: sliding-window layers rolled back)."""
+    from dflash_trainer.fast_decode import FastDecoding
+    from dflash_trainer.speculative import greedy_generate, speculative_generate
+
+    from tests.helpers.families import tokenizer_for_tests
+    from tests.test_speculative_fast import target_and_drafter
+
+    tokenizer = tokenizer_for_tests()
+    target, drafter = target_and_drafter(family, tokenizer, tmp_path)
+    target.model.cuda()
+    drafter.cuda()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(len(tokenizer), (n,), generator=g).tolist() for n in (30, 11, 5)]
+    reference = [speculative_generate(drafter, target, p, 40) for p in prompts]
+    greedy = [greedy_generate(target, p, 40) for p in prompts]
+    for batch in (1, 2):
+        loops = FastDecoding(target, drafter, batch)
+        fast = loops.speculative(prompts, 40)
+        assert loops._decoders[True][1].spec_step.graph is not None  # replayed, not run eagerly
+        assert [r.tokens for r in fast] == [r.tokens for r in reference] == greedy
+        assert [r.accept_lengths for r in fast] == [r.accept_lengths for r in reference]
+        assert loops.greedy(prompts, 40) == greedy
+        assert loops._decoders[False][1].greedy_step.graph is not None
