@@ -66,6 +66,16 @@ def test_every_format_trains_on_the_same_tokens(suffix, tokenizer, tmp_path):
     assert ds["input_ids"] == reference["input_ids"] and ds["loss_mask"] == reference["loss_mask"]
 
 
+def test_a_file_named_like_a_glob_is_that_file_and_a_glob_still_expands(tokenizer, tmp_path):
+    rows = [{"messages": c} for c in CHATS]
+    literal = write(tmp_path / "mt[bench].jsonl", rows[:3])
+    assert len(load_rows([literal])) == 3
+    assert len(load_prompt_set("mt", literal, tokenizer, "tiny", None, 400, len(tokenizer)).prompts) == 3
+    for i in range(2):
+        write(tmp_path / f"part-{i}.jsonl", rows[4 * i:4 * i + 4])
+    assert len(load_rows([str(tmp_path / "part-*.jsonl")])) == 8
+
+
 def test_prompt_sets_read_parquet_and_csv_too(tokenizer, tmp_path):
     for suffix in (".parquet", ".csv"):
         found = load_prompt_set("p", write(tmp_path / f"p{suffix}", [{"messages": c} for c in CHATS]), tokenizer,

@@ -53,7 +53,8 @@ def _local_files(sources: list[str], flags: str = TRAINER_FLAGS) -> list[str]:
 
     files, missing, empty = [], [], []
     for source in sources:
-        found = sorted(glob(source)) if _is_glob(source) else [source] if Path(source).exists() else []
+        # An existing file is itself, even if its name holds glob characters (mt[bench].jsonl).
+        found = [source] if Path(source).exists() else sorted(glob(source)) if _is_glob(source) else []
         if not found:
             missing.append(source)
         for name in found:
@@ -138,9 +139,12 @@ def _unreadable(name: str, builder: str, exc: BaseException) -> DataError:
 
 def _load_one_format(files: list[str], builder: str, split: str):
     import datasets
+    from glob import escape
 
+    # datasets reads data_files as patterns: the already expanded names go in escaped, so a file named
+    # mt[bench].jsonl is that file, not a character class.
     try:
-        return datasets.load_dataset(builder, data_files=files, split=split)
+        return datasets.load_dataset(builder, data_files=[escape(name) for name in files], split=split)
     except Exception as exc:
         if builder == "json":
             if not any(_has_rows(name) for name in files):
@@ -153,7 +157,7 @@ def _load_one_format(files: list[str], builder: str, split: str):
                 raise DataError(f"{bad}; each line must be one JSON object (a chat row)") from exc
         for name in files:  # name the one file that fails on its own
             try:
-                datasets.load_dataset(builder, data_files=[name], split=split)
+                datasets.load_dataset(builder, data_files=[escape(name)], split=split)
             except Exception as one:  # any failure of this file is what the message names
                 raise _unreadable(name, builder, one) from one
         raise _unreadable(", ".join(files), builder, exc) from exc
