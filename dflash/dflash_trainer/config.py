@@ -498,10 +498,6 @@ def parallel_problems(c: RunConfig) -> list[str]:
         if c.data.features_dir:
             problems.append(f"parallel.target_tp = {p.target_tp} shards the target across target ranks, and "
                             "data.features_dir (offline mode) has none: set parallel.target_tp = 1")
-        if c.target.quantization != "none":
-            problems.append(f"target.quantization = {c.target.quantization} with parallel.target_tp = {p.target_tp}: "
-                            "the FP8 target runs whole on each target rank; set target.quantization = none to "
-                            "shard the bf16 target, or parallel.target_tp = 1")
     return problems
 
 

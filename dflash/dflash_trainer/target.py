@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from .fp8 import check_fp8_device, check_not_prequantized, quantize_linears
+from .fp8 import Float8Linear, check_fp8_device, check_not_prequantized, quantize_linears
 
 
 class _StopForward(Exception):
@@ -192,7 +192,9 @@ class FrozenTarget:
         if quantization == "fp8":
             check_fp8_device(next(model.parameters()).device)
             check_not_prequantized(model.config, "the target")
-            self.quantized_linears = quantize_linears(list(self.layers))
+            quantize_linears(list(self.layers))
+            # every FP8 GEMM of the layers, a tensor-parallel group's FP8 shares (target_tp.py) included
+            self.quantized_linears = sum(isinstance(m, Float8Linear) for m in self.layers.modules())
             if not self.quantized_linears:
                 raise ValueError("target.quantization = 'fp8': none of the decoder layers' linears has dimensions "
                                  "divisible by 16, which FP8 GEMMs need; set target.quantization = 'none'")

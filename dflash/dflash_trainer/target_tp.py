@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError
+from .fp8 import Float8Linear
 from .target import decoder_layers, meta_skeleton, text_config
 
 
@@ -127,6 +128,58 @@ def tp_mesh(group, device: torch.device):
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(group, device.type, mesh_dim_names=("tp",))
+
+
+# ---- target.quantization = fp8 in a group ------------------------------------------------------------
+
+class Float8Shard(Float8Linear):
+    """A sharded projection's local share as an FP8-dynamic GEMM (fp8.Float8Linear). The column-/row-wise
+    style's input and output hooks move over from the sharded nn.Linear, so the communication stays torch's:
+    the GEMM takes the local input and hands back a DTensor of the style's placement (column-wise: this rank's
+    slice of the output features; row-wise: a partial sum, all-reduced by the output hook).
+
+    Column-wise shares quantize exactly as the whole matrix does (one scale per output row). Row-wise shares
+    scale each weight row and each token over this rank's slice of the input features, finer than the whole
+    target's FP8: the features differ from a single rank's FP8 ones by about FP8's own rounding."""
+
+    def __init__(self, sharded: nn.Linear):
+        from torch.distributed.tensor import Partial, Shard
+
+        weight = sharded.weight
+        self.mesh = weight.device_mesh
+        self.placement = Shard(-1) if weight.placements[0] == Shard(0) else Partial()
+        local = nn.Linear(weight.to_local().shape[1], weight.to_local().shape[0], bias=False,
+                          device="meta", dtype=weight.dtype)
+        local.weight = nn.Parameter(weight.to_local(), requires_grad=False)
+        bias = sharded.bias
+        if bias is not None and (isinstance(self.placement, Shard) or self.mesh.get_local_rank() == 0):
+            local.bias = nn.Parameter(bias.to_local(), requires_grad=False)  # a partial sum adds it once
+        super().__init__(local)
+        for hooks in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                      "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            setattr(self, hooks, getattr(sharded, hooks))
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor
+
+        out = super().forward(x.to_local())
+        return DTensor.from_local(out, self.mesh, [self.placement], run_check=False)
+
+
+def quantize_shards(model: nn.Module) -> int:
+    """Replace each sharded projection of the decoder layers with its FP8 share (Float8Shard), in place;
+    returns how many. The replicated linears are left to FrozenTarget's own quantization."""
+    from torch.distributed.tensor import DTensor
+
+    replaced = 0
+    for layer in decoder_layers(model):
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear and isinstance(child.weight, DTensor) and \
+                        all(n % 16 == 0 for n in child.weight.to_local().shape):  # FP8 GEMMs' shape rule
+                    setattr(parent, name, Float8Shard(child))
+                    replaced += 1
+    return replaced
 
 
 # ---- what N may be: the heads, and the memory ----------------------------------------------------
@@ -245,10 +298,20 @@ def load_sharded_target(cfg, layer_ids: list[int], device: torch.device, group, 
         if turn == mesh.get_local_rank():
             model, sharded = _read_and_shard(cfg, config, device, mesh)
         dist.barrier(group=group)
+    fp8 = cfg.target.quantization == "fp8"
+    if fp8:
+        from .fp8 import check_fp8_device, check_not_prequantized
+
+        check_fp8_device(device)
+        check_not_prequantized(model.config, "the target")
+    fp8_shards = quantize_shards(model) if fp8 else 0
     # The compiled layer runs with the layers' forward hooks suspended, and tensor parallelism's all-reduce
     # is one of them: the group's layers run eagerly.
-    target = FrozenTarget(model, layer_ids, compile_layers=False)
+    target = FrozenTarget(model, layer_ids, compile_layers=False, quantization=cfg.target.quantization)
     if mesh.get_local_rank() == 0:  # one line per group
         console.print(f"target: {target.describe()}; {sharded} projections of its decoder layers split across a "
-                      f"group of {mesh.size()} (parallel.target_tp)", soft_wrap=True)
+                      f"group of {mesh.size()} (parallel.target_tp)"
+                      + (f", {target.quantized_linears} linears as FP8-dynamic GEMMs ({fp8_shards} of them "
+                         "sharded)" if fp8 else ""),
+                      soft_wrap=True)
     return target
