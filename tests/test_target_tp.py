@@ -37,7 +37,14 @@ TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hid
 
 
 def tiny_config(family: str, **changes):
-    from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, Olmo2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        Gemma3TextConfig,
+        GptOssConfig,
+        LlamaConfig,
+        Olmo2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     classes = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig, "qwen3_moe": Qwen3MoeConfig,
                "gpt_oss": GptOssConfig, "olmo2": Olmo2Config}
@@ -74,8 +81,8 @@ def test_split_advice_counts_groups():
 
 @pytest.mark.parametrize(("settings", "expected"), [
     (["parallel.target_tp=2", "parallel.target_ranks=3"],
-     "parallel.target_ranks = 3 is not a multiple of parallel.target_tp = 2 (each group of 2 target GPUs holds "
-     "one target): give --target-gpus 2 or 4"),
+     ("parallel.target_ranks = 3 is not a multiple of parallel.target_tp = 2 (each group of 2 target GPUs holds "
+      "one target): give --target-gpus 2 or 4")),
     (["parallel.target_tp=2"], "parallel.target_tp = 2 needs target ranks, and target_ranks is 0"),
 ])
 def test_bad_group_settings_are_refused_by_the_config(settings, expected):
