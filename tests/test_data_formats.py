@@ -76,6 +76,15 @@ def test_a_file_named_like_a_glob_is_that_file_and_a_glob_still_expands(tokenize
     assert len(load_rows([str(tmp_path / "part-*.jsonl")])) == 8
 
 
+def test_a_prompt_set_names_the_rows_it_skips(tokenizer, tmp_path, capsys):
+    rows = [{"messages": c} for c in CHATS[:3]]
+    rows.insert(1, {"messages": [{"role": "assistant", "content": "an answer with no question"}]})
+    found = load_prompt_set("p", write(tmp_path / "p.jsonl", rows), tokenizer, "tiny", None, 400, len(tokenizer))
+    assert len(found.prompts) == 3 and found.skipped == {"no user turn": [2]}
+    said = capsys.readouterr().err
+    assert "prompt set 'p'" in said and "1 row(s) skipped: 1 x no user turn (row 2)" in said
+
+
 def test_prompt_sets_read_parquet_and_csv_too(tokenizer, tmp_path):
     for suffix in (".parquet", ".csv"):
         found = load_prompt_set("p", write(tmp_path / f"p{suffix}", [{"messages": c} for c in CHATS]), tokenizer,

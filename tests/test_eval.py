@@ -238,7 +238,7 @@ def bad_inputs(tiny_target, drafter_dir, tmp_path_factory):
     ("hidden", [], "hidden size is 128, the target's 64.*trained for"),
     ("block", [], "block size 1000 is above target .* context of 512"),
     ("missing_prompts", [], "does not exist: fix the path"),
-    ("no_prompt", [], r"holds no usable prompt \(1 no prompt field, 1 no user turn\)"),
+    ("no_prompt", [], r"holds no usable prompt \(1 x no prompt field \(row \d\); 1 x no user turn \(row \d\)\)"),
     ("max_new_tokens", ["--max-new-tokens", "0"], "argument --max-new-tokens: 0: must be >= 1"),
     ("temperature", ["--temperature", "0.7"], "decodes greedily"),
     ("fp8_fp32", ["--target-quantization", "fp8", "--dtype", "float32"], "fp8 needs a bf16 target.*add --dtype bfloat16"),

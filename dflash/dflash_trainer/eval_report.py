@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import storage
+from .data import SHOWN_ROWS
 from .speculative import AcceptanceStats
 
 # Written into eval.json, so the file explains itself.
@@ -39,7 +40,7 @@ class SetResult:
     name: str
     source: str
     prompts: int
-    skipped: dict[str, int]
+    skipped: dict[str, list[int]]  # why rows were left out -> their row numbers
     stats: AcceptanceStats
     speculative_s: float = 0.0
     target_only_s: float = 0.0
@@ -52,7 +53,9 @@ class SetResult:
         spec_rate = s.tokens / self.speculative_s if self.speculative_s else None
         target_rate = self.target_only_tokens / self.target_only_s if self.target_only_s else None
         return {
-            "source": self.source, "prompts": self.prompts, "skipped": self.skipped,
+            "source": self.source, "prompts": self.prompts,
+            "skipped": {why: len(rows) for why, rows in self.skipped.items()},
+            "skipped_rows": {why: rows[:SHOWN_ROWS] for why, rows in self.skipped.items()},
             "tau": s.tau, "tau_per_request_mean": s.tau_per_request_mean,
             "verify_steps": s.verify_steps, "tokens": s.tokens,
             "slot_acceptance": s.slot_acceptance,
@@ -82,6 +85,7 @@ def build_report(meta: dict, results: list[SetResult], block_size: int) -> dict:
     everything = overall(results, block_size).to_json()
     everything.pop("source")
     everything.pop("skipped")
+    everything.pop("skipped_rows")
     return {**meta, "sets": {r.name: r.to_json() for r in results}, "overall": everything,
             "definitions": DEFINITIONS}
 

@@ -12,11 +12,12 @@ with no usable prompt is an error.
 from __future__ import annotations
 
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import DATA_SUFFIXES, DataError, is_local_source, load_rows
+from .data import DATA_SUFFIXES, DataError, describe_refusals, is_local_source, load_rows
 from .prompts import NoPromptField, check_chat_template, prompt_messages, render_prompt, row_id, row_messages
 
 FLAGS = "--prompts / --name"
@@ -28,7 +29,7 @@ class PromptSet:
     source: str
     ids: list[str] = field(default_factory=list)  # the source rows' ids (row_id)
     prompts: list[list[int]] = field(default_factory=list)
-    skipped: dict[str, int] = field(default_factory=dict)  # why rows were left out -> how many
+    skipped: dict[str, list[int]] = field(default_factory=dict)  # why rows were left out -> their row numbers
 
 
 def is_local(source: str) -> bool:
@@ -108,26 +109,28 @@ def load_prompt_set(name: str, source: str, tokenizer, target: str, limit: int |
     """The first `limit` usable prompts of the source that leave room for the answer in the target's context."""
     rows = load_source(source)
     found = PromptSet(name, source)
-    skipped: Counter = Counter()
     for index, row in enumerate(rows):
         if limit is not None and len(found.prompts) >= limit:
             break
         prompt, why = row_prompt(row, tokenizer, target)
-        if prompt is None:
-            skipped[why] += 1
-        elif len(prompt) > max_prompt_tokens:
-            skipped["too long for the target's context"] += 1
-        elif not all(0 <= t < vocab_size for t in prompt):  # token ids rendered for another tokenizer
-            skipped["token ids outside the target's vocabulary"] += 1
+        if prompt is not None and len(prompt) > max_prompt_tokens:
+            why = "too long for the target's context"
+        elif prompt is not None and not all(0 <= t < vocab_size for t in prompt):  # rendered for another tokenizer
+            why = "token ids outside the target's vocabulary"
+        if why:
+            found.skipped.setdefault(why, []).append(index + 1)  # 1-based row numbers, as the data errors name them
         else:
             found.ids.append(row_id(row, index))
             found.prompts.append(prompt)
-    found.skipped = dict(skipped)
     if not found.prompts:
-        detail = ", ".join(f"{n} {why}" for why, n in skipped.items()) or "it has no rows"
+        detail = describe_refusals(found.skipped) or "it has no rows"
         fix = (f"lower --max-new-tokens or give shorter prompts (the target's context leaves {max_prompt_tokens} "
-               "tokens for a prompt)" if set(skipped) == {"too long for the target's context"}
+               "tokens for a prompt)" if set(found.skipped) == {"too long for the target's context"}
                else "rows need `messages` / `conversations` with a user turn, a `prompt` or `question` field, "
                     "or `prompt_ids`")
         raise DataError(f"prompt set {name!r} ({source}) holds no usable prompt ({detail}): {fix}")
+    if found.skipped:
+        print(f"prompt set {name!r} ({source}): {sum(map(len, found.skipped.values()))} row(s) skipped: "
+              f"{describe_refusals(found.skipped)}", file=sys.stderr, flush=True)
     return found
+
