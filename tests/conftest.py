@@ -6,11 +6,20 @@ from pathlib import Path
 
 import pytest
 
+# One intra-op thread for torch, here and in every process a test starts (torchrun workers, the CLIs): the
+# tests' matrices are tiny, and two threads on a busy 2-core machine spin against each other. A linear layer
+# of the tiny target took 20 ms instead of 0.5 ms that way; a tiny training run 60 s instead of 5 s. An
+# OMP_NUM_THREADS set by the caller wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 # ansible.module_utils.basic (the provisioning tests import it) replaces sys.intern with an object, after
 # which a first `import torch._dynamo` fails ("substitute_in_graph expects a function"). Import dynamo
 # first, as every trainer process does, so the order pytest runs the files in does not matter.
 try:
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 except ImportError:  # a control-only environment without torch
     pass
 

@@ -49,15 +49,6 @@ SCALED_EMBEDDINGS = {"gemma2", "gemma3", "gemma3_multimodal"}
 family_names = pytest.mark.parametrize("family", list(FAMILIES))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one intra-op thread is fastest, and two spin against each other on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return tokenizer_for_tests()
