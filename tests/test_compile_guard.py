@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import unittest
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,6 +96,17 @@ def test_compile_cache_env_and_gpu_isolation(tmp_path):
     assert isolate_local_gpu(1, environ={"CUDA_VISIBLE_DEVICES": "4,6"}) == "6"
     with pytest.raises(ValueError, match="lists 2"):
         isolate_local_gpu(2, environ={"CUDA_VISIBLE_DEVICES": "4,6"})
+
+
+def test_runs_share_one_compile_cache_per_user_unless_one_is_named(tmp_path, monkeypatch):
+    from dflash_trainer.compile_step import compile_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache_dir(None) == tmp_path / "xdg" / "dflash-trainer" / "compile-cache"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert compile_cache_dir(None) == tmp_path / "home" / ".cache" / "dflash-trainer" / "compile-cache"
+    assert compile_cache_dir("/srv/cache") == Path("/srv/cache")
 
 
 def _rank_worker(cache_dir: str, queue) -> None:

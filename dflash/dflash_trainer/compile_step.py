@@ -31,6 +31,14 @@ def check_dense_fits(cfg: RunConfig, drafter: DFlashDrafter, device: torch.devic
                           "Train with attention = 'flex' on a GPU.")
 
 
+def compile_cache_dir(setting: str | None) -> Path:
+    """Where compiled kernels are kept: train.compile_cache_dir, else one directory per user that every run
+    shares (torch's own default is per boot, under /tmp), so only the first run of a shape compiles cold."""
+    if setting:
+        return Path(setting)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-trainer" / "compile-cache"
+
+
 def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir: Path, log, label: str = "",
                          serialized: bool = True, target=None):
     """The serialized compile step: compile the drafter step for every context bucket (forward +

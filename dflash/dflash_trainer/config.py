@@ -148,7 +148,7 @@ class TrainConfig:
     log_every: Annotated[int, STEPS] = 10  # steps between progress lines and metrics
     checkpoint_every: Annotated[int, Rule(ge=0, le=MAX_STEPS)] = 500  # steps; 0: none (the final drafter is always saved)
     keep_last: Annotated[int, Rule(ge=1, le=10_000)] = 3  # checkpoints kept; older ones are removed
-    compile_cache_dir: Annotated[str | None, PATH] = None  # compile cache shared by runs; None: in output_dir
+    compile_cache_dir: Annotated[str | None, PATH] = None  # compile cache; None: ~/.cache/dflash-trainer/compile-cache, shared by all runs
     wandb_project: str | None = None  # W&B logging when wandb is installed (or set WANDB_PROJECT)
 
 

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from . import parallel
 from .compile_guard import leave_run_phase
-from .compile_step import compile_target_step
+from .compile_step import compile_cache_dir, compile_target_step
 from .config import ConfigError, RunConfig
 from .evaluate import evaluate_saved
 from .features import write_meta, write_shard
@@ -51,7 +51,7 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
     target = _load_group_target(cfg, ctx, layer_ids, target_files.config)
     stream, eval_stream, prompts = load_data(cfg, tokenizer)
     compile_target_step(target, cfg.data.context_buckets, cfg.train.micro_batch,
-                        Path(cfg.train.compile_cache_dir or Path(cfg.output_dir) / "compile-cache"), console.print,
+                        compile_cache_dir(cfg.train.compile_cache_dir), console.print,
                         label=ctx.label)
     batches_per_step = cfg.train.grad_accum * ctx.num_drafters
     num_batches = cfg.train.steps * batches_per_step

@@ -35,7 +35,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     from . import checkpoint as ckpt
     from . import cli_args, parallel, run_dir, storage
     from .compile_guard import CompileReport, leave_run_phase, prefetch_triton_key
-    from .compile_step import check_dense_fits, compile_drafter_step
+    from .compile_step import check_dense_fits, compile_cache_dir, compile_drafter_step
     from .config import RunConfig, check_init_from, load_config
     from .data import MicroBatches, load_rows, tokenize_dataset
     from .evaluate import evaluate, evaluate_before, evaluate_saved, record_eval_prompts
@@ -215,7 +215,7 @@ def compile_or_check(run: DrafterRun) -> tuple[CompileReport | None, float]:
     if run.step.backend != "flex":
         check_dense_fits(run.cfg, run.drafter, run.ctx.device)
         return None, 0.0
-    cache = Path(run.cfg.train.compile_cache_dir or run.out / "compile-cache")
+    cache = compile_cache_dir(run.cfg.train.compile_cache_dir)
     t0 = time.perf_counter()
     report = compile_drafter_step(run.step, run.cfg.data.context_buckets, run.cfg.train.micro_batch, cache,
                                   console.print, label=run.ctx.label, serialized=run.shard.serial_compile,
