@@ -293,6 +293,7 @@ def load_sharded_target(cfg, layer_ids: list[int], device: torch.device, group, 
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()
     mesh = tp_mesh(group, device)
+    check_tp_shape(config, mesh.size(), cfg.target.path)  # again here: the embedded target is built after the start
     model, sharded = None, 0
     for turn in range(mesh.size()):
         if turn == mesh.get_local_rank():
