@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import platform
 import re
 import shutil
@@ -70,11 +69,10 @@ def stamp_text(project: Path, python: tuple[int, int], torch_build: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(cmd: list, what: str, env: dict | None = None) -> str:
+def run(cmd: list, what: str) -> str:
     """Run a step, echo it, return its stdout; on failure raise with the tail of its stderr."""
     print("+ " + " ".join(str(c) for c in cmd), flush=True)
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
         raise DevEnvError(f"{what} failed (exit {proc.returncode}):\n{tail}")
@@ -107,7 +105,7 @@ def bootstrap_uv(venv: Path, python: str, project: Path, wheels: Path | None) ->
     uv = venv / "bin" / "uv"
     if not (venv / "bin" / "python").exists():
         run([python, "-m", "venv", venv], f"creating the venv {venv}")
-    if uv.exists() and run([uv, "--version"], "uv --version").split()[1] == uv_requirement(project).split()[0][4:]:
+    if uv.exists() and run([uv, "--version"], "uv --version").split()[1] == locked_package(project, "uv")["version"]:
         return uv
     with tempfile.TemporaryDirectory() as tmp:
         pins = Path(tmp) / "uv.txt"
@@ -246,7 +244,15 @@ def install(args: argparse.Namespace) -> int:
 
 def refresh(args: argparse.Namespace) -> int:
     """Re-resolve uv.lock (keeping locked versions that still fit) and z-lab's pin; needs PyPI."""
-    uv = bootstrap_uv(args.venv, args.python, ROOT, None)  # the lock's own uv, even while the lock is stale
+    if (ROOT / "uv.lock").is_file():
+        uv = bootstrap_uv(args.venv, args.python, ROOT, None)  # the lock's own uv, even while the lock is stale
+    else:
+        required = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["uv"]["required-version"]
+        found = shutil.which("uv")
+        if not found:
+            raise DevEnvError(f"no uv.lock to take uv from and no uv on PATH: `pip install 'uv{required}'`, then "
+                              "run `make dev-lock` again")
+        uv = Path(found)
     run([uv, "lock", "--project", ROOT, *(["--upgrade"] if args.upgrade else [])], "uv lock (needs PyPI)")
     zlab = ROOT / ZLAB_PINS
     pins = [line for line in zlab.read_text().splitlines() if re.match(r"^[A-Za-z0-9]", line)]
