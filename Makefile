@@ -91,7 +91,7 @@ config-doc: venv ## regenerate the run config's settings reference (docs/setting
 clean: ## remove build outputs and runs (keeps the venv)
 	rm -rf build dist *.egg-info runs .pytest_cache
 
--include devenv.mk
+-include image/devenv.mk
 -include image/image.mk
 -include ansible/ansible.mk
 -include tests/testhost.mk
