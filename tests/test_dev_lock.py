@@ -11,6 +11,7 @@ import hashlib
 import subprocess
 import sys
 import tomllib
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -231,3 +232,13 @@ def test_drift_offline_reports_the_moved_package_and_what_broke(locked_project, 
     rc, out = run_drift(project, wheels, capsys)
     assert rc == 1
     assert "tinydep 1.0 -> 1.1" in out and "FAIL with the newest allowed versions" in out
+
+
+def test_a_deprecation_warning_from_our_code_fails_the_test_and_a_library_one_does_not():
+    with pytest.raises(DeprecationWarning):
+        warnings.warn_explicit("old call", DeprecationWarning, "model.py", 1, module="dflash_trainer.model")
+    with pytest.raises(DeprecationWarning):
+        warnings.warn_explicit("old call", DeprecationWarning, "pve_lxc.py", 1,
+                               module="ansible_collections.dflash.proxmox.plugins.modules.pve_lxc")
+    with pytest.warns(DeprecationWarning):
+        warnings.warn_explicit("old call", DeprecationWarning, "utils.py", 1, module="transformers.utils")
