@@ -431,3 +431,16 @@ def test_fast_loops_give_the_reference_loops_tokens_and_acceptance_lengths(model
     assert [r.tokens for r in fast] == [r.tokens for r in reference]
     assert [r.accept_lengths for r in fast] == [r.accept_lengths for r in reference]
     assert sum(packs) > 0
+
+
+def test_bench_prints_the_step_times_and_refuses_a_large_shape_on_a_cpu(capsys):
+    assert main(["--bench", "--preset", "tiny", "--batch-size", "2", "--max-new-tokens", "6", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert [r["batch_size"] for r in report["results"]] == [1, 2]
+    for r in report["results"]:
+        assert r["outputs_equal"] == r["prompts"]  # speculative decoding reproduced target-only decoding
+        assert r["target_only_tokens_per_s"] > 0 and r["verify_step_ms"] > 0 and 1 <= r["tau"] <= 8
+    assert "verify step ms" in out and "reference loops" in out
+    assert main(["--bench", "--device", "cpu"]) == 2
+    assert "--preset qwen3-8b needs a CUDA GPU" in capsys.readouterr().err

@@ -480,7 +480,7 @@ def evaluate(p: Plan) -> tuple[dict, list[dict]]:
         "target_quantization": p.target_quantization, "target_attention": target.attention,
         "block_size": drafter.block_size, "max_new_tokens": p.max_new_tokens, "limit": p.limit, "temperature": 0.0,
         "stop_token_ids": sorted(stop), "torch": torch.__version__, "batch_size": p.batch_size,
-        "decoding": "static cache, CUDA graphs" if p.device.type == "cuda" else "static cache, eager",
+        "decoding": loops.describe(),
     }
     return build_report(meta, results, drafter.block_size), requests
 

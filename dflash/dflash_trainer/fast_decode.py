@@ -406,6 +406,13 @@ class FastDecoding:
             self.setup_s += time.perf_counter() - started
         return self._decoders[speculative][1]
 
+    def describe(self) -> str:
+        """How the steps ran, for the report: replayed CUDA graphs, or eagerly on the static cache."""
+        steps = [step for _, d in self._decoders.values() for step in (d.spec_step, d.greedy_step) if step is not None]
+        if steps and all(step.graph is not None for step in steps):
+            return f"static cache, CUDA graphs, batch {self.batch_size}"
+        return f"static cache, eager steps, batch {self.batch_size}"
+
     def batches(self, prompts: list[list[int]]) -> Iterable[list[list[int]]]:
         for start in range(0, len(prompts), self.batch_size):
             yield prompts[start : start + self.batch_size]
