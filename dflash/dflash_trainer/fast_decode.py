@@ -229,8 +229,9 @@ class StaticDecoder:
         self.written = 0  # the host's copy of the write pointer
         self.packs = 0  # times the valid slots were packed to the front (_make_room)
         self._warm_cache()
+        # A decoder serves one kind of decoding: only its step is recorded.
         self.spec_step = Graphed(self._spec_step, self.device, log) if drafter is not None else None
-        self.greedy_step = Graphed(self._greedy_step, self.device, log)
+        self.greedy_step = Graphed(self._greedy_step, self.device, log) if drafter is None else None
 
     # ---- device steps (fixed shapes, no host reads) ---------------------------------------------
     def _forward(self, ids, positions, hidden: bool, **extra):
