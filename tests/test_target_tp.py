@@ -227,6 +227,40 @@ def test_a_tp2_group_computes_the_features_of_one_rank(tmp_path):
     assert fp8["fp8 group vs bf16"] < 1.5 * fp8["fp8 one rank vs bf16"], fp8
 
 
+def _compiled_worker(rank: int, world: int, init_file: str, results: str):
+    import torch.distributed as dist
+    from dflash_trainer.target import FrozenTarget
+    from dflash_trainer.target_tp import shard_target, tp_mesh
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    ids = torch.randint(TINY["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    whole = FrozenTarget(model, [0, 2]).features(ids)
+    shard_target(model, tp_mesh(dist.new_group([0, 1]), torch.device("cpu")))
+    target = FrozenTarget(model, [0, 2], compile_layers=True)
+    for _ in range(2):
+        split = target.features(ids)
+    if rank == 0:
+        with open(results, "w") as f:
+            json.dump({"error": (split - whole).abs().max().item(), "graphs": counters["stats"]["unique_graphs"]}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_tp2_groups_compiled_layers_keep_the_all_reduce_and_share_one_graph(tmp_path):
+    """The compiled tapped forward (GPUs) runs the layers with transformers' hooks suspended: tensor
+    parallelism's output hooks (the row-wise all-reduce) must stay, and every layer reuses the one graph."""
+    import torch.multiprocessing as mp
+
+    results = tmp_path / "compiled.json"
+    mp.spawn(_compiled_worker, args=(2, tempfile.mktemp(dir=tmp_path), str(results)), nprocs=2)
+    got = json.loads(results.read_text())
+    assert got["error"] < 1e-5 and got["graphs"] == 1, got
+
+
 @pytest.fixture(scope="module")
 def one_target_one_drafter(tiny_target, tmp_path_factory):
     out = tmp_path_factory.mktemp("t1d1") / "run"

@@ -80,10 +80,12 @@ def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir
     return compile_variants(probe, list(buckets), lock, log=log, label=label, share="drafter")
 
 
-def compile_target_step(target, buckets, micro_batch: int, cache_dir: Path, log, label: str = ""):
+def compile_target_step(target, buckets, micro_batch: int, cache_dir: Path, log, label: str = "",
+                        serialized: bool = True):
     """A target rank's compile step: its compiled feature forward for every context bucket, through the
     same lock and cache as the drafter ranks' (no-op where the target runs eagerly: not on a GPU, or a
-    backbone without the tapped forward)."""
+    backbone without the tapped forward). serialized=False: no lock, for a tensor-parallel target group,
+    whose forward needs every rank of the group."""
     from .compile_guard import compile_cache_env, compile_variants
 
     if not target.compile_layers:
@@ -95,5 +97,5 @@ def compile_target_step(target, buckets, micro_batch: int, cache_dir: Path, log,
     def probe(ctx_len: int) -> None:
         target.features(torch.randint(vocab, (micro_batch, ctx_len), device=device))
 
-    return compile_variants(probe, list(buckets), Path(cache_dir) / "compile.lock", log=log, label=label,
-                            share="target")
+    lock = Path(cache_dir) / "compile.lock" if serialized else None
+    return compile_variants(probe, list(buckets), lock, log=log, label=label, share="target")

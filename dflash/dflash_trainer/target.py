@@ -39,15 +39,21 @@ def call_target_layer(layer, hidden, position_embeddings, position_ids):
     return out[0] if isinstance(out, tuple) else out
 
 
+def _tensor_parallel_hook(hook) -> bool:
+    """A hook torch's tensor parallelism installed (target_tp.py): a sharded projection's output conversion,
+    the row-wise all-reduce among them. Part of the forward, and traceable."""
+    return getattr(getattr(hook, "func", hook), "__module__", "").startswith("torch.distributed")
+
+
 @contextmanager
 def hooks_suspended(module: nn.Module):
-    """Run `module` without its forward hooks. transformers installs output-capturing hooks on a model's
-    submodules at its first forward; outside a capturing forward they do nothing, but they read a
-    ContextVar, which torch.compile cannot trace. Suspended on every compiled call alike, so the
-    compiled graph's guards always see the same (empty) hooks."""
+    """Run `module` without its forward hooks, but tensor parallelism's. transformers installs
+    output-capturing hooks on a model's submodules at its first forward; outside a capturing forward they
+    do nothing, but they read a ContextVar, which torch.compile cannot trace. Suspended on every compiled
+    call alike, so the compiled graph's guards always see the same hooks."""
     saved = [(m, m._forward_hooks) for m in module.modules() if m._forward_hooks]
-    for m, _ in saved:
-        m._forward_hooks = OrderedDict()
+    for m, hooks in saved:
+        m._forward_hooks = OrderedDict((k, h) for k, h in hooks.items() if _tensor_parallel_hook(h))
     try:
         yield
     finally:

@@ -52,7 +52,7 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
     stream, eval_stream, prompts = load_data(cfg, tokenizer)
     compile_target_step(target, cfg.data.context_buckets, cfg.train.micro_batch,
                         compile_cache_dir(cfg.train.compile_cache_dir), console.print,
-                        label=ctx.label)
+                        label=ctx.label, serialized=ctx.target_tp == 1)
     batches_per_step = cfg.train.grad_accum * ctx.num_drafters
     num_batches = cfg.train.steps * batches_per_step
     first_batch = start_step * batches_per_step

@@ -306,9 +306,7 @@ def load_sharded_target(cfg, layer_ids: list[int], device: torch.device, group, 
         check_fp8_device(device)
         check_not_prequantized(model.config, "the target")
     fp8_shards = quantize_shards(model) if fp8 else 0
-    # The compiled layer runs with the layers' forward hooks suspended, and tensor parallelism's all-reduce
-    # is one of them: the group's layers run eagerly.
-    target = FrozenTarget(model, layer_ids, compile_layers=False, quantization=cfg.target.quantization)
+    target = FrozenTarget(model, layer_ids, quantization=cfg.target.quantization)
     if mesh.get_local_rank() == 0:  # one line per group
         console.print(f"target: {target.describe()}; {sharded} projections of its decoder layers split across a "
                       f"group of {mesh.size()} (parallel.target_tp)"
