@@ -138,8 +138,9 @@ def _unreadable(name: str, builder: str, exc: BaseException) -> DataError:
 
 
 def _load_one_format(files: list[str], builder: str, split: str):
-    import datasets
     from glob import escape
+
+    import datasets
 
     # datasets reads data_files as patterns: the already expanded names go in escaped, so a file named
     # mt[bench].jsonl is that file, not a character class.
