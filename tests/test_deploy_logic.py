@@ -193,19 +193,27 @@ def test_systemd_unit_passes_systemd_analyze(rendered):
         assert check.returncode == 0 and str(unit) not in check.stdout + check.stderr, check.stderr  # no complaint
 
 
+# One ansible-playbook run per case (its start-up is most of the time): test-fast checks two rules, the slow
+# tests every rule.
 @pytest.mark.parametrize("bad, named", [
     ({"training_run_target_path": ""}, "training_run_target_path must be set"),
-    ({"training_run_target_path": "x", "training_run_drafter_gpus": 0}, "training_run_drafter_gpus >= 1 (are 0, 0)"),
-    ({"training_run_target_path": "x", "training_run_regenerate_gpus": 0}, "training_run_regenerate_gpus must be >= 1"),
-    ({"training_run_target_path": "x", "training_run_target_gpus": -1}, "training_run_target_gpus must be >= 0"),
+    pytest.param({"training_run_target_path": "x", "training_run_drafter_gpus": 0},
+                 "training_run_drafter_gpus >= 1 (are 0, 0)", marks=pytest.mark.slow),
+    pytest.param({"training_run_target_path": "x", "training_run_regenerate_gpus": 0},
+                 "training_run_regenerate_gpus must be >= 1", marks=pytest.mark.slow),
+    pytest.param({"training_run_target_path": "x", "training_run_target_gpus": -1},
+                 "training_run_target_gpus must be >= 0", marks=pytest.mark.slow),
     ({"training_run_target_path": "x", "training_run_name": "../etc"}, "training_run_name must be letters"),
-    ({"training_run_target_path": "x", "training_run_output_dir": "runs/a"}, "must be absolute paths"),
+    pytest.param({"training_run_target_path": "x", "training_run_output_dir": "runs/a"}, "must be absolute paths",
+                 marks=pytest.mark.slow),
     # deploy installs the shared trainer wheel with uv: both must be files on the controller, checked first
-    ({"training_run_target_path": "x", "training_venv_trainer_wheel": "/nonexistent/dflash_trainer-0.1.0-py3-none-any.whl",
-      "training_venv_uv": sys.executable},  # a file: only the wheel is wrong
-     "training_venv_trainer_wheel names /nonexistent/dflash_trainer-0.1.0-py3-none-any.whl, which is not a file"),
-    ({"training_run_target_path": "x", "training_venv_trainer_wheel": str(REPO / "pyproject.toml")},
-     "training_venv_uv must name a uv binary on the controller"),
+    pytest.param({"training_run_target_path": "x",
+                  "training_venv_trainer_wheel": "/nonexistent/dflash_trainer-0.1.0-py3-none-any.whl",
+                  "training_venv_uv": sys.executable},  # a file: only the wheel is wrong
+                 "training_venv_trainer_wheel names /nonexistent/dflash_trainer-0.1.0-py3-none-any.whl, which is not a file",
+                 marks=pytest.mark.slow),
+    pytest.param({"training_run_target_path": "x", "training_venv_trainer_wheel": str(REPO / "pyproject.toml")},
+                 "training_venv_uv must name a uv binary on the controller", marks=pytest.mark.slow),
 ])
 def test_bad_variables_are_refused_before_rendering(tmp_path, bad, named):
     proc = render(tmp_path, **bad)

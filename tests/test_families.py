@@ -47,6 +47,11 @@ TAPPED = {"llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2"}
 EAGER = {"gemma2", "gpt_oss"}  # attention SDPA cannot express: soft-capped scores, attention sinks
 SCALED_EMBEDDINGS = {"gemma2", "gemma3", "gemma3_multimodal"}
 family_names = pytest.mark.parametrize("family", list(FAMILIES))
+# A drafter trained per family: test-fast trains Gemma 3's (sliding and full layers, the cache rolled back past
+# the window), the slow tests every other family's.
+SERVED_FAST = "gemma3"
+served_family_names = pytest.mark.parametrize(
+    "family", [f if f == SERVED_FAST else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +155,7 @@ def trained_drafter(target: FrozenTarget, tokenizer, prompts, out, steps: int = 
     return drafter.save_pretrained(out)
 
 
-@family_names
+@served_family_names
 def test_a_trained_drafter_serves_in_dflash_eval_as_in_zlabs_loop(family, targets, tokenizer, tmp_path):
     """Prompts plus answers run past every sliding window: the verify steps are rolled back on sliding,
     hybrid and full-attention layers alike, and both loops give the target's own greedy tokens."""

@@ -43,8 +43,11 @@ def test_a_collector_that_was_off_stays_off_and_an_error_still_restores():
     assert gc.isenabled()
 
 
-@pytest.mark.parametrize("entry_point", ["dflash_trainer.train", "dflash_trainer.eval_cli",
-                                         "dflash_trainer.regenerate.cli"])
+# A Python that imports torch and transformers per entry point: test-fast checks the trainer's, the slow
+# tests the other two.
+@pytest.mark.parametrize("entry_point", ["dflash_trainer.train",
+                                         pytest.param("dflash_trainer.eval_cli", marks=pytest.mark.slow),
+                                         pytest.param("dflash_trainer.regenerate.cli", marks=pytest.mark.slow)])
 def test_each_entry_point_imports_with_the_collector_paused_and_leaves_it_on(entry_point):
     code = (f"import gc, {entry_point}; "
             "print(gc.isenabled(), gc.get_freeze_count() > 100_000)")  # torch + transformers: ~10^5-10^6 objects
