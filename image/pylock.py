@@ -89,7 +89,8 @@ def for_environment(packages: list[LockedPackage], env: dict[str, str] | None = 
         try:
             if not p.marker or Marker(p.marker).evaluate(env, context="lock_file"):
                 out.append(p)
-        except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName) as exc:
+        # KeyError: packaging < 26.4 evaluates a lock marker naming `extra` without one in the environment.
+        except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName, KeyError) as exc:
             raise LockError(f"{p.name}: its marker {p.marker!r} is not a valid lock marker (PEP 508/751: {exc!r}): "
                             "re-export the lock with `make lock`") from exc
     return out
