@@ -68,12 +68,17 @@ def scratch_venv(uv: Path, venv: Path, python: str, requirements: Path, sources:
 
 
 def run_tests(command: str, venv: Path, cwd: Path) -> tuple[int, list[str]]:
-    """Run the test command ({python} is the scratch venv's interpreter); its exit code and failing tests."""
-    print(f"+ {command.format(python=venv / 'bin' / 'python')}", flush=True)
-    proc = subprocess.run(command.format(python=venv / "bin" / "python"), shell=True, cwd=cwd, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
-    sys.stdout.write(proc.stdout)
-    failures = [line for line in proc.stdout.splitlines() if FAILED_LINE.match(line)]
+    """Run the test command ({python} is the scratch venv's interpreter), its output streamed; its exit code and
+    failing tests."""
+    shell_command = command.format(python=venv / "bin" / "python")
+    print(f"+ {shell_command}", flush=True)
+    failures = []
+    with subprocess.Popen(shell_command, shell=True, cwd=cwd, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT) as proc:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            if FAILED_LINE.match(line):
+                failures.append(line.rstrip())
     return proc.returncode, failures
 
 
