@@ -21,8 +21,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11: say so before anything else fails
+    sys.exit(f"error: {sys.executable} is Python {sys.version.split()[0]}; the development venv needs 3.11-3.13: "
+             "pass PYTHON=python3.12 (say)")
 
 ROOT = Path(__file__).resolve().parent.parent
 ZLAB_PINS = "requirements-zlab.txt"  # z-lab's dflash, installed without its own (exact, foreign) pins
