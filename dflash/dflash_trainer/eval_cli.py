@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -464,8 +463,6 @@ def _record(p: Plan, result: SetResult, requests: list[dict], set_name: str, rid
 def evaluate(p: Plan) -> tuple[dict, list[dict]]:
     drafter, target = load_models(p)
     stop = stop_token_ids(target.model, p.tokenizer)
-    # transformers 5.2x renames past_key_values to cache with a FutureWarning; both work.
-    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
     loops = FastDecoding(target, drafter, p.batch_size, log=lambda line: console.print(line, markup=False))
     if p.device.type == "cuda":  # kernels, allocator and cuBLAS handles warm before anything is timed
         first = p.sets[0].prompts[: p.batch_size]

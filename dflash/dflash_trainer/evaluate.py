@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -30,8 +29,6 @@ def evaluate_tau(drafter, target, prompts: list[list[int]], max_new_tokens: int,
     and acceptance lengths of speculative.py's reference loop, at the speed dflash-eval and serving run."""
     was_training = drafter.training
     drafter.eval()
-    # transformers 5.2x renames past_key_values to cache with a FutureWarning; both work.
-    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
     stats = AcceptanceStats(drafter.block_size)
     loops = FastDecoding(target, drafter, batch_size, log=lambda line: console.print(line, markup=False))
     for prompt, r in zip(prompts, loops.speculative(prompts, max_new_tokens, stop_ids), strict=True):

@@ -17,7 +17,6 @@ When the slots run out the valid ones are packed to the front (rare: see `cache_
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Iterable
 
@@ -28,7 +27,7 @@ from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
 from .model import DFlashDrafter, text_config
 from .regenerate.engine_hf import bucket
-from .speculative import SpecResult
+from .speculative import SpecResult, cache_argument
 from .target import FrozenTarget
 
 INVALID = -1  # slot_pos of a slot that holds no token a query may see
@@ -186,11 +185,6 @@ def cache_length(prompt_width: int, max_new_tokens: int, block: int, batch: int)
     """Slots per row: the prompt, the answer and two blocks; at batch > 1 half an answer more for the holes
     rows that accept less leave (packed away when they fill it). Rounded up to a few shapes (few graphs)."""
     return bucket(prompt_width + max_new_tokens + 2 * block + (max_new_tokens // 2 if batch > 1 else 0))
-
-
-def cache_argument(model) -> str:
-    """transformers >= 5.2x calls the cache argument `cache`; earlier 5.x `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _cut(new: list[int], stop_ids: set[int], room: int) -> tuple[list[int], bool]:

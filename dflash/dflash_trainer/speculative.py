@@ -11,6 +11,7 @@ its fused context (fc + hidden_norm, computed once per token) and recomputes the
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,12 @@ class SpecResult:
     tokens: list[int]  # the prompt, then the generated tokens
     accept_lengths: list[int] = field(default_factory=list)  # tokens added by each verify step
 
+
+
+def cache_argument(model) -> str:
+    """transformers >= 5.2x calls the cache argument `cache` (`past_key_values` warns, and goes in 5.40);
+    earlier 5.x `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 def stop_token_ids(model, tokenizer, stop_tokens: list[str] | None = None) -> list[int]:
     """The tokens that end an answer, in order: `stop_tokens` (--stop-token) when given, else the target's
@@ -79,7 +86,7 @@ def _prefill(model, prompt_ids: list[int], device, hidden: bool):
     if not prompt_ids:
         raise ValueError("empty prompt: a prompt needs at least one token")
     cache = _new_cache(model, rollback=hidden)
-    out = model(torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True,
+    out = model(torch.tensor([prompt_ids], device=device), **{cache_argument(model): cache}, use_cache=True,
                 output_hidden_states=hidden, logits_to_keep=1)
     return cache, out
 
@@ -111,7 +118,7 @@ def speculative_generate(
         pos = torch.arange(start + size, device=device).unsqueeze(0)
         hidden = drafter(None, F.embedding(draft, embed).to(dtype), pos, attention, context=context)
         draft[0, 1:] = drafter.logits(hidden[0, 1:].to(head.dtype), head).argmax(-1)
-        out = model(draft, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = model(draft, **{cache_argument(model): cache}, use_cache=True, output_hidden_states=True)
         posterior = out.logits[0].argmax(-1)
         accepted = int((draft[0, 1:] == posterior[:-1]).cumprod(0).sum())
         new = draft[0, 1 : accepted + 1].tolist() + [int(posterior[accepted])]
@@ -137,7 +144,7 @@ def greedy_generate(target: FrozenTarget, prompt_ids: list[int], max_new_tokens:
     seq = list(prompt_ids) + [int(out.logits[0, -1].argmax())]
     limit = len(prompt_ids) + max_new_tokens
     while len(seq) < limit and seq[-1] not in stop_ids:
-        out = model(torch.tensor([[seq[-1]]], device=device), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor([[seq[-1]]], device=device), **{cache_argument(model): cache}, use_cache=True)
         seq.append(int(out.logits[0, -1].argmax()))
     return seq
 
