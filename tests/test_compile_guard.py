@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 import unittest
-from pathlib import Path
 
 import pytest
 import torch
@@ -100,13 +99,17 @@ def test_compile_cache_env_and_gpu_isolation(tmp_path):
 
 def test_runs_share_one_compile_cache_per_user_unless_one_is_named(tmp_path, monkeypatch):
     from dflash_trainer.compile_step import compile_cache_dir
+    from dflash_trainer.config import ConfigError
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compile_cache_dir(None) == tmp_path / "xdg" / "dflash-trainer" / "compile-cache"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert compile_cache_dir(None) == tmp_path / "home" / ".cache" / "dflash-trainer" / "compile-cache"
-    assert compile_cache_dir("/srv/cache") == Path("/srv/cache")
+    assert compile_cache_dir(str(tmp_path / "mine")) == tmp_path / "mine"
+    (tmp_path / "file").write_text("")  # a file where the cache's directory would go: the setting named
+    with pytest.raises(ConfigError, match="cannot be created .*set train.compile_cache_dir to a writable"):
+        compile_cache_dir(str(tmp_path / "file" / "cache"))
 
 
 def _rank_worker(cache_dir: str, queue) -> None:

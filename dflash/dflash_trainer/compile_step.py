@@ -34,9 +34,14 @@ def check_dense_fits(cfg: RunConfig, drafter: DFlashDrafter, device: torch.devic
 def compile_cache_dir(setting: str | None) -> Path:
     """Where compiled kernels are kept: train.compile_cache_dir, else one directory per user that every run
     shares (torch's own default is per boot, under /tmp), so only the first run of a shape compiles cold."""
-    if setting:
-        return Path(setting)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-trainer" / "compile-cache"
+    path = Path(setting) if setting else \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-trainer" / "compile-cache"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only home under a service, a file in the way
+        raise ConfigError(f"the compile cache {path} cannot be created ({exc.strerror}): set "
+                          "train.compile_cache_dir to a writable directory") from exc
+    return path
 
 
 def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir: Path, log, label: str = "",
