@@ -34,6 +34,11 @@ HOTPLUG = {"description", "onboot", "startup", "protection", "hostname", "hooksc
 # update_pct_config: 'unprivileged' cannot change after creation, these three cannot be deleted.
 READ_ONLY = {"unprivileged"}
 REQUIRED = {"memory", "rootfs", "ostype"}
+# Keys numbered from 0: mount points, network interfaces, device passthroughs.
+MP_KEY, NET_KEY, DEV_KEY = re.compile(r"mp\d+"), re.compile(r"net\d+"), re.compile(r"dev\d+")
+# The environment pct exec and the API's exec give a command inside a CT.
+ATTACH_ENV = ["--clear-env", "--set-var", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+              "--set-var", "HOME=/root"]
 
 
 # pve-storage: Plugin.pm parse_volume_id, parse_volname; Storage.pm $VZTMPL_EXT_RE_1, $ISO_EXT_RE_0
@@ -92,6 +97,11 @@ def process_uptime(pid: int) -> int:
     return max(0, int(uptime - started / os.sysconf("SC_CLK_TCK")))
 
 
+def indexed_keys(values: dict, pattern: re.Pattern) -> list[str]:
+    """The keys of values that pattern matches (net0, net1 ...), in their numeric order."""
+    return sorted((k for k in values if pattern.fullmatch(k)), key=lambda k: int(re.sub(r"\D", "", k)))
+
+
 def cgroup_layout() -> str:
     """'unified' on a pure cgroup v2 host (like PVE 8/9), else 'legacy' (devices controller in v1)."""
     return "unified" if Path("/sys/fs/cgroup/cgroup.controllers").exists() else "legacy"
@@ -116,6 +126,69 @@ def default_paths() -> NodePaths:
     # dir itself may sit below a 0700 directory such as pytest's tmp).
     procfs = lxcpath / ".procfs"
     return NodePaths(lxcpath=lxcpath, procfs=procfs if (procfs / "devices").exists() else None)
+
+
+def check_changeable(new: dict[str, str], delete: list[str]) -> None:
+    """update_pct_config: required keys cannot go, read-only ones cannot change."""
+    for key in delete:
+        if key in REQUIRED:
+            raise PveError(f"unable to delete required option '{key}'")
+        if key in READ_ONLY:
+            raise PveError(f"unable to delete read-only option: '{key}'")
+    for key in new:
+        if key in READ_ONLY:
+            raise PveError(f"unable to modify read-only option: '{key}'")
+
+
+def set_value(conf: pveconf.CtConfig, key: str, value: str, running: bool) -> None:
+    """A running CT takes the hot-pluggable keys at once; the others wait in [pve:pending] for a start."""
+    if key == "description":
+        conf.description = value  # a comment block, fast-plugged
+    elif running and key not in HOTPLUG:
+        conf.pending[key] = value
+    else:
+        conf.values[key] = value
+
+
+def delete_value(conf: pveconf.CtConfig, key: str, running: bool) -> None:
+    if key == "description":
+        conf.description = ""
+    elif running and key not in HOTPLUG:
+        if key not in conf.pending_delete:
+            conf.pending_delete.append(key)
+    else:
+        conf.values.pop(key, None)
+        conf.pending.pop(key, None)
+
+
+def net_lines(v: dict[str, str]) -> list[str]:
+    """net[n]: veth pairs in the order of their numbers (the host side gets LXC's random vethXXXXXX name)."""
+    nets = indexed_keys(v, NET_KEY)
+    lines = []
+    for i, key in enumerate(nets):
+        net = schema.parse_config_value(key, v[key])
+        if net.get("bridge") and net["bridge"] not in BRIDGES:
+            raise PveError(f"bridge '{net['bridge']}' does not exist")
+        lines += [f"lxc.net.{i}.type = veth", f"lxc.net.{i}.name = {net['name']}",
+                  f"lxc.net.{i}.hwaddr = {net['hwaddr']}"]
+        if not net.get("link_down"):
+            lines.append(f"lxc.net.{i}.flags = up")
+    return lines or ["lxc.net.0.type = empty"]
+
+
+def raw_lxc_lines(conf: pveconf.CtConfig, layout: str, log) -> list[str]:
+    """Raw lines from /etc/pve/lxc/<vmid>.conf take effect as written (PVE appends them last)."""
+    lines = []
+    for key, value in conf.lxc:
+        if key.startswith("lxc.cgroup."):
+            log(f"WARN: '{key}' is a cgroup v1 key and has no effect on this (cgroup v2) node; "
+                f"use 'lxc.cgroup2.{key[len('lxc.cgroup.'):]}'")
+            continue
+        if key.startswith("lxc.cgroup2.") and layout == "legacy" and key.startswith("lxc.cgroup2.devices."):
+            # This machine keeps the devices controller in cgroup v1; the rule means the same there.
+            key = "lxc.cgroup." + key[len("lxc.cgroup2."):]
+        lines.append(f"{key} = {value}")
+    return lines
 
 
 class Node:
@@ -220,25 +293,31 @@ class Node:
             return
         items = [(k, v, False) for k, v in new.items()] + [(k, None, True) for k in delete]
         for key, value, is_delete in items:
-            if (key == "rootfs" or re.fullmatch(r"mp\d+", key)) and not is_delete:
+            if (key == "rootfs" or MP_KEY.fullmatch(key)) and not is_delete:
                 mtype = schema.mountpoint_type(schema.parse_config_value(key, value).get("volume", ""))
                 if mtype != "volume":
                     raise PermError(f"mount point type {mtype} is only allowed for root@pam")
-            elif re.fullmatch(r"dev\d+", key):
+            elif DEV_KEY.fullmatch(key):
                 raise PermError("configuring device passthrough is only allowed for root@pam")
             elif key == "hookscript":
                 raise PermError("changing the hookscript is only allowed for root@pam")
             elif key == "features":
-                if not unprivileged:
-                    raise PermError("changing feature flags for privileged container is only allowed for root@pam")
-                oldf = schema.parse_config_value("features", old.values["features"]) \
-                    if old is not None and old.values.get("features") else {}
-                newf = {} if is_delete else schema.parse_config_value("features", value)
-                changed = {k for k in set(oldf) | set(newf) if str(oldf.get(k, "")) != str(newf.get(k, ""))}
-                if is_delete:
-                    changed = set(oldf)
-                if changed - {"nesting"}:
-                    raise PermError("changing feature flags (except nesting) is only allowed for root@pam")
+                Node.check_features_perm(old, value, is_delete, unprivileged)
+
+    @staticmethod
+    def check_features_perm(old: pveconf.CtConfig | None, value: str | None, is_delete: bool,
+                            unprivileged: bool) -> None:
+        """A user other than root@pam may only switch nesting, and only on an unprivileged CT."""
+        if not unprivileged:
+            raise PermError("changing feature flags for privileged container is only allowed for root@pam")
+        oldf = schema.parse_config_value("features", old.values["features"]) \
+            if old is not None and old.values.get("features") else {}
+        newf = {} if is_delete else schema.parse_config_value("features", value)
+        changed = {k for k in set(oldf) | set(newf) if str(oldf.get(k, "")) != str(newf.get(k, ""))}
+        if is_delete:
+            changed = set(oldf)
+        if changed - {"nesting"}:
+            raise PermError("changing feature flags (except nesting) is only allowed for root@pam")
 
     # --- create --------------------------------------------------------------------------------------
     def create(self, vmid: int, params: dict, user: str, log) -> None:
@@ -247,6 +326,19 @@ class Node:
         Errors come without PVE's "unable to create CT <vmid> - " prefix; the API's task adds it.
         """
         unpriv = bool(int(params.get("unprivileged", 1)))
+        conf = self.initial_config(vmid, params, unpriv)
+        rootfs = self.volume_path(schema.parse_config_value("rootfs", conf.values["rootfs"])["volume"])
+        base = UNPRIV_MAP[0] if unpriv else 0
+        os.chown(rootfs, base, base)
+        self.unpack_template(vmid, params, rootfs, unpriv, log)
+        ostype = self.detect_ostype(rootfs)
+        log(f"Detected OS distribution as '{ostype}'")
+        conf.values.setdefault("ostype", ostype)
+        self.setup_guest(rootfs, conf, params, base)
+        pveconf.write(self.paths.conf(vmid), conf)
+
+    def initial_config(self, vmid: int, params: dict, unpriv: bool) -> pveconf.CtConfig:
+        """The config create_vm writes: the given keys over the defaults, volumes allocated, nets completed."""
         values: dict[str, str] = dict(CREATE_DEFAULTS)
         skip = {"node", "vmid", "ostemplate", "password", "ssh-public-keys", "storage", "start", "force",
                 "restore", "unique", "ignore-unpack-errors", "bwlimit", "pool", "ha-managed", "description",
@@ -261,16 +353,15 @@ class Node:
         storage = params.get("storage", self.storage_id)
         conf.values["rootfs"] = self.normalise_mountpoint(
             vmid, "rootfs", str(params.get("rootfs", f"{storage}:4")), 0)
-        for key in sorted(k for k in params if re.fullmatch(r"mp\d+", k)):
-            conf.values[key] = self.normalise_mountpoint(vmid, key, str(params[key]), self.next_disk_index(conf))
-        for key in [k for k in values if re.fullmatch(r"net\d+", k)]:
-            conf.values[key] = self.normalise_net(values[key])
-        for key in [k for k in values if re.fullmatch(r"dev\d+", k)]:
-            self.check_dev(values[key])
+        # PVE's order: mount points (as sorted strings), then network interfaces, then devices
+        keys = sorted(k for k in values if MP_KEY.fullmatch(k)) + [k for k in values if NET_KEY.fullmatch(k)] \
+            + [k for k in values if DEV_KEY.fullmatch(k)]
+        for key in keys:
+            conf.values[key] = self.normalise_value(vmid, conf, key, conf.values[key])
+        return conf
 
-        rootfs = self.volume_path(schema.parse_config_value("rootfs", conf.values["rootfs"])["volume"])
-        base = UNPRIV_MAP[0] if unpriv else 0
-        os.chown(rootfs, base, base)
+    def unpack_template(self, vmid: int, params: dict, rootfs: Path, unpriv: bool, log) -> None:
+        """Extract the ostemplate into rootfs (through the id map for an unprivileged CT)."""
         try:
             template = self.template_path(params["ostemplate"])
         except PveError as exc:
@@ -288,11 +379,6 @@ class Node:
         if res.returncode != 0 and not params.get("ignore-unpack-errors"):
             shutil.rmtree(self.paths.images(vmid), ignore_errors=True)
             raise PveError(f"command '{' '.join(cmd)}' failed: exit code {res.returncode}")
-        ostype = self.detect_ostype(rootfs)
-        log(f"Detected OS distribution as '{ostype}'")
-        conf.values.setdefault("ostype", ostype)
-        self.setup_guest(rootfs, conf, params, base)
-        pveconf.write(self.paths.conf(vmid), conf)
 
     @staticmethod
     def detect_ostype(rootfs: Path) -> str:
@@ -350,49 +436,38 @@ class Node:
             if digest and digest != conf.digest:
                 raise PveError("detected modified configuration - file changed by other user? Try again.")
             self.check_modify_perm(user, conf, new, delete, conf.values.get("unprivileged") == "1")
-            unset = [k for k in delete if k not in conf.values and k not in conf.pending
-                     and not (k == "description" and conf.description)]
-            for key in unset:  # PVE warns (to its log, not to the caller) and goes on
-                if log is not None:
-                    log(f"cannot delete '{key}' - not set in current configuration!")
-            delete = [k for k in delete if k not in unset]
-            for key in delete:
-                if key in REQUIRED:
-                    raise PveError(f"unable to delete required option '{key}'")
-                if key in READ_ONLY:
-                    raise PveError(f"unable to delete read-only option: '{key}'")
-            for key in new:
-                if key in READ_ONLY:
-                    raise PveError(f"unable to modify read-only option: '{key}'")
+            delete = self.deletable_keys(conf, delete, log)
+            check_changeable(new, delete)
             running = self.status(vmid) == "running"
             for key in revert:
                 conf.pending.pop(key, None)
                 if key in conf.pending_delete:
                     conf.pending_delete.remove(key)
             for key, value in new.items():
-                value = str(value)
-                if key == "rootfs" or re.fullmatch(r"mp\d+", key):
-                    value = self.normalise_mountpoint(vmid, key, value, self.next_disk_index(conf))
-                elif re.fullmatch(r"net\d+", key):
-                    value = self.normalise_net(value)
-                elif re.fullmatch(r"dev\d+", key):
-                    self.check_dev(value)
-                if key == "description":
-                    conf.description = value  # a comment block, fast-plugged
-                elif running and key not in HOTPLUG:
-                    conf.pending[key] = value
-                else:
-                    conf.values[key] = value
+                set_value(conf, key, self.normalise_value(vmid, conf, key, str(value)), running)
             for key in delete:
-                if key == "description":
-                    conf.description = ""
-                elif running and key not in HOTPLUG:
-                    if key not in conf.pending_delete:
-                        conf.pending_delete.append(key)
-                else:
-                    conf.values.pop(key, None)
-                    conf.pending.pop(key, None)
+                delete_value(conf, key, running)
             pveconf.write(self.paths.conf(vmid), conf)
+
+    @staticmethod
+    def deletable_keys(conf: pveconf.CtConfig, delete: list[str], log) -> list[str]:
+        """The keys of delete that are set; PVE warns of the others (to its log, not to the caller) and goes on."""
+        unset = [k for k in delete if k not in conf.values and k not in conf.pending
+                 and not (k == "description" and conf.description)]
+        for key in unset:
+            if log is not None:
+                log(f"cannot delete '{key}' - not set in current configuration!")
+        return [k for k in delete if k not in unset]
+
+    def normalise_value(self, vmid: int, conf: pveconf.CtConfig, key: str, value: str) -> str:
+        """A new config value as PVE stores it: volumes allocated, a net's hwaddr added, a device checked."""
+        if key == "rootfs" or MP_KEY.fullmatch(key):
+            return self.normalise_mountpoint(vmid, key, value, self.next_disk_index(conf))
+        if NET_KEY.fullmatch(key):
+            return self.normalise_net(value)
+        if DEV_KEY.fullmatch(key):
+            self.check_dev(value)
+        return value
 
     # --- the LXC side ----------------------------------------------------------------------------------
     def lxc_dir(self, vmid: int) -> Path:
@@ -415,9 +490,27 @@ class Node:
         base = UNPRIV_MAP[0] if unpriv else 0
         layout = cgroup_layout()
         cg = "lxc.cgroup2" if layout == "unified" else "lxc.cgroup"
+        lines = self.base_lines(vmid, v)
+        if not any(k == "lxc.idmap" for k, _ in conf.lxc) and unpriv:
+            lines += [f"lxc.idmap = u 0 {UNPRIV_MAP[0]} {UNPRIV_MAP[1]}",
+                      f"lxc.idmap = g 0 {UNPRIV_MAP[0]} {UNPRIV_MAP[1]}"]
+        mem = int(v.get("memory", 512)) * 1024 * 1024
+        lines.append(f"{cg}.memory.max = {mem}" if layout == "unified"
+                     else f"{cg}.memory.limit_in_bytes = {mem}")
+        lines += net_lines(v)
+        lines += self.mount_lines(v, base, log)
+        lines += self.device_lines(vmid, v, base, cg)
+        if self.paths.procfs is not None:
+            lines += [f"lxc.mount.entry = {self.paths.procfs / 'driver'} proc/driver none bind,optional 0 0",
+                      f"lxc.mount.entry = {self.paths.procfs / 'devices'} proc/devices none bind,optional 0 0"]
+        lines += raw_lxc_lines(conf, layout, log)
+        return "\n".join(lines) + "\n"
+
+    def base_lines(self, vmid: int, v: dict[str, str]) -> list[str]:
+        """The container's name, rootfs, mounts of proc/sys/cgroup, ttys and console."""
         rootfs = self.volume_path(schema.parse_config_value("rootfs", v["rootfs"])["volume"])
         features = schema.parse_config_value("features", v["features"]) if v.get("features") else {}
-        lines = [
+        return [
             f"# generated by the PVE test host from /etc/pve/lxc/{vmid}.conf",
             f"lxc.uts.name = {v.get('hostname', f'CT{vmid}')}",
             f"lxc.rootfs.path = dir:{rootfs}",
@@ -431,24 +524,11 @@ class Node:
             "lxc.apparmor.profile = unconfined",
             f"lxc.console.logfile = {self.lxc_dir(vmid) / 'console.log'}",
         ]
-        if not any(k == "lxc.idmap" for k, _ in conf.lxc) and unpriv:
-            lines += [f"lxc.idmap = u 0 {UNPRIV_MAP[0]} {UNPRIV_MAP[1]}",
-                      f"lxc.idmap = g 0 {UNPRIV_MAP[0]} {UNPRIV_MAP[1]}"]
-        mem = int(v.get("memory", 512)) * 1024 * 1024
-        lines.append(f"{cg}.memory.max = {mem}" if layout == "unified"
-                     else f"{cg}.memory.limit_in_bytes = {mem}")
-        nets = sorted((k for k in v if re.fullmatch(r"net\d+", k)), key=lambda k: int(k[3:]))
-        for i, key in enumerate(nets):
-            net = schema.parse_config_value(key, v[key])
-            if net.get("bridge") and net["bridge"] not in BRIDGES:
-                raise PveError(f"bridge '{net['bridge']}' does not exist")
-            lines += [f"lxc.net.{i}.type = veth", f"lxc.net.{i}.name = {net['name']}",
-                      f"lxc.net.{i}.hwaddr = {net['hwaddr']}"]  # host side: LXC's random vethXXXXXX
-            if not net.get("link_down"):
-                lines.append(f"lxc.net.{i}.flags = up")
-        if not nets:
-            lines.append("lxc.net.0.type = empty")
-        for key in sorted((k for k in v if re.fullmatch(r"mp\d+", k)), key=lambda k: int(k[2:])):
+
+    def mount_lines(self, v: dict[str, str], base: int, log) -> list[str]:
+        """mp[n]: volumes and host directories bind-mounted in (device mount points are left out)."""
+        lines = []
+        for key in indexed_keys(v, MP_KEY):
             mp = schema.parse_config_value(key, v[key])
             target = mp["mp"].lstrip("/")
             mtype = schema.mountpoint_type(mp["volume"])
@@ -462,10 +542,14 @@ class Node:
                 lines.append(f"lxc.mount.entry = {mp['volume']} {target} none {opts}rbind,create=dir 0 0")
             else:
                 log(f"WARN: device mount point {key} ({mp['volume']}) is not mounted by the test host")
-        # dev[n]: a private node with the requested owner and mode, bind-mounted in, plus a cgroup rule.
+        return lines
+
+    def device_lines(self, vmid: int, v: dict[str, str], base: int, cg: str) -> list[str]:
+        """dev[n]: a private node with the requested owner and mode, bind-mounted in, plus a cgroup rule."""
         passdir = self.lxc_dir(vmid) / "passthrough"
         shutil.rmtree(passdir, ignore_errors=True)
-        for key in sorted((k for k in v if re.fullmatch(r"dev\d+", k)), key=lambda k: int(k[3:])):
+        lines = []
+        for key in indexed_keys(v, DEV_KEY):
             dev = schema.parse_config_value(key, v[key])
             st = self.check_dev(v[key])
             kind = "c" if stat.S_ISCHR(st.st_mode) else "b"
@@ -479,20 +563,7 @@ class Node:
             access = "r" if dev.get("deny-write") else "rw"
             lines.append(f"{cg}.devices.allow = {kind} {os.major(st.st_rdev)}:{os.minor(st.st_rdev)} {access}")
             lines.append(f"lxc.mount.entry = {node} dev/{rel} none bind,create=file 0 0")
-        if self.paths.procfs is not None:
-            lines += [f"lxc.mount.entry = {self.paths.procfs / 'driver'} proc/driver none bind,optional 0 0",
-                      f"lxc.mount.entry = {self.paths.procfs / 'devices'} proc/devices none bind,optional 0 0"]
-        # Raw lines from /etc/pve/lxc/<vmid>.conf take effect as written (PVE appends them last).
-        for key, value in conf.lxc:
-            if key.startswith("lxc.cgroup."):
-                log(f"WARN: '{key}' is a cgroup v1 key and has no effect on this (cgroup v2) node; "
-                    f"use 'lxc.cgroup2.{key[len('lxc.cgroup.'):]}'")
-                continue
-            if key.startswith("lxc.cgroup2.") and layout == "legacy" and key.startswith("lxc.cgroup2.devices."):
-                # This machine keeps the devices controller in cgroup v1; the rule means the same there.
-                key = "lxc.cgroup." + key[len("lxc.cgroup2."):]
-            lines.append(f"{key} = {value}")
-        return "\n".join(lines) + "\n"
+        return lines
 
     def start(self, vmid: int, log) -> None:
         """The vzstart task (pve-container API2/LXC/Status.pm vm_start, LXC.pm vm_start)."""
@@ -572,10 +643,12 @@ class Node:
     def exec(self, vmid: int, argv: list[str], *, input: bytes | None = None, timeout: float = 120):
         if self.status(vmid) != "running":
             raise PveError(f"CT {vmid} not running")
-        env = ["--clear-env", "--set-var", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-               "--set-var", "HOME=/root"]
-        return subprocess.run(["lxc-attach", "-n", str(vmid), "-P", str(self.paths.lxcpath)] + env + ["--"] + argv,
-                              input=input, capture_output=True, timeout=timeout, check=False)
+        return subprocess.run(self.attach_command(vmid, argv), input=input, capture_output=True, timeout=timeout,
+                              check=False)
+
+    def attach_command(self, vmid: int, argv: list[str]) -> list[str]:
+        """lxc-attach running argv in the CT with a clean environment."""
+        return ["lxc-attach", "-n", str(vmid), "-P", str(self.paths.lxcpath)] + ATTACH_ENV + ["--"] + argv
 
     def status_current(self, vmid: int) -> dict:
         """One CT's entry of pve-container LXC.pm vmstatus (GET status/current, GET /nodes/{node}/lxc)."""
