@@ -69,54 +69,31 @@ class PveClient:
     """proxmoxer.ProxmoxAPI plus the calls our modules share."""
 
     def __init__(self, params):
-        if not HAS_PROXMOXER:
-            raise PveError(f"the Python library proxmoxer (and requests) is needed on the controller: "
-                           f"pip install 'proxmoxer>=2.1' requests ({IMPORT_ERROR})")
-        for key in ("api_host", "node"):
-            if not params.get(key):
-                raise PveError(f"{key} is not set (proxmox_{'api_host' if key == 'api_host' else 'node'} "
-                               f"in the inventory)")
+        _check_connection_params(params)
         self.p = params
         self.node = params["node"]
         self.auth = _auth_mode(params)
         self.url = f"https://{params['api_host']}:{params['api_port']}"
-        verify = params.get("ca_path") or params.get("validate_certs", True)
-        if params.get("ca_path") and not os.path.isfile(params["ca_path"]):
-            raise PveError(f"the CA file {params['ca_path']} does not exist: copy /etc/pve/pve-root-ca.pem from "
-                           f"a node there, or fix proxmox_api_ca_path")
-        kwargs = {"port": params["api_port"], "verify_ssl": verify, "timeout": params["api_timeout"]}
-        user = params.get("api_user") or "root@pam"
+        _check_ca_path(params)
+        login_user = params.get("api_user") or "root@pam"
         try:
-            if self.auth == "ticket":
-                self.api = proxmoxer.ProxmoxAPI(params["api_host"], user=user,
-                                                password=params["api_password"], **kwargs)
-            else:
-                token = params["api_token_id"]
-                token_user, _, token_name = token.rpartition("!") if "!" in token else (user, "!", token)
-                self.user = token_user
-                self.api = proxmoxer.ProxmoxAPI(params["api_host"], user=token_user, token_name=token_name,
-                                                token_value=params["api_token_secret"], **kwargs)
+            self.api, self.user = self._login(params, login_user)
             self.version = self.api.version.get()
-        except requests.exceptions.SSLError as exc:
-            raise PveError(f"TLS verification of {self.url} failed ({_short(exc)}). Point proxmox_api_ca_path "
-                           f"at the CA that signed the host's certificate (on the host: "
-                           f"/etc/pve/pve-root-ca.pem); set proxmox_api_validate_certs: false only on a "
-                           f"trusted network") from None
-        except requests.exceptions.ConnectionError as exc:
-            raise PveError(f"cannot reach the Proxmox API at {self.url} ({_short(exc)}); check "
-                           f"proxmox_api_host and proxmox_api_port") from None
-        except requests.exceptions.Timeout:
-            raise PveError(f"the Proxmox API at {self.url} did not answer within {params['api_timeout']} s") from None
-        except AuthenticationError:
-            raise PveError(f"login to {self.url} as {user} failed: wrong user or password "
-                           f"(check proxmox_api_user and the vaulted proxmox_api_password)") from None
-        except ResourceException as exc:
-            if exc.status_code in (401, 403):
-                raise PveError(f"the API token {params.get('api_token_id')} was rejected by {self.url} "
-                               f"(HTTP {exc.status_code}): check proxmox_api_token_id and "
-                               f"proxmox_api_token_secret") from None
-            raise PveError(f"{self.url}: {_resource_msg(exc)}") from None
-        self.user = user if self.auth == "ticket" else self.user
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, AuthenticationError,
+                ResourceException) as exc:
+            raise _login_failure(exc, self.url, login_user, params) from None
+
+    def _login(self, params, login_user):
+        """(proxmoxer.ProxmoxAPI, the user it acts as) for a password (ticket) or an API token login."""
+        verify = params.get("ca_path") or params.get("validate_certs", True)
+        kwargs = {"port": params["api_port"], "verify_ssl": verify, "timeout": params["api_timeout"]}
+        if self.auth == "ticket":
+            return proxmoxer.ProxmoxAPI(params["api_host"], user=login_user, password=params["api_password"],
+                                        **kwargs), login_user
+        token = params["api_token_id"]
+        token_user, _, token_name = token.rpartition("!") if "!" in token else (login_user, "!", token)
+        return proxmoxer.ProxmoxAPI(params["api_host"], user=token_user, token_name=token_name,
+                                    token_value=params["api_token_secret"], **kwargs), token_user
 
     # ---- version and capabilities -------------------------------------------------------------------
     def version_tuple(self):
@@ -208,6 +185,43 @@ class PveClient:
             return ["(task log unavailable)"]
         lines = [str(entry.get("t", "")) for entry in sorted(log or [], key=lambda e: int(e.get("n", 0)))]
         return lines[-int(self.p.get("task_log_lines", 12)):]
+
+
+def _check_connection_params(params):
+    if not HAS_PROXMOXER:
+        raise PveError(f"the Python library proxmoxer (and requests) is needed on the controller: "
+                       f"pip install 'proxmoxer>=2.1' requests ({IMPORT_ERROR})")
+    for key in ("api_host", "node"):
+        if not params.get(key):
+            raise PveError(f"{key} is not set (proxmox_{key} in the inventory)")
+
+
+def _check_ca_path(params):
+    if params.get("ca_path") and not os.path.isfile(params["ca_path"]):
+        raise PveError(f"the CA file {params['ca_path']} does not exist: copy /etc/pve/pve-root-ca.pem from "
+                       f"a node there, or fix proxmox_api_ca_path")
+
+
+def _login_failure(exc, url, login_user, params):
+    """The operator's message for an exception of the login call (checked most specific first)."""
+    if isinstance(exc, requests.exceptions.SSLError):
+        return PveError(f"TLS verification of {url} failed ({_short(exc)}). Point proxmox_api_ca_path "
+                        f"at the CA that signed the host's certificate (on the host: "
+                        f"/etc/pve/pve-root-ca.pem); set proxmox_api_validate_certs: false only on a "
+                        f"trusted network")
+    if isinstance(exc, requests.exceptions.ConnectionError):
+        return PveError(f"cannot reach the Proxmox API at {url} ({_short(exc)}); check "
+                        f"proxmox_api_host and proxmox_api_port")
+    if isinstance(exc, requests.exceptions.Timeout):
+        return PveError(f"the Proxmox API at {url} did not answer within {params['api_timeout']} s")
+    if isinstance(exc, AuthenticationError):
+        return PveError(f"login to {url} as {login_user} failed: wrong user or password "
+                        f"(check proxmox_api_user and the vaulted proxmox_api_password)")
+    if exc.status_code in (401, 403):
+        return PveError(f"the API token {params.get('api_token_id')} was rejected by {url} "
+                        f"(HTTP {exc.status_code}): check proxmox_api_token_id and "
+                        f"proxmox_api_token_secret")
+    return PveError(f"{url}: {_resource_msg(exc)}")
 
 
 def _resource_msg(exc):
