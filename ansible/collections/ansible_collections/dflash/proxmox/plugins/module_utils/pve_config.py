@@ -119,24 +119,41 @@ def normalize_net(net):
     return props
 
 
+# Plain options in the order they enter the config: numbers and flags when set (0 and false count),
+# text when not empty.
+NUMBER_OPTIONS = ("cores", "memory", "swap", "cpulimit", "cpuunits")
+FLAG_OPTIONS = ("onboot", "unprivileged")
+TEXT_OPTIONS = ("nameserver", "searchdomain", "timezone", "ostype", "arch", "startup")
+
+
 def desired_config(p):
     """Module parameters -> {key: PVE string value} for the keys we manage (create-only ones too)."""
+    _check_host_and_limits(p)
     cfg = {"hostname": p["hostname"]}
+    cfg.update(_plain_options(p))
+    cfg.update(_structured_options(p))
+    return cfg
+
+
+def _check_host_and_limits(p):
     if not DNS_NAME.match(p["hostname"] or ""):
         raise ConfigError(f"hostname {p['hostname']!r} is not a valid DNS name (set proxmox_lxc_hostname)")
-    for key in ("cores", "memory", "swap", "cpulimit", "cpuunits"):
-        if p.get(key) is not None:
-            cfg[key] = str(p[key])
     if p.get("memory") is not None and int(p["memory"]) < 16:
         raise ConfigError(f"memory {p['memory']} MiB is below PVE's minimum of 16")
     if p.get("cores") is not None and not 1 <= int(p["cores"]) <= 8192:
         raise ConfigError(f"cores {p['cores']} must be between 1 and 8192")
-    for key in ("onboot", "unprivileged"):
-        if p.get(key) is not None:
-            cfg[key] = _scalar(bool(p[key]))
-    for key in ("nameserver", "searchdomain", "timezone", "ostype", "arch", "startup"):
-        if p.get(key):
-            cfg[key] = str(p[key])
+
+
+def _plain_options(p):
+    cfg = {key: str(p[key]) for key in NUMBER_OPTIONS if p.get(key) is not None}
+    cfg.update({key: _scalar(bool(p[key])) for key in FLAG_OPTIONS if p.get(key) is not None})
+    cfg.update({key: str(p[key]) for key in TEXT_OPTIONS if p.get(key)})
+    return cfg
+
+
+def _structured_options(p):
+    """Tags, features and the indexed netN / devN entries as PVE property strings."""
+    cfg = {}
     if p.get("tags"):
         cfg["tags"] = ";".join(sorted({str(t).strip() for t in p["tags"]}))
     if p.get("features"):
