@@ -243,22 +243,11 @@ class Lxc:
     def update(self):
         ct = self.pve.lxc(self.vmid)
         current = self.pve.call(f"reading container {self.vmid}", ct.config.get)
-        have_name = current.get("hostname")
-        if have_name != self.p["hostname"]:
-            raise PveError(f"vmid {self.vmid} is already used by container {have_name!r} on node "
-                           f"{self.pve.node}, not {self.p['hostname']!r}; choose another proxmox_lxc_vmid "
-                           f"(nothing was changed)")
-        updates, deletes, conflicts = cfgmod.diff_config(self.desired, current)
-        if conflicts:
-            raise PveError(f"container {self.vmid}: " + "; ".join(conflicts))
-        grow = cfgmod.rootfs_plan(self.p["disk_gb"], current.get("rootfs"))
-        self.check_device_rights([k for k in list(updates) + deletes if cfgmod.family(k) == "dev"])
+        self.check_same_hostname(current)
+        updates, deletes, grow = self.plan_update(current)
         status = self.pve.call("reading status", ct.status.current.get).get("status", "unknown")
         self.result["status"] = self.result["status_before"] = status
-        after = cfgmod.apply_changes(current, updates, deletes)
-        if grow:
-            after["rootfs"] = _with_size(current["rootfs"], grow)
-        self.diff_before, self.diff_after = cfgmod.render_config(current), cfgmod.render_config(after)
+        self.record_diff(current, updates, deletes, grow)
         if not (updates or deletes or grow):
             if status == "running":  # left pending by an earlier run or by hand
                 self.handle_pending(ct, [])
@@ -270,20 +259,42 @@ class Lxc:
                 self.result["pending"] = predicted
                 self.result["messages"].append(f"would reboot container {self.vmid} to apply: {', '.join(predicted)}")
             return
+        self.apply_update(ct, current, updates, deletes, grow)
+        if status == "running":
+            self.handle_pending(ct, predicted)
+
+    def check_same_hostname(self, current):
+        """A vmid that holds another hostname is someone else's container: refuse before changing it."""
+        have_name = current.get("hostname")
+        if have_name != self.p["hostname"]:
+            raise PveError(f"vmid {self.vmid} is already used by container {have_name!r} on node "
+                           f"{self.pve.node}, not {self.p['hostname']!r}; choose another proxmox_lxc_vmid "
+                           f"(nothing was changed)")
+
+    def plan_update(self, current):
+        """(config updates, deleted keys, GiB to grow the rootfs to or None); refuses create-only changes."""
+        updates, deletes, conflicts = cfgmod.diff_config(self.desired, current)
+        if conflicts:
+            raise PveError(f"container {self.vmid}: " + "; ".join(conflicts))
+        grow = cfgmod.rootfs_plan(self.p["disk_gb"], current.get("rootfs"))
+        self.check_device_rights([k for k in list(updates) + deletes if cfgmod.family(k) == "dev"])
+        return updates, deletes, grow
+
+    def record_diff(self, current, updates, deletes, grow):
+        after = cfgmod.apply_changes(current, updates, deletes)
+        if grow:
+            after["rootfs"] = _with_size(current["rootfs"], grow)
+        self.diff_before, self.diff_after = cfgmod.render_config(current), cfgmod.render_config(after)
+
+    def apply_update(self, ct, current, updates, deletes, grow):
         if updates or deletes:
-            body = dict(updates)
-            if deletes:
-                body["delete"] = ",".join(deletes)
-            if current.get("digest"):
-                body["digest"] = current["digest"]
-            upid = self.pve.call(f"updating container {self.vmid}", ct.config.put, **body)
+            upid = self.pve.call(f"updating container {self.vmid}", ct.config.put,
+                                 **_config_put_body(current, updates, deletes))
             self.pve.wait(upid, f"updating container {self.vmid}")
         if grow:
             upid = self.pve.call(f"growing the disk of {self.vmid}", ct.resize.put, disk="rootfs",
                                  size=f"{_gib(grow)}G")
             self.pve.wait(upid, f"growing the disk of {self.vmid}")
-        if status == "running":
-            self.handle_pending(ct, predicted)
 
     def handle_pending(self, ct, predicted):
         try:
@@ -353,6 +364,16 @@ class Lxc:
 
 def _gib(value):
     return int(value) if float(value).is_integer() else value
+
+
+def _config_put_body(current, updates, deletes):
+    """The PUT config body; the digest makes PVE refuse it when someone changed the config meanwhile."""
+    body = dict(updates)
+    if deletes:
+        body["delete"] = ",".join(deletes)
+    if current.get("digest"):
+        body["digest"] = current["digest"]
+    return body
 
 
 def _with_size(rootfs, gib):
