@@ -72,33 +72,13 @@ SUFFIXES = (".tar.gz", ".tar.xz", ".tar.zst", ".tgz", ".tar.bz2")
 
 def run(module):
     p = module.params
-    src, others = resolve_src(p["src"])
-    if others:
-        module.warn(f"{len(others) + 1} files match proxmox_template_src {p['src']}; using the newest, {src} "
-                    f"(remove the others or name one)")
-    name = os.path.basename(src)
-    if not name.endswith(SUFFIXES):
-        raise PveError(f"template {name} must end in one of {', '.join(SUFFIXES)} for PVE to accept it")
-    volid = f"{p['storage']}:vztmpl/{name}"
+    src, volid = _template_file(module, p["src"], p["storage"])
     # The file's checksum only when it is needed (a content comparison, an upload): templates are gigabytes.
     result = {"changed": False, "volid": volid, "src": src, "sha256": "", "reason": ""}
     pve = PveClient(p)
     pve.check_node()
     pve.storage(p["storage"], "vztmpl")
-    if volid not in pve.templates(p["storage"]):
-        result["reason"] = f"{volid} is missing on node {pve.node}"
-    elif not p["compare_content"]:
-        return result
-    elif p.get("ssh_host"):
-        path = f"{p['template_dir'].rstrip('/')}/{name}"
-        _, out, _ = HostShell(p).run(f"sha256sum {shlex.quote(path)}", what=f"sha256sum of {path} on the host")
-        remote_sum = out.split()[0] if out.split() else ""
-        result["sha256"] = sha256_of(src)
-        if remote_sum != result["sha256"]:
-            result["reason"] = (f"{volid} on node {pve.node} has sha256 {remote_sum[:12]}..., the local file "
-                                f"{result['sha256'][:12]}...")
-    else:
-        module.warn(f"{volid} exists; without proxmox_ssh_host its content can't be compared with {src}")
+    result["reason"], result["sha256"] = _upload_reason(module, pve, src, volid)
     if not result["reason"]:
         return result
     result["changed"] = True
@@ -107,15 +87,53 @@ def run(module):
     result["sha256"] = result["sha256"] or sha256_of(src)
     if module._diff:
         result["diff"] = {"before": f"{volid}\n" if "missing" not in result["reason"] else "",
-                              "after": f"{volid} sha256={result['sha256']}\n"}
+                          "after": f"{volid} sha256={result['sha256']}\n"}
     if module.check_mode:
         return result
-    storage = pve.api.nodes(pve.node).storage(p["storage"])
+    _upload(pve, p["storage"], src, result["sha256"])
+    return result
+
+
+def _template_file(module, src_pattern, storage):
+    """(the file on the controller, its volume id); warns when a glob matched several."""
+    src, others = resolve_src(src_pattern)
+    if others:
+        module.warn(f"{len(others) + 1} files match proxmox_template_src {src_pattern}; using the newest, {src} "
+                    f"(remove the others or name one)")
+    name = os.path.basename(src)
+    if not name.endswith(SUFFIXES):
+        raise PveError(f"template {name} must end in one of {', '.join(SUFFIXES)} for PVE to accept it")
+    return src, f"{storage}:vztmpl/{name}"
+
+
+def _upload_reason(module, pve, src, volid):
+    """(why to upload, '' when not needed; the local sha256 when it was computed for the comparison, else '')."""
+    p = module.params
+    if volid not in pve.templates(p["storage"]):
+        return f"{volid} is missing on node {pve.node}", ""
+    if not p["compare_content"]:
+        return "", ""
+    if not p.get("ssh_host"):
+        module.warn(f"{volid} exists; without proxmox_ssh_host its content can't be compared with {src}")
+        return "", ""
+    path = f"{p['template_dir'].rstrip('/')}/{os.path.basename(src)}"
+    _, out, _ = HostShell(p).run(f"sha256sum {shlex.quote(path)}", what=f"sha256sum of {path} on the host")
+    remote_sum = out.split()[0] if out.split() else ""
+    local_sum = sha256_of(src)
+    if remote_sum == local_sum:
+        return "", local_sum
+    return (f"{volid} on node {pve.node} has sha256 {remote_sum[:12]}..., the local file "
+            f"{local_sum[:12]}..."), local_sum
+
+
+def _upload(pve, storage_name, src, checksum):
+    """Upload with its sha256, so that PVE rejects a corrupted transfer; waits for the task."""
+    name = os.path.basename(src)
+    storage = pve.api.nodes(pve.node).storage(storage_name)
     with open(src, "rb") as fh:
         upid = pve.call(f"uploading {name}", storage.upload.post, content="vztmpl", filename=fh,
-                        checksum=result["sha256"], **{"checksum-algorithm": "sha256"})
+                        checksum=checksum, **{"checksum-algorithm": "sha256"})
     pve.wait(upid, f"uploading template {name}")
-    return result
 
 
 def main():
