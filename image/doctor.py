@@ -105,37 +105,53 @@ def check_packages(locked, installed: dict[str, md.Distribution], site: Path) ->
     return findings
 
 
+# Where a container's NVIDIA userspace driver libraries may sit, relative to its root.
+DRIVER_LIB_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib", "usr/local/nvidia/lib64", "usr/local/nvidia/lib")
+DRIVER_LIB = re.compile(r"^(libcuda|libnvidia-ml|libnvidia-ptxjitcompiler)\.so\.(\d+\.\d+(?:\.\d+)?)$")
+
+
 def check_driver(system_root: Path, torch_cuda: str | None) -> tuple[list[Finding], dict]:
     """Where an NVIDIA driver is loaded: userspace libraries must match it, and it must be new enough."""
-    info: dict = {}
     version_file = system_root / "proc/driver/nvidia/version"
     if not version_file.is_file():
         return [], {"driver": None}
     m = re.search(r"Kernel Module\s+(?:for\s+\S+\s+)?(\d+\.\d+(?:\.\d+)?)", version_file.read_text(errors="replace"))
     if not m:
-        return [Finding("driver", None, f"cannot read the driver version from {version_file}", "check the NVIDIA kernel module on the host")], info
+        return [Finding("driver", None, f"cannot read the driver version from {version_file}", "check the NVIDIA kernel module on the host")], {}
     driver = m.group(1)
-    info["driver"] = driver
-    findings = []
+    libs = _userspace_driver_libs(system_root)
+    findings = _userspace_mismatches(driver, libs) + _driver_too_old(driver, torch_cuda)
+    return findings, {"driver": driver, "userspace": libs}
+
+
+def _userspace_driver_libs(system_root: Path) -> dict[str, str]:
+    """Each NVIDIA userspace driver library file (no symlink) -> its version, keyed by its path under the root."""
     libs: dict[str, str] = {}
-    for d in ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib", "usr/local/nvidia/lib64", "usr/local/nvidia/lib"):
+    for d in DRIVER_LIB_DIRS:
         folder = system_root / d
-        if folder.is_dir():
-            for f in sorted(folder.iterdir()):
-                lm = re.match(r"^(libcuda|libnvidia-ml|libnvidia-ptxjitcompiler)\.so\.(\d+\.\d+(?:\.\d+)?)$", f.name)
-                if lm and not f.is_symlink():
-                    libs[f"{d}/{f.name}"] = lm.group(2)
-    info["userspace"] = libs
+        if not folder.is_dir():
+            continue
+        for f in sorted(folder.iterdir()):
+            lm = DRIVER_LIB.match(f.name)
+            if lm and not f.is_symlink():
+                libs[f"{d}/{f.name}"] = lm.group(2)
+    return libs
+
+
+def _userspace_mismatches(driver: str, libs: dict[str, str]) -> list[Finding]:
+    """The userspace libraries must exist and match the host's kernel driver exactly."""
     if not libs:
-        findings.append(Finding("driver", None, f"driver {driver} is loaded but no libcuda.so.* is in the container", "install the matching NVIDIA userspace libraries (no kernel module) or pass them through"))
-    for lib, version in sorted(libs.items()):
-        if version != driver:
-            findings.append(Finding("driver", None, f"/{lib} is {version}, the host's kernel driver is {driver}", f"install userspace libraries {driver} in the container (they must match the host driver exactly)"))
-    if torch_cuda:
-        need = MIN_DRIVER.get(int(torch_cuda.split(".")[0]))
-        if need and _version_tuple(driver) < need:
-            findings.append(Finding("driver", "torch", f"torch is built for CUDA {torch_cuda}, which needs driver >= {'.'.join(map(str, need))}; the host has {driver}", "upgrade the host driver, or keep torch on the lock's build"))
-    return findings, info
+        return [Finding("driver", None, f"driver {driver} is loaded but no libcuda.so.* is in the container", "install the matching NVIDIA userspace libraries (no kernel module) or pass them through")]
+    return [Finding("driver", None, f"/{lib} is {version}, the host's kernel driver is {driver}", f"install userspace libraries {driver} in the container (they must match the host driver exactly)")
+            for lib, version in sorted(libs.items()) if version != driver]
+
+
+def _driver_too_old(driver: str, torch_cuda: str | None) -> list[Finding]:
+    """The driver must be at least the oldest one torch's CUDA major version runs on."""
+    need = MIN_DRIVER.get(int(torch_cuda.split(".")[0])) if torch_cuda else None
+    if need and _version_tuple(driver) < need:
+        return [Finding("driver", "torch", f"torch is built for CUDA {torch_cuda}, which needs driver >= {'.'.join(map(str, need))}; the host has {driver}", "upgrade the host driver, or keep torch on the lock's build")]
+    return []
 
 
 def diagnose(lock_path: Path, venv: Path, manifest_path: Path | None = None, hashes: bool = True,
