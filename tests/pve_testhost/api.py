@@ -163,29 +163,10 @@ class PveApi:
             return self.json_response({"data": self.login(params)})
         user, auth = self.authenticate(request)
         self.record(request.method, path, params, auth, request)
-        not_implemented = ApiError(501, f"Method '{request.method} {path}' not implemented")
-        try:
-            template, path_params = self.routes.bind("pve", path_info=path).match(path, method=request.method)
-        except HTTPException:
-            raise not_implemented from None
-        handler = self.handlers.get((template, request.method))
-        if handler is None:
-            raise not_implemented
+        template, path_params, handler = self.find_handler(path, request.method)
         if template.endswith("/upload") and "filename" in request.files:
             params["filename"] = request.files["filename"].filename or ""
-        conflicts = {k: "duplicate parameter (already defined in URI) with conflicting values!"
-                     for k in params if k in path_params and params[k] != path_params[k]}
-        if conflicts:
-            raise param_error(conflicts)
-        # rest_handler proxies to the node before the handler validates anything
-        node = path_params.get("node")
-        if schema.method_schema(template, request.method).get("proxyto") == "node" and node not in (
-                self.node.name, "localhost"):
-            raise ApiError(500, unknown_node_message(node))
-        try:
-            typed = schema.validate(template, request.method, {**params, **path_params})
-        except schema.ParamError as exc:
-            raise param_error(exc.errors) from None
+        typed = self.checked_params(template, request.method, params, path_params)
         try:
             data = handler(typed, user=user, request=request)
         except PermError as exc:
@@ -195,6 +176,35 @@ class PveApi:
         if isinstance(data, WithTotal):
             return self.json_response({"data": data.data, **({"total": data.total} if data.total else {})})
         return self.json_response({"data": data})
+
+    def find_handler(self, path: str, method: str) -> tuple[str, dict[str, str], object]:
+        """(schema path template, the values of its {placeholders}, the handler) of a call; 501 if none."""
+        not_implemented = ApiError(501, f"Method '{method} {path}' not implemented")
+        try:
+            template, path_params = self.routes.bind("pve", path_info=path).match(path, method=method)
+        except HTTPException:
+            raise not_implemented from None
+        handler = self.handlers.get((template, method))
+        if handler is None:
+            raise not_implemented
+        return template, path_params, handler
+
+    def checked_params(self, template: str, method: str, params: dict[str, str],
+                       path_params: dict[str, str]) -> dict:
+        """The call's parameters, typed, after rest_handler's checks: URI clashes, the node, the schema."""
+        conflicts = {k: "duplicate parameter (already defined in URI) with conflicting values!"
+                     for k in params if k in path_params and params[k] != path_params[k]}
+        if conflicts:
+            raise param_error(conflicts)
+        # rest_handler proxies to the node before the handler validates anything
+        node = path_params.get("node")
+        if schema.method_schema(template, method).get("proxyto") == "node" and node not in (
+                self.node.name, "localhost"):
+            raise ApiError(500, unknown_node_message(node))
+        try:
+            return schema.validate(template, method, {**params, **path_params})
+        except schema.ParamError as exc:
+            raise param_error(exc.errors) from None
 
     @staticmethod
     def request_params(request: Request) -> dict[str, str]:
@@ -394,19 +404,7 @@ class PveApi:
     def delete_content(self, p, user, **_):
         """pve-storage API2/Storage/Content.pm delete: an 'imgdel' task, id '<storage>' (or
         '<owner vmid>@<storage>'), that removes the volume; with delay, null when it ended in time."""
-        storage = p.get("storage")
-        volume = p["volume"]
-        if ":" in volume:  # real_volume_id
-            m = re.fullmatch(r"([a-z][a-z0-9\-_.]*[a-z0-9]):(.+)", volume, re.IGNORECASE)
-            if not m:
-                raise param_error({"volume": f"unable to parse volume ID '{volume}'\n"})
-            if storage and m[1] != storage:
-                raise param_error({"volume": f"storage ID mismatch ({m[1]} != {storage})\n"})
-            volid, storage = volume, m[1]
-        elif not storage:
-            raise param_error({"volume": "no storage specified - incomplete volume ID"})
-        else:
-            volid = f"{storage}:{volume}"
+        volid, storage = real_volume_id(p.get("storage"), p["volume"])
         vtype, _ = self.node.volume_type(volid)
         volname = volid.partition(":")[2]
         owner = volname.split("/", 1)[0] if vtype == "images" else None
@@ -423,13 +421,16 @@ class PveApi:
             task.log(f"Removed volume '{volid}'")
 
         upid = self.tasks.start("imgdel", f"{owner}@{storage}" if owner else storage, user, work)
-        if p.get("delay"):
-            task = self.tasks.wait(upid, timeout=p["delay"])
-            if task.status == "stopped":
-                if task.exitstatus == "OK" or task.exitstatus.startswith("WARNINGS"):
-                    return None
-                raise PveError(task.exitstatus)
-        return upid
+        return self.upid_unless_done(upid, p["delay"]) if p.get("delay") else upid
+
+    def upid_unless_done(self, upid: str, delay: int) -> str | None:
+        """Wait up to delay seconds: None when the task ended well, its error when it failed, else its upid."""
+        task = self.tasks.wait(upid, timeout=delay)
+        if task.status != "stopped":
+            return upid
+        if task.exitstatus == "OK" or task.exitstatus.startswith("WARNINGS"):
+            return None
+        raise PveError(task.exitstatus)
 
     def upload(self, p, user, request: Request, **_):
         """pve-storage API2/Storage/Status.pm upload: checks, then an 'imgcopy' task that copies the file."""
@@ -498,23 +499,7 @@ class PveApi:
         "unable to create CT <vmid> - volume '<volid>' does not exist".
         """
         vmid = p["vmid"]
-        if self.node.exists(vmid) and not (p.get("restore") and p.get("force")):
-            raise PveError(f"CT {vmid} already exists on node '{self.node.name}'")  # check_vmid_unused
-        if p.get("restore"):
-            raise PveError("the PVE test host does not restore backups (restore=1)")
-        unpriv = bool(p.get("unprivileged", 1))
-        conf_keys = {k: str(v) for k, v in p.items() if k not in ("node", "vmid", "ostemplate", "password",
-                                                                  "ssh-public-keys", "start", "storage", "force",
-                                                                  "unprivileged", "ignore-unpack-errors",
-                                                                  "bwlimit", "ha-managed", "pool", "unique")}
-        self.node.check_modify_perm(user, None, conf_keys, [], unpriv)
-        self.node.check_volume_access(p["ostemplate"], user, "vztmpl")
-        storage = p.get("storage", "local")
-        if "rootfs" not in p and storage != self.node.storage_id:
-            raise PveError(f"storage '{storage}' does not exist")
-        for k, v in conf_keys.items():
-            if re.fullmatch(r"dev\d+", k):
-                self.node.check_dev(v)
+        self.check_create(p, user)
         with self.node.locked(vmid):
             if self.node.exists(vmid):
                 raise PveError(f"unable to create CT {vmid} - CT {vmid} already exists on node '{self.node.name}'")
@@ -536,6 +521,27 @@ class PveApi:
                 shutil.rmtree(self.node.paths.images(vmid), ignore_errors=True)
 
         return self.tasks.start("vzcreate", str(vmid), user, work, on_error=undo)
+
+    def check_create(self, p, user: str) -> None:
+        """create_vm's checks before the task: a free vmid, no restore, permissions, template, storage, devices."""
+        vmid = p["vmid"]
+        if self.node.exists(vmid) and not (p.get("restore") and p.get("force")):
+            raise PveError(f"CT {vmid} already exists on node '{self.node.name}'")  # check_vmid_unused
+        if p.get("restore"):
+            raise PveError("the PVE test host does not restore backups (restore=1)")
+        unpriv = bool(p.get("unprivileged", 1))
+        conf_keys = {k: str(v) for k, v in p.items() if k not in ("node", "vmid", "ostemplate", "password",
+                                                                  "ssh-public-keys", "start", "storage", "force",
+                                                                  "unprivileged", "ignore-unpack-errors",
+                                                                  "bwlimit", "ha-managed", "pool", "unique")}
+        self.node.check_modify_perm(user, None, conf_keys, [], unpriv)
+        self.node.check_volume_access(p["ostemplate"], user, "vztmpl")
+        storage = p.get("storage", "local")
+        if "rootfs" not in p and storage != self.node.storage_id:
+            raise PveError(f"storage '{storage}' does not exist")
+        for k, v in conf_keys.items():
+            if re.fullmatch(r"dev\d+", k):
+                self.node.check_dev(v)
 
     def destroy_lxc(self, p, user, **_):
         """pve-container API2/LXC.pm destroy_vm: early checks, then the vzdestroy task."""
@@ -677,12 +683,14 @@ class PveApi:
     def list_tasks(self, p, **_):
         """node_tasks: by default (source=archive) the finished tasks, newest first; 'active' the
         running ones (status RUNNING), 'all' both. total is the number of matches."""
-        source = p.get("source", "archive")
-        types = {"ok", "warning", "error", "unknown"}
-        if p.get("statusfilter") and not p.get("errors"):
-            types = {t.lower() for t in schema.split_list(p["statusfilter"])}
-        elif p.get("errors"):
-            types.discard("ok")
+        types = wanted_status_types(p)
+        entries = ((t, t.list_entry()) for t in self.task_candidates(p.get("source", "archive")))
+        matches = [entry for t, entry in entries if task_matches(p, t, entry, types)]
+        start, limit = p.get("start", 0), p.get("limit", 50)
+        return WithTotal(matches[start:start + limit], len(matches))
+
+    def task_candidates(self, source: str) -> list[Task]:
+        """The running tasks for source 'active', the finished ones newest first for 'archive', 'all' both."""
         tasks = self.tasks.list()
         candidates = []
         if source in ("active", "all"):
@@ -690,24 +698,7 @@ class PveApi:
         if source != "active":
             candidates += sorted((t for t in tasks if t.status == "stopped"), key=lambda t: t.endtime or 0,
                                  reverse=True)
-        matches = []
-        for t in candidates:
-            entry = t.list_entry()
-            if p.get("userfilter") and p["userfilter"].lower() not in entry["user"].lower():
-                continue
-            if p.get("typefilter") and t.type != p["typefilter"]:
-                continue
-            if p.get("vmid") and t.id != str(p["vmid"]):
-                continue
-            if "since" in p and t.starttime < p["since"]:
-                continue
-            if "until" in p and t.starttime > p["until"]:
-                continue
-            if status_type(t.exitstatus if t.status == "stopped" else None) not in types:
-                continue
-            matches.append(entry)
-        start, limit = p.get("start", 0), p.get("limit", 50)
-        return WithTotal(matches[start:start + limit], len(matches))
+        return candidates
 
     def get_cluster_tasks(self, p, **_):
         """pve-manager API2/Cluster.pm tasks: the recent tasks, a token's user split as in node_tasks."""
@@ -737,6 +728,45 @@ def config_option(key: str) -> dict | None:
     """LXC/Config.pm option_exists: a CT config key (net0, dev3 ...) the schema knows."""
     props = schema.method_schema("/nodes/{node}/lxc/{vmid}/config", "PUT")["parameters"]["properties"]
     return schema.property_schema(props, key)
+
+
+def real_volume_id(storage: str | None, volume: str) -> tuple[str, str]:
+    """pve-storage Content.pm real_volume_id: (volume id, storage) of a volume given with or without its storage."""
+    if ":" in volume:
+        m = re.fullmatch(r"([a-z][a-z0-9\-_.]*[a-z0-9]):(.+)", volume, re.IGNORECASE)
+        if not m:
+            raise param_error({"volume": f"unable to parse volume ID '{volume}'\n"})
+        if storage and m[1] != storage:
+            raise param_error({"volume": f"storage ID mismatch ({m[1]} != {storage})\n"})
+        return volume, m[1]
+    if not storage:
+        raise param_error({"volume": "no storage specified - incomplete volume ID"})
+    return f"{storage}:{volume}", storage
+
+
+def wanted_status_types(p: dict) -> set[str]:
+    """node_tasks: the status types statusfilter asks for; errors=1 overrides it with all but 'ok'."""
+    if p.get("statusfilter") and not p.get("errors"):
+        return {t.lower() for t in schema.split_list(p["statusfilter"])}
+    types = {"ok", "warning", "error", "unknown"}
+    if p.get("errors"):
+        types.discard("ok")
+    return types
+
+
+def task_matches(p: dict, task: Task, entry: dict, types: set[str]) -> bool:
+    """Whether a task passes node_tasks' filters (user, type, vmid, since, until, status type)."""
+    if p.get("userfilter") and p["userfilter"].lower() not in entry["user"].lower():
+        return False
+    if p.get("typefilter") and task.type != p["typefilter"]:
+        return False
+    if p.get("vmid") and task.id != str(p["vmid"]):
+        return False
+    if "since" in p and task.starttime < p["since"]:
+        return False
+    if "until" in p and task.starttime > p["until"]:
+        return False
+    return status_type(task.exitstatus if task.status == "stopped" else None) in types
 
 
 def status_type(exitstatus: str | None) -> str:
