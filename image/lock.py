@@ -42,19 +42,29 @@ def check(project: Path = ENV_DIR, offline: bool = True) -> list[str]:
     lock_file = project / "uv.lock"
     if not lock_file.is_file():
         return [f"{lock_file} does not exist: run `make lock` on a machine that reaches PyPI and the cu128 index"]
-    problems = []
+    problems = _staleness_problems(project, offline)
+    packages = tomllib.loads(lock_file.read_text()).get("package", [])
+    return [*problems, *_torch_problems(project, packages), *_hash_problems(packages), *_export_problems(project)]
+
+
+def _staleness_problems(project: Path, offline: bool) -> list[str]:
+    """The lock must resolve what pyproject.toml asks for now."""
     try:
         run([uv(), "lock", "--check", "--project", project, *(["--offline"] if offline else [])], "uv lock --check")
     except ToolError as exc:
-        problems.append(f"the lock is not current with {project / 'pyproject.toml'} ({exc}): run `make lock`")
+        return [f"the lock is not current with {project / 'pyproject.toml'} ({exc}): run `make lock`"]
+    return []
+
+
+def _torch_problems(project: Path, packages: list[dict]) -> list[str]:
+    """torch must be locked, as a CUDA build, from the PyTorch index pyproject.toml names."""
     pyproject = tomllib.loads((project / "pyproject.toml").read_text())
     indexes = {i["name"]: i["url"] for i in pyproject.get("tool", {}).get("uv", {}).get("index", [])}
     torch_index = indexes.get(TORCH_INDEX)
-    lock = tomllib.loads(lock_file.read_text())
-    packages = lock.get("package", [])
     torches = [p for p in packages if p["name"] == "torch"]
     if not torches:
-        problems.append("torch is not in the lock: add torch==2.11.0 to image/env/pyproject.toml and run `make lock`")
+        return ["torch is not in the lock: add torch==2.11.0 to image/env/pyproject.toml and run `make lock`"]
+    problems = []
     for t in torches:
         registry = t.get("source", {}).get("registry")
         if not t["version"].endswith(TORCH_BUILD):
@@ -63,9 +73,14 @@ def check(project: Path = ENV_DIR, offline: bool = True) -> list[str]:
         if torch_index is None or registry is None or registry.rstrip("/") != _strip_file(torch_index).rstrip("/"):
             problems.append(f"torch comes from {registry}, not the {TORCH_INDEX} index ({torch_index}): "
                             f"set torch = {{ index = \"{TORCH_INDEX}\" }} in [tool.uv.sources] and run `make lock`")
+    return problems
+
+
+def _hash_problems(packages: list[dict]) -> list[str]:
+    """Every package from an index must come as wheels, and every wheel and sdist must carry a sha256."""
+    problems = []
     for p in packages:
-        source = p.get("source", {})
-        if "registry" not in source:
+        if "registry" not in p.get("source", {}):
             continue  # the virtual env project and the trainer (a local directory) carry no hash
         if not p.get("wheels"):
             problems.append(f"{p['name']} {p['version']} has no wheel in the lock (it would build from source): "
@@ -75,17 +90,19 @@ def check(project: Path = ENV_DIR, offline: bool = True) -> list[str]:
                 where = artefact.get("url") or artefact.get("path")
                 problems.append(f"{p['name']} {p['version']}: {where} has no sha256 in the lock (the index served it "
                                 "without one): re-run `make lock` once the index serves hashes; never add one by hand")
+    return problems
+
+
+def _export_problems(project: Path) -> list[str]:
+    """The committed exports must be what uv.lock exports now."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
             export(project, Path(tmp))
         except ToolError as exc:
-            problems.append(f"cannot export the lock ({exc})")
-        else:
-            for name in EXPORTS:
-                have = project / name
-                if not have.is_file() or have.read_text() != (Path(tmp) / name).read_text():
-                    problems.append(f"{have} is missing or stale: run `make lock` (it re-exports it from uv.lock)")
-    return problems
+            return [f"cannot export the lock ({exc})"]
+        return [f"{project / name} is missing or stale: run `make lock` (it re-exports it from uv.lock)"
+                for name in EXPORTS
+                if not (project / name).is_file() or (project / name).read_text() != (Path(tmp) / name).read_text()]
 
 
 def _strip_file(url: str) -> str:
