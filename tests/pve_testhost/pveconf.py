@@ -41,6 +41,9 @@ class CtConfig:
         return self.values.get(key, default)
 
 
+PENDING_SECTION = "pve:pending"
+
+
 def parse(text: str) -> CtConfig:
     conf = CtConfig(digest=hashlib.sha1(text.encode()).hexdigest())
     section = None
@@ -51,34 +54,40 @@ def parse(text: str) -> CtConfig:
         m = SECTION_LINE.match(line)
         if m:
             section = m[1]
-            if section != "pve:pending":
+            if section != PENDING_SECTION:
                 conf.other_sections.append(line)
-            continue
-        if section not in (None, "pve:pending"):
+        elif section is None:
+            _parse_main_line(conf, desc, line)
+        elif section == PENDING_SECTION:
+            _parse_pending_line(conf, line)
+        else:
             conf.other_sections.append(line)
-            continue
-        if line.startswith("#"):
-            if section is None:
-                desc.append(decode_text(line[1:]) + "\n")
-            continue
-        m = RAW_LXC_LINE.match(line)
-        if m:
-            if section is None:
-                conf.lxc.append((m[1], m[2]))
-            continue
-        m = KEY_LINE.match(line)
-        if m and m[1] == "description" and section is None:  # a 'description:' line counts too
-            desc.append(decode_text(m[2]))
-        elif m:
-            if section == "pve:pending":
-                if m[1] == "delete":
-                    conf.pending_delete = [k for k in re.split(r"[,;\s]+", m[2]) if k]
-                else:
-                    conf.pending[m[1]] = m[2]
-            else:
-                conf.values[m[1]] = m[2]
     conf.description = "".join(desc)
     return conf
+
+
+def _parse_main_line(conf: CtConfig, desc: list[str], line: str) -> None:
+    """A line before the first section: a comment (description), a raw lxc.* line or a key."""
+    if line.startswith("#"):
+        desc.append(decode_text(line[1:]) + "\n")
+    elif m := RAW_LXC_LINE.match(line):
+        conf.lxc.append((m[1], m[2]))
+    elif m := KEY_LINE.match(line):
+        if m[1] == "description":  # a 'description:' line counts too
+            desc.append(decode_text(m[2]))
+        else:
+            conf.values[m[1]] = m[2]
+
+
+def _parse_pending_line(conf: CtConfig, line: str) -> None:
+    """A line of [pve:pending]: a pending value, or 'delete:' with the keys to drop (comments and lxc.* ignored)."""
+    if line.startswith("#") or RAW_LXC_LINE.match(line):
+        return
+    m = KEY_LINE.match(line)
+    if m and m[1] == "delete":
+        conf.pending_delete = [k for k in re.split(r"[,;\s]+", m[2]) if k]
+    elif m:
+        conf.pending[m[1]] = m[2]
 
 
 def render(conf: CtConfig) -> str:

@@ -225,34 +225,68 @@ def check_prop(value, sch: dict, path: str, errors: dict) -> None:
         add_error(errors, path, msg)
 
 
-def _violation(text: str, sch: dict, path: str) -> str | None:
-    """The first check of check_prop's sequence that the value fails (type, format, pattern, lengths,
-    range, enum, in JSONSchema.pm's order: PVE reports only that one), or None."""
+def _type_violation(text: str, sch: dict, path: str) -> str | None:
     typ = sch.get("type", "string")
     if typ == "boolean" and text not in ("0", "1"):  # the top level takes 0/1 only (JSON true/false too)
         return f"type check ('boolean') failed - got '{text}'"
     if (typ == "integer" and not _INTEGER.fullmatch(text)) or (typ == "number" and not _NUMBER.fullmatch(text)):
         return f"type check ('{typ}') failed - got '{text}'"
+    return None
+
+
+def _format_violation(text: str, sch: dict, path: str) -> str | None:
     if fmt := sch.get("format"):
         try:
             check_format(fmt, text, path)
         except FormatError as exc:
             return f"invalid format - {exc}"
+    return None
+
+
+def _pattern_violation(text: str, sch: dict, path: str) -> str | None:
     if (pattern := sch.get("pattern")) and not re.match(rf"^(?:{_perl_regex(pattern)})$", text):
         return "value does not match the regex pattern"
+    return None
+
+
+def _length_violation(text: str, sch: dict, path: str) -> str | None:
     if "maxLength" in sch and len(text) > int(sch["maxLength"]):
         return f"value may only be {sch['maxLength']} characters long"
     if "minLength" in sch and len(text) < int(sch["minLength"]):
         return f"value must be at least {sch['minLength']} characters long"
-    if _NUMBER.fullmatch(text):
-        if "maximum" in sch and float(text) > float(sch["maximum"]):
-            return f"value must have a maximum value of {_perl_num(sch['maximum'])}"
-        if "minimum" in sch and float(text) < float(sch["minimum"]):
-            return f"value must have a minimum value of {_perl_num(sch['minimum'])}"
+    return None
+
+
+def _range_violation(text: str, sch: dict, path: str) -> str | None:
+    if not _NUMBER.fullmatch(text):
+        return None
+    if "maximum" in sch and float(text) > float(sch["maximum"]):
+        return f"value must have a maximum value of {_perl_num(sch['maximum'])}"
+    if "minimum" in sch and float(text) < float(sch["minimum"]):
+        return f"value must have a minimum value of {_perl_num(sch['minimum'])}"
+    return None
+
+
+def _enum_violation(text: str, sch: dict, path: str) -> str | None:
     if "enum" in sch and text not in [str(e) for e in sch["enum"]]:
         return (f"value '{text}' does not have a value in the enumeration "
                 f"'{', '.join(str(e) for e in sch['enum'])}'")
     return None
+
+
+# check_prop's checks in JSONSchema.pm's order; PVE reports only the first that fails.
+_CHECKS = (_type_violation, _format_violation, _pattern_violation, _length_violation, _range_violation,
+           _enum_violation)
+
+
+def _violation(text: str, sch: dict, path: str) -> str | None:
+    """The first check of check_prop's sequence that the value fails (type, format, pattern, lengths,
+    range, enum, in JSONSchema.pm's order: PVE reports only that one), or None."""
+    for check in _CHECKS:
+        if (msg := check(text, sch, path)) is not None:
+            return msg
+    return None
+
 
 def _schema_keys(props: dict, values: dict) -> list[tuple[str, dict]]:
     """The keys check_object walks: every schema key, with net[n] expanded to the net0.. given."""
