@@ -101,32 +101,11 @@ def build(lock_dir: Path, wheelhouse_dir: Path, trainer_wheel: Path, out: Path, 
     cfg = cfg or rootfs.load_config()
     sde = rootfs.source_date_epoch(cfg)
     lock_sha = lock_digest(lock_dir)
-    pylock_path = lock_dir / "pylock.toml"
-    requires = rebuild.python_refused(lock_dir, wheelhouse_dir, cfg["python"])
-    if requires:
-        raise BuildError(f"{pylock_path} needs Python {requires}, but the image's Debian base has Python {cfg['python']} "
-                         "(image/rootfs.toml): lock for the base's Python (image/env/pyproject.toml) or change the base")
-    # Checked before any build work: the wheels the image needs, each against its sha256.
-    wheels = []
-    for _pkg, w in wheelhouse.plan(pylock_path, cfg["python"], glibc=tuple(int(x) for x in cfg["glibc"].split("."))):
-        path = wheelhouse_dir / w.filename
-        if not path.is_file() or sha256_of(path) != w.sha256:
-            raise BuildError(f"{path} is missing or does not match the lock: run `make wheelhouse`")
-        wheels.append(path)
-    if not trainer_wheel.is_file():
-        raise BuildError(f"no trainer wheel at {trainer_wheel}: run `make trainer-wheel`")
-    torch = next((p.version for p in pylock.load(pylock_path) if p.name == "torch"), None)
+    wheels = _checked_inputs(lock_dir, wheelhouse_dir, trainer_wheel, cfg)
+    torch = next((p.version for p in pylock.load(lock_dir / "pylock.toml") if p.name == "torch"), None)
     trainer_version = trainer_wheel.name.split("-")[1]
     client = docker_client(docker_url)
-    base_tar = rootfs_tar or rootfs.build(out, cfg)
-    base_tag = f"dflash-base:{sha256_of(base_tar)[:12]}"
-    from docker.errors import ImageNotFound
-
-    try:
-        client.images.get(base_tag)
-    except ImageNotFound:
-        print(f"image: importing {base_tar} as {base_tag}", flush=True)
-        client.api.import_image_from_file(str(base_tar), repository=base_tag.split(":")[0], tag=base_tag.split(":")[1])
+    base_tag = _base_image(client, rootfs_tar or rootfs.build(out, cfg))
     tag = tag or f"dflash-trainenv:{trainer_version}-{lock_sha[:12]}"
     labels = {
         "org.opencontainers.image.title": "dflash-trainenv",
@@ -141,28 +120,71 @@ def build(lock_dir: Path, wheelhouse_dir: Path, trainer_wheel: Path, out: Path, 
         ctx.mkdir()
         make_context(ctx, lock_dir, wheels, trainer_wheel, sde)
         image_id = stream_build(client, ctx, tag, {"BASE": base_tag, "SOURCE_DATE_EPOCH": str(sde)}, labels, nocache)
-        container = client.containers.create(tag)
-        try:
-            root = Path(tmp) / "rootfs"
-            template.unpack_export(container.export(chunk_size=1 << 21), root)
-        finally:
-            container.remove(force=True)
-        template.scrub(root)
-        template.check(root)
+        root = _container_rootfs(client, tag, Path(tmp) / "rootfs")
         manifest_sha = sha256_of(manifest.path_for(root / "opt/venv"))
         name = template.template_name(cfg["release"], trainer_version, lock_sha)
         tpl = out / name
         tpl_sha, plain_sha = template.pack(root, tpl, sde, zstd_level)
-    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(sde))
     oci_path = out / name.replace(".tar.zst", ".oci.tar")
-    env = ["VIRTUAL_ENV=/opt/venv", "PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
-    manifest_digest = oci.write(tpl, plain_sha, oci_path, tag, labels, env, created)
+    manifest_digest = _write_oci(tpl, plain_sha, oci_path, tag, labels, sde)
     result = {"image": tag, "image_id": image_id, "template": str(tpl), "template_sha256": tpl_sha,
               "venv_manifest_sha256": manifest_sha,
               "oci_archive": str(oci_path), "oci_manifest": manifest_digest, "labels": labels}
     (out / name.replace(".tar.zst", ".json")).write_text(json.dumps(result, indent=2) + "\n")
     print(f"image: {tag}\ntemplate: {tpl}\n  sha256 {tpl_sha}\noci archive: {oci_path}", flush=True)
     return result
+
+
+def _checked_inputs(lock_dir: Path, wheelhouse_dir: Path, trainer_wheel: Path, cfg: dict) -> list[Path]:
+    """The wheels the image needs, each checked against its sha256, and the trainer wheel, checked before any
+    build work; raises BuildError naming what is missing and the command that makes it."""
+    pylock_path = lock_dir / "pylock.toml"
+    requires = rebuild.python_refused(lock_dir, wheelhouse_dir, cfg["python"])
+    if requires:
+        raise BuildError(f"{pylock_path} needs Python {requires}, but the image's Debian base has Python {cfg['python']} "
+                         "(image/rootfs.toml): lock for the base's Python (image/env/pyproject.toml) or change the base")
+    wheels = []
+    for _pkg, w in wheelhouse.plan(pylock_path, cfg["python"], glibc=tuple(int(x) for x in cfg["glibc"].split("."))):
+        path = wheelhouse_dir / w.filename
+        if not path.is_file() or sha256_of(path) != w.sha256:
+            raise BuildError(f"{path} is missing or does not match the lock: run `make wheelhouse`")
+        wheels.append(path)
+    if not trainer_wheel.is_file():
+        raise BuildError(f"no trainer wheel at {trainer_wheel}: run `make trainer-wheel`")
+    return wheels
+
+
+def _base_image(client, base_tar: Path) -> str:
+    """The Debian base as a docker image, imported once per tarball content; returns its tag."""
+    from docker.errors import ImageNotFound
+
+    base_tag = f"dflash-base:{sha256_of(base_tar)[:12]}"
+    try:
+        client.images.get(base_tag)
+    except ImageNotFound:
+        print(f"image: importing {base_tar} as {base_tag}", flush=True)
+        client.api.import_image_from_file(str(base_tar), repository=base_tag.split(":")[0], tag=base_tag.split(":")[1])
+    return base_tag
+
+
+def _container_rootfs(client, tag: str, root: Path) -> Path:
+    """A container of the built image, exported into `root`, scrubbed of Docker's traces and checked as a
+    Proxmox template."""
+    container = client.containers.create(tag)
+    try:
+        template.unpack_export(container.export(chunk_size=1 << 21), root)
+    finally:
+        container.remove(force=True)
+    template.scrub(root)
+    template.check(root)
+    return root
+
+
+def _write_oci(tpl: Path, plain_sha: str, oci_path: Path, tag: str, labels: dict, sde: int) -> str:
+    """The template's layer wrapped as an OCI archive, dated at the snapshot; returns the manifest digest."""
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(sde))
+    env = ["VIRTUAL_ENV=/opt/venv", "PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+    return oci.write(tpl, plain_sha, oci_path, tag, labels, env, created)
 
 
 def main(argv: list[str] | None = None) -> int:
