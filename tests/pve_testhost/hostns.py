@@ -28,14 +28,15 @@ def run(*cmd: str) -> None:
 
 
 def mount_overlay(target: str, extra_lower: Path | None, layer: Path) -> None:
+    mount_overlay_on(target, target if extra_lower is None else f"{extra_lower}:{target}", layer)
+
+
+def mount_overlay_on(target: str, lowerdir: str | Path, layer: Path) -> None:
+    """An overlay on target with these lower dirs, its upper and work dirs under layer."""
     upper, work = layer / "upper", layer / "work"
     upper.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    if extra_lower is None:
-        run("mount", "-t", "overlay", "overlay", "-o", f"lowerdir={target},upperdir={upper},workdir={work}", target)
-    else:
-        run("mount", "-t", "overlay", "overlay", "-o",
-            f"lowerdir={extra_lower}:{target},upperdir={upper},workdir={work}", target)
+    run("mount", "-t", "overlay", "overlay", "-o", f"lowerdir={lowerdir},upperdir={upper},workdir={work}", target)
 
 
 def free_majors(count: int) -> list[int]:
@@ -138,20 +139,32 @@ def setup_namespace(state: Path) -> dict | None:
     layers = state / "layers"
     # A fresh node view every start: the overlays' upper layers of an earlier run are dropped.
     shutil.rmtree(layers, ignore_errors=True)
+    mount_dev_overlay(layers)
+    info = None if real_gpu_present() else gpu_standins(state)
+    mount_tool_overlays(layers, state, info)
+    bind_pve_paths(state)
+    set_up_root_account()
+    if info is not None:
+        make_gpu_nodes(info)
+        write_proc_standins(state, info)
+    return info
+
+
+def mount_dev_overlay(layers: Path) -> None:
+    """/dev as an overlay (the stand-in nodes go in its upper layer), its sub-mounts put back on top."""
     # Keep the real /dev reachable for the sub-mounts (pts, shm, mqueue) we put back on top.
     hostdev = layers / "hostdev"
     hostdev.mkdir(parents=True, exist_ok=True)
     run("mount", "--rbind", "/dev", str(hostdev))
     run("mount", "--make-rprivate", str(hostdev))
-    upper, work = layers / "dev" / "upper", layers / "dev" / "work"
-    upper.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    run("mount", "-t", "overlay", "overlay", "-o", f"lowerdir={hostdev},upperdir={upper},workdir={work}", "/dev")
+    mount_overlay_on("/dev", hostdev, layers / "dev")
     for sub in ("pts", "shm", "mqueue", "hugepages"):
         if (hostdev / sub).is_dir() and os.path.ismount(hostdev / sub):
             run("mount", "--rbind", str(hostdev / sub), f"/dev/{sub}")
 
-    info = None if real_gpu_present() else gpu_standins(state)
+
+def mount_tool_overlays(layers: Path, state: Path, info: dict | None) -> None:
+    """pct and the stand-in NVIDIA tools over /usr, writable /etc and /var/lib, the driver installer in /root."""
     write_standin_tools(layers / "bin-extra", layers / "sbin-extra", state, info)
     mount_overlay("/usr/bin", layers / "bin-extra", layers / "usr-bin")
     mount_overlay("/usr/sbin", layers / "sbin-extra", layers / "usr-sbin")
@@ -164,46 +177,60 @@ def setup_namespace(state: Path) -> dict | None:
         installer.write_text(standin_installer(info["driver"]))
         installer.chmod(0o755)
         mount_overlay("/root", root_extra, layers / "root")
-    # PVE's paths, backed by plain directories of the state dir so the tests can read them.
+
+
+def bind_pve_paths(state: Path) -> None:
+    """PVE's paths, backed by plain directories of the state dir so the tests can read them."""
     from .containers import lxcpath_for
 
     for src, dst in (("pve", "/etc/pve"), ("vz", "/var/lib/vz"), ("lxc", str(lxcpath_for(state)))):
         (state / src).mkdir(parents=True, exist_ok=True)
         Path(dst).mkdir(parents=True, exist_ok=True)
         run("mount", "--bind", str(state / src), dst)
+
+
+def set_up_root_account() -> None:
+    """Root's subordinate ids as on PVE, and a root account that can log in with a key."""
     # PVE hosts map unprivileged CTs through root's subordinate ids (lxc-usernsexec needs them).
     for f in ("/etc/subuid", "/etc/subgid"):
         lines = [ln for ln in Path(f).read_text().splitlines() if not ln.startswith("root:")] \
             if Path(f).exists() else []
         Path(f).write_text("\n".join(lines + ["root:100000:65536"]) + "\n")
-    # A root account that can log in with a key (Debian images often lock it with '!').
+    # Debian images often lock root with '!'.
     shadow = Path("/etc/shadow")
     text = shadow.read_text()
     shadow.write_text("\n".join(("root:*:" + ln.split(":", 2)[2]) if ln.startswith("root:") else ln
                                 for ln in text.splitlines()) + "\n")
-    if info is not None:
-        os.mknod("/dev/nvidiactl", 0o666 | 0o020000, os.makedev(NVIDIA_MAJOR, 255))
-        os.mknod("/dev/nvidia-modeset", 0o666 | 0o020000, os.makedev(NVIDIA_MAJOR, 254))
-        for g in info["gpus"]:
-            os.mknod(f"/dev/nvidia{g['minor']}", 0o666 | 0o020000, os.makedev(NVIDIA_MAJOR, g["minor"]))
-        os.mknod("/dev/nvidia-uvm", 0o666 | 0o020000, os.makedev(info["uvm_major"], 0))
-        os.mknod("/dev/nvidia-uvm-tools", 0o666 | 0o020000, os.makedev(info["uvm_major"], 1))
-        Path("/dev/nvidia-caps").mkdir(exist_ok=True)
-        for minor in (1, 2):
-            os.mknod(f"/dev/nvidia-caps/nvidia-cap{minor}", 0o400 | 0o020000, os.makedev(info["caps_major"], minor))
-        for node in Path("/dev").glob("nvidia*"):
-            if not node.is_dir():
-                os.chmod(node, 0o666)
-        # /proc/driver/nvidia/version and /proc/devices as the driver would show them. They are put
-        # over /proc only in the SSH sessions' namespace and inside the CTs: a /proc with mounts on
-        # top would stop unprivileged CTs from mounting their own proc (the kernel's visibility rule).
-        procfs = state / "lxc" / ".procfs"  # <lxcpath>/.procfs on the node
-        (procfs / "driver" / "nvidia").mkdir(parents=True, exist_ok=True)
-        (procfs / "driver" / "nvidia" / "version").write_text(
-            f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {info['driver']}  Tue Sep 23 10:33:09 UTC 2025\n"
-            "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14+deb12u1) \n")
-        (procfs / "devices").write_text(proc_devices_text(info))
-    return info
+
+
+def make_gpu_nodes(info: dict) -> None:
+    """The stand-in /dev/nvidia* character devices, with the driver's majors and minors."""
+    os.mknod("/dev/nvidiactl", 0o666 | 0o020000, os.makedev(NVIDIA_MAJOR, 255))
+    os.mknod("/dev/nvidia-modeset", 0o666 | 0o020000, os.makedev(NVIDIA_MAJOR, 254))
+    for g in info["gpus"]:
+        os.mknod(f"/dev/nvidia{g['minor']}", 0o666 | 0o020000, os.makedev(NVIDIA_MAJOR, g["minor"]))
+    os.mknod("/dev/nvidia-uvm", 0o666 | 0o020000, os.makedev(info["uvm_major"], 0))
+    os.mknod("/dev/nvidia-uvm-tools", 0o666 | 0o020000, os.makedev(info["uvm_major"], 1))
+    Path("/dev/nvidia-caps").mkdir(exist_ok=True)
+    for minor in (1, 2):
+        os.mknod(f"/dev/nvidia-caps/nvidia-cap{minor}", 0o400 | 0o020000, os.makedev(info["caps_major"], minor))
+    for node in Path("/dev").glob("nvidia*"):
+        if not node.is_dir():
+            os.chmod(node, 0o666)
+
+
+def write_proc_standins(state: Path, info: dict) -> None:
+    """/proc/driver/nvidia/version and /proc/devices as the driver would show them.
+
+    They are put over /proc only in the SSH sessions' namespace and inside the CTs: a /proc with mounts on
+    top would stop unprivileged CTs from mounting their own proc (the kernel's visibility rule).
+    """
+    procfs = state / "lxc" / ".procfs"  # <lxcpath>/.procfs on the node
+    (procfs / "driver" / "nvidia").mkdir(parents=True, exist_ok=True)
+    (procfs / "driver" / "nvidia" / "version").write_text(
+        f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {info['driver']}  Tue Sep 23 10:33:09 UTC 2025\n"
+        "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14+deb12u1) \n")
+    (procfs / "devices").write_text(proc_devices_text(info))
 
 
 def ssh_config(state: Path, port: int) -> Path:

@@ -61,17 +61,48 @@ def stop_leftovers(node: Node, log) -> None:
             log(f"cleanup of CT {vmid} failed: {exc}")
 
 
+def check_prerequisites() -> None:
+    """Root and the tools the test host runs; exits naming what is missing and how to get it."""
+    if os.geteuid() != 0:
+        raise SystemExit("pve_testhost: needs root (it runs LXC containers and mounts overlays); "
+                         "run it as root or skip the lxc-marked tests")
+    for tool in ("lxc-start", "/usr/sbin/sshd", "unshare", "busybox"):
+        if not any((Path(d) / tool).exists() for d in ("/usr/bin", "/bin", "/usr/sbin", "/sbin")) \
+                and not Path(tool).exists():
+            raise SystemExit(f"pve_testhost: '{tool}' is missing; install the Debian packages "
+                             "lxc openssh-server busybox-static (see .ci/setup-lxc.sh)")
+
+
+def make_httpd(state: Path, node: Node, sec: dict, api_port: int, server_pem: Path):
+    """The HTTPS server of the API, calls recorded to <state>/calls.jsonl, tasks kept under <state>/tasks."""
+    (state / "control").mkdir(exist_ok=True)
+    calls = state / "calls.jsonl"
+    calls.touch()
+    creds = Credentials(root_password=sec["root_password"], token_id=TOKEN_ID, token_secret=sec["token_secret"],
+                        ticket_key=bytes.fromhex(sec["ticket_key"]))
+    tasks = TaskManager("pve", state / "control", state / "tasks")
+    app = PveApi(node, creds, tasks, calls)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(str(server_pem))
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    return make_server("127.0.0.1", api_port, app, threaded=True, ssl_context=ctx)
+
+
+def connection_info(state: Path, sec: dict, ca_pem: Path, api_port: int, ssh_port: int, info: dict | None) -> dict:
+    """What a client needs (and `up` prints): URLs, ports, CA, credentials, the stand-in GPUs."""
+    return {
+        "api_host": "127.0.0.1", "api_port": api_port, "api_url": f"https://127.0.0.1:{api_port}/api2/json",
+        "ca_cert": str(ca_pem), "node": "pve", "storage": "local", "root_password": sec["root_password"],
+        "token_id": TOKEN_ID, "token_secret": sec["token_secret"], "ssh_port": ssh_port, "ssh_user": "root",
+        "ssh_key": str(state / "ssh" / "id_ed25519"), "state_dir": str(state), "pid": os.getpid(),
+        "gpus": [{"index": g["index"], "minor": g["minor"]} for g in info["gpus"]] if info else [],
+    }
+
+
 def serve(state: Path, api_port: int = 0, ssh_port: int = 0) -> None:
     state = state.resolve()
     if os.environ.get("PVE_TESTHOST_NS") != "1":
-        if os.geteuid() != 0:
-            raise SystemExit("pve_testhost: needs root (it runs LXC containers and mounts overlays); "
-                             "run it as root or skip the lxc-marked tests")
-        for tool in ("lxc-start", "/usr/sbin/sshd", "unshare", "busybox"):
-            if not any((Path(d) / tool).exists() for d in ("/usr/bin", "/bin", "/usr/sbin", "/sbin")) \
-                    and not Path(tool).exists():
-                raise SystemExit(f"pve_testhost: '{tool}' is missing; install the Debian packages "
-                                 "lxc openssh-server busybox-static (see .ci/setup-lxc.sh)")
+        check_prerequisites()
         state.mkdir(parents=True, exist_ok=True)
         hostns.enter_private_namespace(["-m", "tests.pve_testhost", "serve", "--state-dir", str(state),
                                         "--api-port", str(api_port), "--ssh-port", str(ssh_port)])
@@ -82,31 +113,13 @@ def serve(state: Path, api_port: int = 0, ssh_port: int = 0) -> None:
     os.environ["PVE_TESTHOST_STATE"] = str(state)
     node = Node()
     stop_leftovers(node, log)
-    (state / "control").mkdir(exist_ok=True)
-    calls = state / "calls.jsonl"
-    calls.touch()
     sec = load_or_make_secrets(state)
     ca_pem, server_pem = make_tls(state)
     api_port = api_port or free_port()
     ssh_port = ssh_port or free_port()
     sshd = hostns.start_sshd(state, ssh_port)
-
-    creds = Credentials(root_password=sec["root_password"], token_id=TOKEN_ID, token_secret=sec["token_secret"],
-                        ticket_key=bytes.fromhex(sec["ticket_key"]))
-    tasks = TaskManager("pve", state / "control", state / "tasks")
-    app = PveApi(node, creds, tasks, calls)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(str(server_pem))
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    httpd = make_server("127.0.0.1", api_port, app, threaded=True, ssl_context=ctx)
-
-    conn = {
-        "api_host": "127.0.0.1", "api_port": api_port, "api_url": f"https://127.0.0.1:{api_port}/api2/json",
-        "ca_cert": str(ca_pem), "node": "pve", "storage": "local", "root_password": sec["root_password"],
-        "token_id": TOKEN_ID, "token_secret": sec["token_secret"], "ssh_port": ssh_port, "ssh_user": "root",
-        "ssh_key": str(state / "ssh" / "id_ed25519"), "state_dir": str(state), "pid": os.getpid(),
-        "gpus": [{"index": g["index"], "minor": g["minor"]} for g in info["gpus"]] if info else [],
-    }
+    httpd = make_httpd(state, node, sec, api_port, server_pem)
+    conn = connection_info(state, sec, ca_pem, api_port, ssh_port, info)
     conn_file = state / "connection.json"
     conn_file.touch(mode=0o600)
     conn_file.write_text(json.dumps(conn, indent=1))
