@@ -18,10 +18,11 @@ from itertools import pairwise
 import pytest
 import torch
 from dflash_trainer.data import DataError
+from dflash_trainer.decode_buckets import BUCKETS, bucket
 from dflash_trainer.prompts import answer_slots, prompt_messages, render_prompt, row_messages, slot_indices
 from dflash_trainer.regenerate import bench, cli
 from dflash_trainer.regenerate.cli import main
-from dflash_trainer.regenerate.engine_hf import BUCKETS, HFEngine, bucket
+from dflash_trainer.regenerate.engine_hf import HFEngine
 from dflash_trainer.regenerate.plan import DUPLICATE, NO_CHAT, NO_USER_TURN, check_plan, make_plan
 from dflash_trainer.regenerate.sampling import Sampling, draw, nucleus, row_seed
 from dflash_trainer.regenerate.shards import MANIFEST, OutputDir

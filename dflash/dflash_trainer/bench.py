@@ -26,9 +26,9 @@ from .anchors import sample_anchors
 from .attention import dense_scores_bytes
 from .compile_step import compile_drafter_step
 from .config import MOMENTS_DTYPE_NAMES, TARGET_QUANTIZATIONS
+from .dtypes import DTYPES
 from .flops import peak_flops
 from .gpu_clock import ClockSampler
-from .loading import DTYPES
 from .mask import dflash_block_mask
 from .model import DFlashDrafter, DrafterShape, drafter_config
 from .optim import MOMENTS, MasterWeightAdamW

@@ -15,6 +15,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from . import parallel
+from .config import RunConfig
+from .console import console
 from .data import normalise_messages
 from .held_out import distinct_prompts
 from .regenerate import regenerate_rows
@@ -113,3 +116,21 @@ def _resolved(assets: dict, out_dir: Path) -> dict:
     started from; the layout is fixed, so they resolve the same way."""
     layout = {"target": "target", "train": "data/train.jsonl", "eval": "data/eval.jsonl"}
     return {**assets, **{key: str(out_dir / rel) for key, rel in layout.items()}}
+
+
+def resolve_target(cfg: RunConfig, ctx: parallel.Context) -> RunConfig:
+    """The embedded default builds its own target and data under the run directory (rank 0 builds).
+    Data the config names is used as given: only empty data.train / data.eval get the embedded data."""
+    if cfg.target.path != "embedded":
+        return cfg
+    where = Path(cfg.output_dir) / "embedded"
+    if ctx.rank == 0:
+        console.print("[bold]embedded default[/]: building the tiny target, tokenizer and data (cached)")
+        build_embedded(where)
+    ctx.barrier()
+    assets = build_embedded(where)  # cached: reads assets.json
+    cfg.target.path = assets["target"]
+    if not cfg.data.features_dir and not cfg.data.train:
+        cfg.data.train = [assets["train"]]
+        cfg.data.eval = cfg.data.eval or [assets["eval"]]
+    return cfg

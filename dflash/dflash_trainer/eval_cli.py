@@ -29,11 +29,13 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     from . import cli_args, storage
     from . import run_dir as run_dir_lib
     from .config import TARGET_QUANTIZATIONS, ConfigError, drafter_file_problems
+    from .console import console
+    from .dtypes import DTYPES
     from .eval_report import SetResult, build_report, plot, table, write_json, write_requests
     from .evaluate import EVAL_PROMPTS_FILE
     from .fast_decode import FastDecoding
     from .fp8 import check_fp8_device, check_not_prequantized
-    from .loading import DTYPES, check_target, console
+    from .loading import check_target
     from .metrics import PlainProgress, say_progress
     from .prompt_sets import PromptSet, load_prompt_set, name_sources
     from .speculative import AcceptanceStats, stop_token_ids

@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 
 from . import storage
+from .console import console
+from .dtypes import DTYPES
 from .fast_decode import FastDecoding
-from .loading import DTYPES, console, new_drafter
+from .loading import new_drafter
 from .model import DFlashDrafter
 from .objective import drafter_loss, prepare_micro_batch
 from .speculative import AcceptanceStats, SpecResult, speculative_generate, stop_token_ids

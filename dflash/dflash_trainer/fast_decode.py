@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
-from .model import DFlashDrafter, text_config
-from .regenerate.engine_hf import bucket
+from .decode_buckets import bucket
+from .model import DFlashDrafter
 from .speculative import SpecResult, cache_argument
-from .target import FrozenTarget
+from .target import FrozenTarget, text_config
 
 INVALID = -1  # slot_pos of a slot that holds no token a query may see
 

@@ -7,11 +7,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from rich.console import Console
 
 from . import parallel
 from .config import ConfigError, RunConfig
+from .console import console
 from .data import MicroBatches, check_sources, load_rows, tokenize_dataset
+from .dtypes import DTYPES
 from .fp8 import check_fp8_device, check_not_prequantized
 from .held_out import overlapping, split_by_prompt
 from .model import DFlashDrafter, DrafterShape, drafter_config
@@ -27,28 +28,6 @@ from .target_tp import check_tp_shape
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-console = Console(stderr=True)
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_target(cfg: RunConfig, ctx: parallel.Context) -> RunConfig:
-    """The embedded default builds its own target and data under the run directory (rank 0 builds).
-    Data the config names is used as given: only empty data.train / data.eval get the embedded data."""
-    if cfg.target.path != "embedded":
-        return cfg
-    from .embedded import build_embedded
-
-    where = Path(cfg.output_dir) / "embedded"
-    if ctx.rank == 0:
-        console.print("[bold]embedded default[/]: building the tiny target, tokenizer and data (cached)")
-        build_embedded(where)
-    ctx.barrier()
-    assets = build_embedded(where)  # cached: reads assets.json
-    cfg.target.path = assets["target"]
-    if not cfg.data.features_dir and not cfg.data.train:
-        cfg.data.train = [assets["train"]]
-        cfg.data.eval = cfg.data.eval or [assets["eval"]]
-    return cfg
 
 
 def check_target(path: str) -> None:

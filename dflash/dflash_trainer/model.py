@@ -24,6 +24,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from .target import borrowed_scales, drafter_rope, text_config
+
 # The attention kernel is injected: (q [b,h,Q,d], k [b,kv,S+Q,d], v) -> [b,h,Q,d].
 # Training passes the compiled flex_attention with the DFlash BlockMask, inference and the
 # dense reference pass SDPA. Keeping it out of the model keeps the model file readable.
@@ -57,25 +59,8 @@ class DrafterShape:
     intermediate_size: int | None = None  # None: the target's
 
 
-def text_config(config):
-    """The decoder's config: a multimodal wrapper's text tower (get_text_config), else the config itself."""
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
 def _first_attr(config, names: tuple[str, ...], default=None):
     return next((getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
-
-
-def drafter_rope(tc) -> dict | None:
-    """The drafter's RoPE: the target's full-attention parameters (a per-layer-type `rope_parameters`, as
-    Gemma 3 and gpt-oss-style configs have, holds one entry per attention type). The drafter rotates whole
-    heads, as the published drafters do, so a partial rotary factor is not carried over."""
-    rope = getattr(tc, "rope_parameters", None)
-    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
-        rope = rope["full_attention"]
-    if not rope:
-        return None
-    return {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
 
 
 def drafter_config(target_config, shape: DrafterShape, borrowed: dict | None = None) -> Qwen3Config:
@@ -100,8 +85,6 @@ def drafter_config(target_config, shape: DrafterShape, borrowed: dict | None = N
         raise ValueError(f"the target's config ({tc.model_type}) names no intermediate_size: set "
                          "drafter.intermediate_size")
     if borrowed is None:
-        from .target import borrowed_scales
-
         borrowed = borrowed_scales(target_config)
     heads = tc.num_attention_heads
     config = Qwen3Config(

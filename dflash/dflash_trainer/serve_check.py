@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .console import console
 from .evaluate import teacher_forced_accuracy
-from .loading import console
 from .model import DFlashDrafter
 
 # Mean per-slot accuracy as trained minus as served above which the run is flagged: bf16 features and

@@ -14,7 +14,7 @@ from typing import Self
 import torch
 
 from . import parallel
-from .loading import console
+from .console import console
 
 
 class StopRequest:

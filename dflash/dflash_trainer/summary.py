@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.table import Table
 
 from . import storage
-from .loading import console
+from .console import console
 
 
 def write_summary(out: Path, summary: dict) -> None:

@@ -73,7 +73,20 @@ TAPPED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", 
 
 
 def text_config(config):
+    """The decoder's config: a multimodal wrapper's text tower (get_text_config), else the config itself."""
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def drafter_rope(tc) -> dict | None:
+    """The drafter's RoPE: the target's full-attention parameters (a per-layer-type `rope_parameters`, as
+    Gemma 3 and gpt-oss-style configs have, holds one entry per attention type). The drafter rotates whole
+    heads, as the published drafters do, so a partial rotary factor is not carried over."""
+    rope = getattr(tc, "rope_parameters", None)
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    if not rope:
+        return None
+    return {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
 
 
 def tapped_forward_supported(model: nn.Module, backbone: nn.Module) -> bool:
@@ -124,8 +137,6 @@ def check_supported_target(config, where: str, trust_remote_code: bool = False) 
     """One refusal, before any weight or data is read, for a target the trainer cannot tap or draft for:
     it names the family, what is missing, and what to give instead. Returns the meta-device skeleton."""
     from .config import ConfigError
-    from .model import drafter_rope
-
     tc = text_config(config)
     family = getattr(tc, "model_type", None) or type(config).__name__
     missing = [n for n in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",

@@ -24,7 +24,6 @@ from .loading import (
     load_data,
     load_target,
     load_tokenizer,
-    resolve_target,
     target_config,
 )
 from .parallel import SplitWindow
@@ -130,8 +129,6 @@ def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
 
         isolate_local_gpu(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ctx = parallel.Context(1, rank, 0, device, None, None)
-    cfg = resolve_target(cfg, ctx) if world == 1 else cfg
     tokenizer = load_tokenizer(cfg)
     layer_ids = drafter_config_for(cfg, target_config(cfg), tokenizer).dflash_config["target_layer_ids"]
     target = load_target(cfg, layer_ids, device)

@@ -267,7 +267,7 @@ def check_fits_before_loading(cfg, config, device: torch.device) -> None:
 def _read_and_shard(cfg, config, device: torch.device, mesh) -> tuple[nn.Module, int]:
     from transformers import AutoModelForCausalLM
 
-    from .loading import DTYPES
+    from .dtypes import DTYPES
     from .target import attention_implementation
 
     trust = cfg.target.trust_remote_code
@@ -287,7 +287,7 @@ def load_sharded_target(cfg, layer_ids: list[int], device: torch.device, group, 
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
-    from .loading import console
+    from .console import console
     from .target import FrozenTarget
 
     if not sys.stderr.isatty():

@@ -38,6 +38,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
     from .compile_step import check_dense_fits, compile_cache_dir, compile_drafter_step
     from .config import RunConfig, check_init_from, load_config
     from .data import MicroBatches, load_rows, tokenize_dataset
+    from .embedded import resolve_target
     from .evaluate import evaluate, evaluate_before, evaluate_saved, record_eval_prompts
     from .features import FeatureShards
     from .flops import peak_flops
@@ -52,7 +53,6 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
         load_target,
         new_drafter,
         read_target_files,
-        resolve_target,
     )
     from .metrics import Metrics, duration, eta, plain_progress, say_progress, slot_summary
     from .model import DFlashDrafter
@@ -630,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.dump_features:
             check_inputs(cfg)
             check_init_from(cfg)
+            if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process: it builds the embedded default itself
+                cfg = resolve_target(cfg, parallel.Context(1, 0, 0, torch.device("cpu"), None, None))
             dump_features(cfg, Path(args.dump_features), args.dump_batches)
         else:
             run(cfg, resume=args.resume, overwrite=args.overwrite, auto_resume=args.auto_resume)

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
+from ..decode_buckets import bucket
 from .baseline import generate_batched
-from .engine_hf import HFEngine, bucket
+from .engine_hf import HFEngine
 from .sampling import Sampling
 
 CONTENDERS = ("hf", "baseline", "generate_batch", "hf_eager")

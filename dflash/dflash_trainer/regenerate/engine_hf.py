@@ -16,15 +16,9 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StaticCache
 
 from ..data import DataError
+from ..decode_buckets import bucket
 from .answers import Answer, Request, answer_from_ids
 from .sampling import Sampling, SeededSampler
-
-# Prompt widths are padded up to one of these (at most 1.5x): few distinct shapes, so few compiles.
-BUCKETS = sorted({2**k for k in range(4, 18)} | {3 * 2**k for k in range(3, 16)})
-
-
-def bucket(length: int) -> int:
-    return next((b for b in BUCKETS if b >= length), -(-length // 8192) * 8192)
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
