@@ -59,7 +59,7 @@ endif
 
 eval: venv ## evaluate a drafter: tau per prompt set, speedup, eval.png (EVAL_ARGS="--drafter DIR --target PATH --prompts FILE... --out DIR"; default: the run in RUN_DIR); INVENTORY=...: the container's run, detached
 ifeq ($(ON_CONTAINER),)
-	$(PY) -m dflash_trainer.eval_cli $(or $(strip $(EVAL_ARGS)),--run $(RUN_DIR))
+	$(PY) -m dflash_trainer.eval $(or $(strip $(EVAL_ARGS)),--run $(RUN_DIR))
 else
 	$(call JOB_PLAYBOOK,eval,start)
 endif
@@ -68,7 +68,7 @@ bench: venv ## drafter-step benchmark (GPU); prints step time, tokens/s, MFU, pe
 	$(PY) -m dflash_trainer.bench $(BENCH_ARGS)
 
 bench-startup: venv ## time to first step of the real trainer (torchrun, offline drafter ranks), cold then warm compile cache (STARTUP_ARGS="--drafter-ranks 2")
-	$(PY) -m dflash_trainer.bench_startup $(STARTUP_ARGS)
+	$(PY) -m dflash_trainer.bench.startup $(STARTUP_ARGS)
 
 .PHONY: regenerate bench-regenerate bench-startup
 regenerate: venv ## the target writes the training answers: REGEN_ARGS="--target DIR --data FILE --out DIR" (see README); INVENTORY=...: in the containers, detached
@@ -79,7 +79,7 @@ else
 endif
 
 bench-regenerate: venv ## regeneration benchmark (GPU; Qwen3-8B shape): engine hf vs the old batched generate vs generate_batch
-	$(PY) -m dflash_trainer.regenerate.bench $(REGEN_BENCH_ARGS)
+	$(PY) -m dflash_trainer.bench.regenerate $(REGEN_BENCH_ARGS)
 
 # The run config's settings reference: every key of config.py with its type, default, range and comment
 # (tests/test_docs.py checks it is current).

@@ -1,4 +1,4 @@
-"""The compile guards of dflash_trainer.attention raise when they should, and the compiled path is exact.
+"""The compile guards of dflash_trainer.model.attention raise when they should, and the compiled path is exact.
 
 CPU only (flex has no CPU backward through 2.13, so these run forward; grad mode is covered by a GPU
 test). One compiled flex graph per process, shared by the tests through the Inductor disk cache.
@@ -13,8 +13,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from dflash_trainer import attention
-from dflash_trainer.attention import (
+from dflash_trainer.compile.guard import compile_variants, leave_run_phase
+from dflash_trainer.model import attention
+from dflash_trainer.model.attention import (
     CompileRaceError,
     DenseFallbackError,
     RecompileError,
@@ -23,7 +24,6 @@ from dflash_trainer.attention import (
     dense_scores_bytes,
     install_dense_guards,
 )
-from dflash_trainer.compile_guard import compile_variants, leave_run_phase
 from torch.nn.attention.flex_attention import flex_attention
 
 from tests.helpers.attention import causal_block_mask, fused_memory_probe, remove_dense_guards
@@ -183,9 +183,9 @@ def test_dense_risk_says_what_a_fallback_would_cost():
 
 def test_sdpa_backend_refuses_shapes_whose_dense_scores_cannot_fit(tmp_path):
     """The trainer's sdpa path (CPU) checks the dense scores before step 1 (compile_step.check_dense_fits)."""
-    from dflash_trainer.compile_step import check_dense_fits
     from dflash_trainer.config import ConfigError, load_config
-    from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
+    from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config
+    from dflash_trainer.run.compile_step import check_dense_fits
     from transformers import Qwen3Config
 
     target = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.config import ConfigError, load_config
+from dflash_trainer.run import checkpoint as ckpt
 from dflash_trainer.train import main
 
 from tests.helpers.training import random_drafter_dir
@@ -157,9 +157,9 @@ def test_status_of_a_mistyped_run_dir_exits_2(tmp_path, capsys):
 
 def test_the_exit_code_contract_is_one_table():
     from dflash_trainer import cli_args
-    from dflash_trainer.data import DataError
-    from dflash_trainer.run_dir import RunDirError
-    from dflash_trainer.storage import StorageError
+    from dflash_trainer.data.rows import DataError
+    from dflash_trainer.infra.storage import StorageError
+    from dflash_trainer.run.run_dir import RunDirError
 
     assert [cli_args.exit_code(e) for e in (ConfigError("x"), DataError("x"), RunDirError("x"))] == [2, 2, 2]
     assert [cli_args.exit_code(e) for e in (StorageError("x"), ckpt.DamagedCheckpoint("x"), KeyError("x"))] == \
@@ -179,7 +179,7 @@ def test_regenerate_refuses_a_temperature_of_nan(tmp_path, capsys):
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-0.5", "2"])
 def test_eval_refuses_a_tie_tolerance_outside_0_to_1(value, tmp_path, capsys):
-    from dflash_trainer.eval_cli import main as evaluate
+    from dflash_trainer.eval.cli import main as evaluate
 
     code = evaluate(["--drafter", str(tmp_path), "--target", "t", "--out", str(tmp_path / "out"),
                      f"--tie-tolerance={value}"])
@@ -194,7 +194,7 @@ def drafter_dir(tiny_target, tmp_path_factory) -> Path:
 
 
 def _eval(capsys, drafter: Path, tiny_target, out: Path, *extra: str) -> tuple[int, str]:
-    from dflash_trainer.eval_cli import main as evaluate
+    from dflash_trainer.eval.cli import main as evaluate
 
     code = evaluate(["--drafter", str(drafter), "--target", tiny_target["target"], "--out", str(out),
                      "--device", "cpu", "--max-new-tokens", "2", "--limit", "1", *extra])
@@ -238,7 +238,7 @@ def test_eval_of_a_run_says_which_checkpoint_it_falls_back_to(run_copy, tmp_path
     shutil.rmtree(run_copy / "drafter")
     state = run_copy / STEP6 / ckpt.TRAIN_STATE_FILE
     state.write_bytes(state.read_bytes()[:100])
-    from dflash_trainer.eval_cli import main as evaluate
+    from dflash_trainer.eval.cli import main as evaluate
 
     code = evaluate(["--run", str(run_copy), "--out", str(tmp_path / "eval"), "--device", "cpu", "--limit", "1",
                      "--max-new-tokens", "2"])
@@ -255,7 +255,7 @@ def test_eval_keeps_brackets_in_its_table(drafter_dir, tiny_target, tmp_path, ca
 
 
 def test_eval_of_a_run_says_when_the_drafter_config_has_another_block_size(run_copy, tmp_path, capsys):
-    from dflash_trainer.eval_cli import main as evaluate
+    from dflash_trainer.eval.cli import main as evaluate
 
     config_file = run_copy / "drafter" / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "block_size": 4}))

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from dflash_trainer.config import load_config
-from dflash_trainer.evaluate import slot_tau
+from dflash_trainer.run.evaluate import slot_tau
 from dflash_trainer.train import run
 
 

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from dflash_trainer import bench
+from dflash_trainer.bench import step as bench
 
 
 @pytest.mark.parametrize("extra", [[], ["--grad-accum", "2", "--with-target"], ["--moments-dtype", "bfloat16"]],
@@ -49,7 +49,7 @@ def test_real_presets_need_a_gpu(capsys, monkeypatch):
 
 
 def test_idle_gaps_are_charged_to_the_phase_and_op_the_cpu_was_in():
-    from dflash_trainer.bench import idle_gaps
+    from dflash_trainer.bench.step import idle_gaps
 
     def ev(cat, name, ts, dur, tid=1):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
@@ -72,7 +72,7 @@ def test_idle_gaps_are_charged_to_the_phase_and_op_the_cpu_was_in():
 @pytest.mark.slow
 def test_startup_bench_starts_the_trainer_cold_then_warm(tmp_path):
     """Two real torchrun starts of the tiny preset on one cache, their phases as the runs measured them."""
-    from dflash_trainer import bench_startup
+    from dflash_trainer.bench import startup as bench_startup
 
     out = tmp_path / "startup.json"
     assert bench_startup.main(["--preset", "tiny", "--seq", "128", "--anchors", "8", "--starts", "2",
@@ -92,7 +92,7 @@ def test_startup_bench_starts_the_trainer_cold_then_warm(tmp_path):
     (["--json", "{file}/out.json"], "exists and is not a directory"),
 ])
 def test_startup_bench_refuses_bad_input_in_words(tmp_path, capsys, args, says):
-    from dflash_trainer import bench_startup
+    from dflash_trainer.bench import startup as bench_startup
 
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit) as exit_:

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from dflash_trainer.checkpoint import (
+from dflash_trainer.run.checkpoint import (
     LATEST_LINK,
     TRAIN_STATE_FILE,
     latest_checkpoint,
@@ -189,7 +189,7 @@ def save_real(root, step: int, keep_last: int = 10):
 
 
 def test_manifest_catches_truncation_and_old_checkpoints_are_checked_by_format(tmp_path):
-    from dflash_trainer.checkpoint import MANIFEST_FILE, verify
+    from dflash_trainer.run.checkpoint import MANIFEST_FILE, verify
 
     path = save_real(tmp_path, 1)
     manifest = json.loads((path / MANIFEST_FILE).read_text())
@@ -217,7 +217,7 @@ def test_latest_skips_a_damaged_checkpoint(tmp_path):
 
 
 def test_inspect_and_repair(tmp_path):
-    from dflash_trainer.checkpoint import inspect, repair
+    from dflash_trainer.run.checkpoint import inspect, repair
 
     for step in (1, 2, 3, 4):
         save_real(tmp_path, step)
@@ -240,7 +240,7 @@ def test_prune_renames_before_it_removes(tmp_path, monkeypatch):
     """A kill inside the prune leaves a temporary name (removed by the next save), never a half step dir."""
     import shutil
 
-    from dflash_trainer import checkpoint
+    from dflash_trainer.run import checkpoint
 
     for step in (1, 2):
         save_real(tmp_path, step, keep_last=5)
@@ -259,7 +259,7 @@ def test_inspect_verifies_each_step_directory_once(tmp_path, monkeypatch):
     made (it used to verify the link's target and every candidate again); a copied `latest` is one more."""
     import shutil
 
-    from dflash_trainer import checkpoint
+    from dflash_trainer.run import checkpoint
 
     for step in (1, 2, 3):
         save_real(tmp_path, step)

@@ -16,8 +16,10 @@ import typing
 from pathlib import Path
 
 import pytest
-from dflash_trainer import bench, cli_args, eval_cli, train
+from dflash_trainer import cli_args, train
+from dflash_trainer.bench import step as bench
 from dflash_trainer.config import ConfigError, Rule, RunConfig, load_config, setting
+from dflash_trainer.eval import cli as eval_cli
 from dflash_trainer.regenerate import cli as regenerate_cli
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st

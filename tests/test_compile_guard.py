@@ -11,7 +11,7 @@ import unittest
 
 import pytest
 import torch
-from dflash_trainer.compile_guard import (
+from dflash_trainer.compile.guard import (
     compile_cache_env,
     compile_lock,
     compile_variants,
@@ -98,8 +98,8 @@ def test_compile_cache_env_and_gpu_isolation(tmp_path):
 
 
 def test_runs_share_one_compile_cache_per_user_unless_one_is_named(tmp_path, monkeypatch):
-    from dflash_trainer.compile_step import compile_cache_dir
     from dflash_trainer.config import ConfigError
+    from dflash_trainer.run.compile_step import compile_cache_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compile_cache_dir(None) == tmp_path / "xdg" / "dflash-trainer" / "compile-cache"
@@ -211,7 +211,7 @@ def test_after_the_first_rank_of_a_start_the_others_load_side_by_side(tmp_path):
 
 def test_triton_key_is_hashed_on_a_thread_and_the_switch_interval_restored():
     triton_cache = pytest.importorskip("triton.runtime.cache")
-    from dflash_trainer.compile_guard import prefetch_triton_key
+    from dflash_trainer.compile.guard import prefetch_triton_key
 
     assert prefetch_triton_key(torch.device("cpu")) is None  # nothing compiles with Inductor there
     triton_cache.triton_key.cache_clear()
@@ -225,7 +225,7 @@ def test_triton_key_is_hashed_on_a_thread_and_the_switch_interval_restored():
 
 
 def test_no_triton_means_no_thread(monkeypatch):
-    from dflash_trainer.compile_guard import prefetch_triton_key
+    from dflash_trainer.compile.guard import prefetch_triton_key
 
     monkeypatch.setitem(sys.modules, "triton.runtime.cache", None)  # `import` raises ImportError
     assert prefetch_triton_key(torch.device("cuda", 0)) is None
@@ -236,7 +236,7 @@ def test_the_thread_hashes_with_a_short_switch_interval_where_triton_is_a_stand_
     import functools
     import types
 
-    from dflash_trainer.compile_guard import prefetch_triton_key
+    from dflash_trainer.compile.guard import prefetch_triton_key
 
     seen = []
 

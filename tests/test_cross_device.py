@@ -16,8 +16,8 @@ import json
 
 import pytest
 import torch
-from dflash_trainer.eval_cli import main as eval_main
-from dflash_trainer.speculative import stop_token_ids
+from dflash_trainer.decoding.speculative import stop_token_ids
+from dflash_trainer.eval.cli import main as eval_main
 from dflash_trainer.train import run
 
 from tests.helpers.families import build_family, tokenizer_for_tests

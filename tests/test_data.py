@@ -1,8 +1,7 @@
 """Data: chat template rendering, assistant loss masks, buckets, the resumable micro-batch stream."""
 
 import pytest
-from dflash_trainer import hub
-from dflash_trainer.data import (
+from dflash_trainer.data.rows import (
     DataError,
     MicroBatches,
     bucket_for,
@@ -12,6 +11,7 @@ from dflash_trainer.data import (
     tokenize_conversation,
     tokenize_dataset,
 )
+from dflash_trainer.infra import hub
 from transformers import AutoTokenizer
 
 

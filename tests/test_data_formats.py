@@ -9,8 +9,8 @@ from pathlib import Path
 
 import datasets
 import pytest
-from dflash_trainer.data import DataError, load_rows, normalise_messages, tokenize_dataset
-from dflash_trainer.prompt_sets import load_prompt_set
+from dflash_trainer.data.prompt_sets import load_prompt_set
+from dflash_trainer.data.rows import DataError, load_rows, normalise_messages, tokenize_dataset
 from dflash_trainer.train import main
 from transformers import AutoTokenizer
 

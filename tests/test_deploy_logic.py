@@ -152,7 +152,7 @@ def test_regenerate_and_eval_jobs_render(rendered):
     ev = json.loads((tmp_path / "eval" / "launch.json").read_text())
     # one process on one GPU; a failure is not retried (the same inputs fail the same way)
     assert ev["job"] == "eval" and ev["max_restarts"] == 0
-    assert ev["argv"] == ["/opt/venv/bin/python", "-m", "dflash_trainer.eval_cli", "--run", "/srv/d/runs/default",
+    assert ev["argv"] == ["/opt/venv/bin/python", "-m", "dflash_trainer.eval", "--run", "/srv/d/runs/default",
                           "--out", "/srv/d/runs/default/eval", "--device", "cuda",
                           "--prompts", "/srv/d/data/mt-bench.jsonl", "--limit", "80"]
     units = {job: (tmp_path / job / "dflash-job.service").read_text().splitlines() for job in ("regenerate", "eval")}

@@ -236,7 +236,7 @@ def test_drift_offline_reports_the_moved_package_and_what_broke(locked_project, 
 
 def test_a_deprecation_warning_from_our_code_fails_the_test_and_a_library_one_does_not():
     with pytest.raises(DeprecationWarning):
-        warnings.warn_explicit("old call", DeprecationWarning, "model.py", 1, module="dflash_trainer.model")
+        warnings.warn_explicit("old call", DeprecationWarning, "model.py", 1, module="dflash_trainer.model.drafter")
     with pytest.raises(DeprecationWarning):
         warnings.warn_explicit("old call", DeprecationWarning, "pve_lxc.py", 1,
                                module="ansible_collections.dflash.proxmox.plugins.modules.pve_lxc")

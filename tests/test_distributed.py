@@ -17,9 +17,9 @@ import time
 import pytest
 import torch
 from dflash_run.procs import torchrun_workers
-from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.config import load_config
-from dflash_trainer.model import DFlashDrafter
+from dflash_trainer.model.drafter import DFlashDrafter
+from dflash_trainer.run import checkpoint as ckpt
 from dflash_trainer.train import run
 
 pytestmark = pytest.mark.slow
@@ -132,8 +132,8 @@ def test_offline_fsdp_drafters_match_one_process_and_resume(tiny_target, tmp_pat
     summary = json.loads((out / "summary.json").read_text())
     assert summary["losses"] == pytest.approx(colocated_accum2["losses"], rel=1e-4)
     # the checkpoint holds the whole drafter (a plain HF directory) and the fp32 masters + AdamW state
-    from dflash_trainer.checkpoint import load_train_state
-    from dflash_trainer.model import DFlashDrafter
+    from dflash_trainer.model.drafter import DFlashDrafter
+    from dflash_trainer.run.checkpoint import load_train_state
 
     step2 = out / "checkpoints" / "step-00000002"
     whole = DFlashDrafter.from_pretrained(step2)

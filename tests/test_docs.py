@@ -21,12 +21,12 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 EXAMPLE_SETTINGS = REPO / "inventory" / "example" / "group_vars" / "all" / "proxmox.yml"
 
 # The programs the docs show, by the module that parses their command line.
-CONSOLE_SCRIPTS = {"dflash-train": "dflash_trainer.train", "dflash-eval": "dflash_trainer.eval_cli",
+CONSOLE_SCRIPTS = {"dflash-train": "dflash_trainer.train", "dflash-eval": "dflash_trainer.eval.cli",
                    "dflash-regenerate": "dflash_trainer.regenerate", "dflash-doctor": "dflash_image.doctor"}
 # make variables that carry a module's flags (Makefile).
-MAKE_ARGS = {"TRAIN_ARGS": "dflash_trainer.train", "EVAL_ARGS": "dflash_trainer.eval_cli",
-             "REGEN_ARGS": "dflash_trainer.regenerate", "BENCH_ARGS": "dflash_trainer.bench",
-             "STARTUP_ARGS": "dflash_trainer.bench_startup", "REGEN_BENCH_ARGS": "dflash_trainer.regenerate.bench"}
+MAKE_ARGS = {"TRAIN_ARGS": "dflash_trainer.train", "EVAL_ARGS": "dflash_trainer.eval.cli",
+             "REGEN_ARGS": "dflash_trainer.regenerate", "BENCH_ARGS": "dflash_trainer.bench.step",
+             "STARTUP_ARGS": "dflash_trainer.bench.startup", "REGEN_BENCH_ARGS": "dflash_trainer.bench.regenerate"}
 FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 PROGRAM = re.compile(r"^(make|torchrun|python3?|\S*/python3?|dflash-[a-z]+)\s")
 
@@ -144,8 +144,8 @@ def help_texts(modules: tuple[str, ...]) -> dict[str, str]:
 
 def test_the_docs_show_commands_of_every_kind():
     found = uses()
-    assert {"dflash_trainer.train", "dflash_trainer.eval_cli", "dflash_trainer.regenerate",
-            "dflash_trainer.bench"} <= set(found), sorted(found)
+    assert {"dflash_trainer.train", "dflash_trainer.eval.cli", "dflash_trainer.regenerate",
+            "dflash_trainer.bench.step"} <= set(found), sorted(found)
     assert sum(1 for _, _, words in shown_commands() if words[0] == "make") > 30
 
 

@@ -13,12 +13,12 @@ from unittest import mock
 import pytest
 import torch
 from dflash_trainer.config import load_config
-from dflash_trainer.eval_cli import EvalError, main, run_defaults
-from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
-from dflash_trainer.optim import MasterWeightAdamW
-from dflash_trainer.prompts import prompt_messages, render_prompt, row_messages
-from dflash_trainer.speculative import greedy_generate, stop_token_ids
-from dflash_trainer.target import FrozenTarget
+from dflash_trainer.data.prompts import prompt_messages, render_prompt, row_messages
+from dflash_trainer.decoding.speculative import greedy_generate, stop_token_ids
+from dflash_trainer.eval.cli import EvalError, main, run_defaults
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config
+from dflash_trainer.model.optim import MasterWeightAdamW
+from dflash_trainer.target.frozen import FrozenTarget
 from dflash_trainer.train import run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -262,7 +262,7 @@ def test_an_unwritable_out_is_refused_before_the_evaluation_runs(drafter_dir, ti
     with tmpfs(tmp_path / "ro", "1m", read_only=True) as mnt:
         argv = ["--drafter", str(drafter_dir), "--target", tiny_target["target"], "--out", str(mnt / "a" / "out"),
                 "--prompts", tiny_target["eval"]]
-        with mock.patch("dflash_trainer.eval_cli.evaluate") as evaluate:
+        with mock.patch("dflash_trainer.eval.cli.evaluate") as evaluate:
             assert main(argv) == 1
         evaluate.assert_not_called()
         err = " ".join(capsys.readouterr().err.split())
@@ -317,7 +317,7 @@ def test_a_disk_that_fills_at_the_figure_keeps_the_earlier_figure_whole(evaluate
 
 
 def test_a_missing_target_is_refused_without_waiting_on_the_hub(drafter_dir, tmp_path, monkeypatch, capsys):
-    from dflash_trainer import hub
+    from dflash_trainer.infra import hub
 
     monkeypatch.setattr(hub, "offline", lambda: True)
     monkeypatch.chdir(tmp_path)
@@ -346,7 +346,7 @@ def test_prompt_sets_are_named_by_file_or_by_name(drafter_dir, tiny_target, tmp_
 
 
 def test_a_divergence_is_an_error_unless_the_targets_two_tokens_tie_within_rounding(models, tiny_target):
-    from dflash_trainer.eval_cli import OutputMismatch, compare
+    from dflash_trainer.eval.cli import OutputMismatch, compare
 
     tokenizer, model = models
     target = FrozenTarget(model, [0])
@@ -370,7 +370,7 @@ def test_a_divergence_is_an_error_unless_the_targets_two_tokens_tie_within_round
 def test_a_runs_stored_paths_resolve_from_any_directory(tmp_path, monkeypatch):
     """A run stores paths inside it relative to it (the embedded default's target is OUT/embedded/target):
     --run reads them back against the run directory, wherever the evaluation starts."""
-    from dflash_trainer import run_dir
+    from dflash_trainer.run import run_dir
 
     out = tmp_path / "run"
     for sub in ("embedded/target", "embedded/data", "drafter"):
@@ -400,8 +400,8 @@ def test_fast_loops_give_the_reference_loops_tokens_and_acceptance_lengths(model
                                                                             monkeypatch):
     """fast_decode (static slot cache; eager on a CPU) against speculative.py's loops, at batch 1 and 3: rows
     of a batch accept different lengths, and a cache too short for their holes is packed on the way."""
-    from dflash_trainer import fast_decode
-    from dflash_trainer.speculative import speculative_generate
+    from dflash_trainer.decoding import fast as fast_decode
+    from dflash_trainer.decoding.speculative import speculative_generate
 
     tokenizer, model = models
     drafter = DFlashDrafter.from_pretrained(drafter_dir).eval()

@@ -17,11 +17,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_speculative_vs_target_only_wall_time_at_the_8b_shape(tmp_path):
-    from dflash_trainer.bench import PRESETS, make_assets
+    from dflash_trainer.bench.step import PRESETS, make_assets
+    from dflash_trainer.data.held_out import distinct_prompts
     from dflash_trainer.embedded import read_corpus
-    from dflash_trainer.eval_cli import main
-    from dflash_trainer.held_out import distinct_prompts
-    from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
+    from dflash_trainer.eval.cli import main
+    from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config
     from transformers import AutoConfig
 
     assets = Path(os.environ.get("DFLASH_BENCH_ASSETS") or tmp_path / "assets")
@@ -56,8 +56,8 @@ def test_speculative_vs_target_only_wall_time_at_the_8b_shape(tmp_path):
 def test_fast_loops_replayed_as_cuda_graphs_equal_the_reference_loops(family, tmp_path):
     """On a GPU the fast loops' steps are recorded as CUDA graphs; in float32 their tokens and acceptance
     lengths are the eager reference loops', at batch 1 and 2 (gemma3: sliding-window layers rolled back)."""
-    from dflash_trainer.fast_decode import FastDecoding
-    from dflash_trainer.speculative import greedy_generate, speculative_generate
+    from dflash_trainer.decoding.fast import FastDecoding
+    from dflash_trainer.decoding.speculative import greedy_generate, speculative_generate
 
     from tests.helpers.families import tokenizer_for_tests
     from tests.test_speculative_fast import target_and_drafter

@@ -16,22 +16,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dflash_trainer.config import ConfigError, load_config
-from dflash_trainer.eval_cli import main as eval_main
-from dflash_trainer.loading import check_inputs
-from dflash_trainer.loss import chunked_block_loss
-from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config, shape_logits
-from dflash_trainer.optim import MasterWeightAdamW
+from dflash_trainer.decoding.speculative import greedy_generate, stop_token_ids
+from dflash_trainer.eval.cli import main as eval_main
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config, shape_logits
+from dflash_trainer.model.loss import chunked_block_loss
+from dflash_trainer.model.optim import MasterWeightAdamW
 from dflash_trainer.regenerate import regenerate_rows
 from dflash_trainer.regenerate.engine_hf import HFEngine
 from dflash_trainer.regenerate.sampling import Sampling
-from dflash_trainer.speculative import greedy_generate, stop_token_ids
-from dflash_trainer.target import (
+from dflash_trainer.run.loading import check_inputs
+from dflash_trainer.run.target_rank import dump_features
+from dflash_trainer.target.frozen import (
     FrozenTarget,
     attention_implementation,
     check_supported_target,
     meta_skeleton,
 )
-from dflash_trainer.target_rank import dump_features
 from dflash_trainer.train import run
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -120,8 +120,8 @@ def test_drafter_config_derives_from_the_family(family, tokenizer):
 
 
 def prompts_for(tokenizer, count: int = 2) -> list[list[int]]:
+    from dflash_trainer.data.prompts import prompt_messages, render_prompt
     from dflash_trainer.embedded import read_corpus
-    from dflash_trainer.prompts import prompt_messages, render_prompt
 
     return [render_prompt(tokenizer, prompt_messages(c)) for c in read_corpus()[:count]]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash_trainer.loading import load_target
-from dflash_trainer.serve_check import serving_features
+from dflash_trainer.run.loading import load_target
+from dflash_trainer.run.serve_check import serving_features
 
 from tests.helpers.families import FAMILIES, WINDOW, build_family, tokenizer_for_tests
 

@@ -22,10 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from dflash_trainer import checkpoint as ckpt
-from dflash_trainer import hub
 from dflash_trainer.config import RunConfig, load_config
-from dflash_trainer.loading import check_target, target_config
+from dflash_trainer.infra import hub
+from dflash_trainer.run import checkpoint as ckpt
+from dflash_trainer.run.loading import check_target, target_config
 from dflash_trainer.train import main
 
 from tests.helpers.mounts import tmpfs

@@ -5,8 +5,8 @@ same FP8 values, dequantized in fp32 (fp8.fp8_matmul; tests/test_gpu.py checks t
 import pytest
 import torch
 from dflash_trainer.config import ConfigError, load_config
-from dflash_trainer.fp8 import FP8, Float8Linear, check_fp8_device, quantize_linears
-from dflash_trainer.target import FrozenTarget
+from dflash_trainer.target.fp8 import FP8, Float8Linear, check_fp8_device, quantize_linears
+from dflash_trainer.target.frozen import FrozenTarget
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -55,7 +55,7 @@ def test_a_checkpoints_own_quantized_layers_are_left_alone_and_a_quantized_check
     import json
     import shutil
 
-    from dflash_trainer.loading import check_inputs
+    from dflash_trainer.run.loading import check_inputs
 
     from tests.test_train import tiny_config
 
@@ -96,7 +96,7 @@ def test_gpus_without_fp8_tensor_cores_are_refused_with_the_fix():
 def test_a_run_on_a_gpu_without_fp8_stops_before_reading_the_target(tiny_target, monkeypatch):
     """The refusal is a config error (exit 2 from the trainer), raised before the target's weights are read."""
     import transformers
-    from dflash_trainer.loading import load_target
+    from dflash_trainer.run.loading import load_target
 
     def read(*args, **kwargs):
         raise AssertionError("the target was read before the refusal")
@@ -147,8 +147,8 @@ def test_a_colocated_run_trains_on_the_fp8_targets_features_and_dumps_and_evalua
                                                                                      capsys):
     import json
 
-    from dflash_trainer.eval_cli import main as eval_main
-    from dflash_trainer.target_rank import dump_features
+    from dflash_trainer.eval.cli import main as eval_main
+    from dflash_trainer.run.target_rank import dump_features
     from dflash_trainer.train import run
 
     from tests.test_train import tiny_config

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from dflash_trainer.gc_pause import gc_paused
+from dflash_trainer.infra.gc_pause import gc_paused
 
 
 def test_paused_inside_then_frozen_and_enabled_again():
@@ -46,7 +46,7 @@ def test_a_collector_that_was_off_stays_off_and_an_error_still_restores():
 # A Python that imports torch and transformers per entry point: test-fast checks the trainer's, the slow
 # tests the other two.
 @pytest.mark.parametrize("entry_point", ["dflash_trainer.train",
-                                         pytest.param("dflash_trainer.eval_cli", marks=pytest.mark.slow),
+                                         pytest.param("dflash_trainer.eval.cli", marks=pytest.mark.slow),
                                          pytest.param("dflash_trainer.regenerate.cli", marks=pytest.mark.slow)])
 def test_each_entry_point_imports_with_the_collector_paused_and_leaves_it_on(entry_point):
     code = (f"import gc, {entry_point}; "

@@ -11,10 +11,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_flex_equals_dense_reference_forward_and_backward_on_gpu():
-    from dflash_trainer.anchors import build_blocks, sample_anchors
-    from dflash_trainer.compile_guard import leave_run_phase
-    from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
-    from dflash_trainer.objective import COMPILED_FUSE, COMPILED_LAYER, COMPILED_NORM, block_attention
+    from dflash_trainer.compile.guard import leave_run_phase
+    from dflash_trainer.model.anchors import build_blocks, sample_anchors
+    from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config
+    from dflash_trainer.model.objective import COMPILED_FUSE, COMPILED_LAYER, COMPILED_NORM, block_attention
     from transformers import Qwen3Config
 
     torch.manual_seed(0)
@@ -52,8 +52,8 @@ def test_flex_equals_dense_reference_forward_and_backward_on_gpu():
 
 
 def test_compiled_loss_kernel_equals_the_reference_on_gpu():
-    from dflash_trainer.compile_guard import leave_run_phase
-    from dflash_trainer.loss import chunked_block_loss
+    from dflash_trainer.compile.guard import leave_run_phase
+    from dflash_trainer.model.loss import chunked_block_loss
 
     leave_run_phase()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -74,8 +74,8 @@ def test_compiled_loss_kernel_equals_the_reference_on_gpu():
 def test_triton_ce_kernel_equals_the_reference_on_gpu():
     """Several column blocks with a ragged last one, ties for the argmax (torch's first-index rule)
     across blocks, a label at the last column and zero weights."""
-    from dflash_trainer.ce_kernel import BLOCK, ce_and_grad_
-    from dflash_trainer.loss import ce_and_grad
+    from dflash_trainer.model.ce_kernel import BLOCK, ce_and_grad_
+    from dflash_trainer.model.loss import ce_and_grad
 
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, vocab = 64, 2 * BLOCK + 1234
@@ -100,7 +100,7 @@ def test_fused_optimizer_step_equals_the_cpu_path(moments_dtype):
     """The compiled one-pass update against the CPU path (eager: torch's AdamW for fp32 moments, the same
     update for bf16 ones). bf16 moments: a last-bit difference in fp32 can round a moment the other way,
     within the bound of tests/test_optim.py (steps * lr * 2^-5)."""
-    from dflash_trainer.optim import MasterWeightAdamW
+    from dflash_trainer.model.optim import MasterWeightAdamW
 
     g = torch.Generator().manual_seed(0)
     init = [torch.randn(s, generator=g).bfloat16() for s in [(64, 32), (32,), (7, 9)]]
@@ -142,7 +142,7 @@ def test_clock_sampler_reads_the_real_nvidia_smi_under_load():
     import shutil
     import time
 
-    from dflash_trainer.gpu_clock import ClockSampler
+    from dflash_trainer.infra.gpu_clock import ClockSampler
 
     if shutil.which("nvidia-smi") is None:
         pytest.skip("no nvidia-smi on PATH")
@@ -165,7 +165,7 @@ def test_clock_sampler_reads_the_real_nvidia_smi_under_load():
 def test_the_fp8_target_compiled_on_gpu_equals_its_eager_forward_and_stays_near_bf16():
     import copy
 
-    from dflash_trainer.target import FrozenTarget
+    from dflash_trainer.target.frozen import FrozenTarget
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -189,7 +189,7 @@ def test_the_fp8_target_compiled_on_gpu_equals_its_eager_forward_and_stays_near_
 
 def test_the_fp8_tensor_core_gemm_equals_the_dequantized_product():
     """The CPU path (and the tests) emulate the FP8 GEMM by dequantizing: the GPU's _scaled_mm agrees."""
-    from dflash_trainer.fp8 import Float8Linear, _row_scales, _to_fp8, fp8_matmul
+    from dflash_trainer.target.fp8 import Float8Linear, _row_scales, _to_fp8, fp8_matmul
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(1024, 768, device="cuda", dtype=torch.bfloat16)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from dflash_trainer.gpu_clock import BASIC_QUERY, QUERY, ClockSampler, Sample, parse_sample, summarize
+from dflash_trainer.infra.gpu_clock import BASIC_QUERY, QUERY, ClockSampler, Sample, parse_sample, summarize
 
 
 @pytest.mark.parametrize("line, expected", [

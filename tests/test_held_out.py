@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 from dflash_trainer.config import load_config
-from dflash_trainer.data import tokenize_conversation
+from dflash_trainer.data.held_out import distinct_prompts
+from dflash_trainer.data.prompts import prompt_messages
+from dflash_trainer.data.rows import tokenize_conversation
 from dflash_trainer.embedded import build_embedded, read_corpus
-from dflash_trainer.held_out import distinct_prompts
-from dflash_trainer.loading import load_data, prompt_of
-from dflash_trainer.prompts import prompt_messages
+from dflash_trainer.run.loading import load_data, prompt_of
 from transformers import AutoTokenizer
 
 
@@ -53,7 +53,7 @@ def test_an_eval_set_that_overlaps_the_training_set_is_named(tiny_target, tmp_pa
 
 
 def test_a_single_prompt_cannot_be_split(tiny_target, tmp_path):
-    from dflash_trainer.data import DataError
+    from dflash_trainer.data.rows import DataError
 
     train = tmp_path / "one.jsonl"
     train.write_text((json.dumps({"messages": read_corpus()[0]}) + "\n") * 4)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dflash_trainer.anchors import build_blocks, sample_anchors
-from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
-from dflash_trainer.objective import block_attention
+from dflash_trainer.model.anchors import build_blocks, sample_anchors
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config
+from dflash_trainer.model.objective import block_attention
 from transformers import Qwen3Config
 
 VOCAB = 97
@@ -117,7 +117,7 @@ def test_flex_equals_dense_reference_at_batch_shapes_on_gpu(batch, head_dim, kv_
     error does not stay within it."""
     import copy
 
-    from dflash_trainer.objective import COMPILED_FUSE, COMPILED_LAYER, COMPILED_NORM
+    from dflash_trainer.model.objective import COMPILED_FUSE, COMPILED_LAYER, COMPILED_NORM
 
     drafter, blocks, feats, embeds, pos = make_case("cuda", batch, ctx_len=300, head_dim=head_dim,
                                                     kv_heads=kv_heads, block=16, anchors=12)
@@ -152,7 +152,7 @@ def test_flex_equals_dense_reference_at_batch_shapes_on_gpu(batch, head_dim, kv_
 @pytest.mark.parametrize("batch", [1])
 @pytest.mark.usefixtures("_gpu_run_phase_left")
 def test_flex_reads_no_feature_at_or_after_an_anchor_nor_another_row_on_gpu(batch):
-    from dflash_trainer.objective import COMPILED_LAYER
+    from dflash_trainer.model.objective import COMPILED_LAYER
 
     drafter, blocks, feats, embeds, pos = make_case("cuda", batch, ctx_len=300, head_dim=256, kv_heads=1,
                                                     block=16, anchors=6)
@@ -161,6 +161,6 @@ def test_flex_reads_no_feature_at_or_after_an_anchor_nor_another_row_on_gpu(batc
 
 @pytest.fixture
 def _gpu_run_phase_left():
-    from dflash_trainer.compile_guard import leave_run_phase
+    from dflash_trainer.compile.guard import leave_run_phase
 
     leave_run_phase()

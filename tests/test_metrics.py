@@ -3,7 +3,7 @@
 import sys
 import types
 
-from dflash_trainer.metrics import Metrics
+from dflash_trainer.infra.metrics import Metrics
 
 
 class FakeRun:

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-from dflash_trainer.model import DFlashDrafter, DrafterShape, build_target_layer_ids, drafter_config
-from dflash_trainer.objective import sdpa_attention
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, build_target_layer_ids, drafter_config
+from dflash_trainer.model.objective import sdpa_attention
 from transformers import Qwen3Config
 
 TINY_TARGET = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8,

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from dflash_trainer.anchors import build_blocks, default_gamma, sample_anchors
-from dflash_trainer.loss import chunked_block_loss
-from dflash_trainer.mask import dense_mask, dflash_block_mask
+from dflash_trainer.model.anchors import build_blocks, default_gamma, sample_anchors
+from dflash_trainer.model.loss import chunked_block_loss
+from dflash_trainer.model.mask import dense_mask, dflash_block_mask
 from torch.nn.attention.flex_attention import BlockMask
 
 from tests.helpers.attention import reference_block_mask
@@ -154,8 +154,8 @@ def test_chunked_loss_refuses_a_trainable_head():
 @pytest.mark.slow
 def test_flex_path_equals_dense_sdpa_reference_on_cpu():
     """The drafter with compiled flex_attention (CPU: forward only) equals the SDPA reference."""
-    from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
-    from dflash_trainer.objective import block_attention
+    from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config
+    from dflash_trainer.model.objective import block_attention
     from transformers import Qwen3Config
 
     torch.manual_seed(0)
@@ -177,8 +177,8 @@ def test_flex_path_equals_dense_sdpa_reference_on_cpu():
 
 def test_prepare_micro_batch_is_the_helpers_in_order():
     """The train loop, the compile step's probe and the bench all build a micro-batch through it."""
-    from dflash_trainer.model import DrafterShape, drafter_config
-    from dflash_trainer.objective import prepare_micro_batch
+    from dflash_trainer.model.drafter import DrafterShape, drafter_config
+    from dflash_trainer.model.objective import prepare_micro_batch
     from transformers import Qwen3Config
 
     g = torch.Generator().manual_seed(3)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from dflash_trainer.optim import MasterWeightAdamW
+from dflash_trainer.model.optim import MasterWeightAdamW
 
 
 def reference_step(params_fp32, grads, scale, max_norm, opt):
@@ -89,8 +89,8 @@ def test_precompile_compiles_the_one_graph_every_parameter_uses(moments_dtype):
     """After precompile() (scratch tensors) the real parameters -- 1-D and 2-D, gradients that are views
     into a bucket as under DDP -- must hit the same graph: a recompile would fail the run after the
     compile step. The scratch moments are in the optimizer's moments dtype (a graph is per dtype)."""
-    from dflash_trainer.compile_guard import leave_run_phase
-    from dflash_trainer.optim import adamw_one_pass_
+    from dflash_trainer.compile.guard import leave_run_phase
+    from dflash_trainer.model.optim import adamw_one_pass_
 
     torch._dynamo.reset()
     params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for s in [(64, 32), (128,), (30, 60)]]
@@ -119,7 +119,7 @@ def test_the_schedule_after_a_one_pass_step_does_not_warn_of_a_skipped_step():
     mark it leaves, every GPU run printed "lr_scheduler.step() before optimizer.step()"."""
     import warnings
 
-    from dflash_trainer.optim import warmup_cosine
+    from dflash_trainer.model.optim import warmup_cosine
 
     params = [torch.nn.Parameter(torch.randn(8, 4).bfloat16())]
     opt = MasterWeightAdamW(params, lr=1e-2, one_pass=True)
@@ -165,7 +165,7 @@ def _steps(opt, model, grads, scales):
 def test_default_fp32_moments_update_is_bit_identical_to_the_update_before(compiled):
     """The kernel now reads the moments into fp32 and writes them back; with fp32 moments (the default) that
     is the old in-place update value for value, eagerly (CPUs) and through Inductor (GPUs compile it)."""
-    from dflash_trainer.optim import adamw_one_pass_
+    from dflash_trainer.model.optim import adamw_one_pass_
 
     g = torch.Generator().manual_seed(3)
     n = 4099

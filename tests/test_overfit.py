@@ -6,10 +6,10 @@ reproduce it under real speculative decoding against the target.
 """
 
 import torch
-from dflash_trainer.evaluate import evaluate_tau, speculative_generate
-from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
-from dflash_trainer.optim import MasterWeightAdamW
-from dflash_trainer.target import FrozenTarget
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config
+from dflash_trainer.model.optim import MasterWeightAdamW
+from dflash_trainer.run.evaluate import evaluate_tau, speculative_generate
+from dflash_trainer.target.frozen import FrozenTarget
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers.training import sdpa_step

@@ -82,7 +82,7 @@ def test_evaluation_writes_a_line_per_prompt_set_and_status_shows_the_last(train
     out = tmp_path / "eval"
     second = tmp_path / "more.jsonl"
     second.write_text("".join(Path(tiny_target["eval"]).read_text().splitlines(keepends=True)[:2]))
-    proc = subprocess.run([sys.executable, "-m", "dflash_trainer.eval_cli", "--run", str(run_dir), "--prompts",
+    proc = subprocess.run([sys.executable, "-m", "dflash_trainer.eval", "--run", str(run_dir), "--prompts",
                            str(run_dir / "eval_prompts.jsonl"), str(second), "--out", str(out), "--max-new-tokens", "4"],
                           capture_output=True, text=True, timeout=600, env=ENV, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,8 +1,7 @@
 """Prompts from chat rows and prompt/question rows, rendered with the target's chat template."""
 
 import pytest
-from dflash_trainer.data import DataError
-from dflash_trainer.prompts import (
+from dflash_trainer.data.prompts import (
     check_chat_template,
     prompt_messages,
     render_prompt,
@@ -10,6 +9,7 @@ from dflash_trainer.prompts import (
     row_messages,
     user_turns,
 )
+from dflash_trainer.data.rows import DataError
 from transformers import AutoTokenizer
 
 
@@ -41,8 +41,8 @@ def test_render_matches_the_chat_template_and_a_missing_template_is_named(tiny_t
 
 
 def test_prompt_sources_are_classified_as_data_py_does_and_errors_name_the_flag(tmp_path, monkeypatch):
-    from dflash_trainer import hub
-    from dflash_trainer.prompt_sets import default_name, is_local, load_source
+    from dflash_trainer.data.prompt_sets import default_name, is_local, load_source
+    from dflash_trainer.infra import hub
 
     monkeypatch.setattr(hub, "offline", lambda: True)
     monkeypatch.chdir(tmp_path)

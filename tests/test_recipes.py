@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import transformers as hf
 from dflash_trainer.config import load_config
-from dflash_trainer.model import DrafterShape, build_target_layer_ids, drafter_config, text_config
+from dflash_trainer.model.drafter import DrafterShape, build_target_layer_ids, drafter_config, text_config
 
 ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

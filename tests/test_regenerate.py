@@ -17,18 +17,25 @@ from itertools import pairwise
 
 import pytest
 import torch
-from dflash_trainer.data import DataError
-from dflash_trainer.decode_buckets import BUCKETS, bucket
-from dflash_trainer.prompts import answer_slots, prompt_messages, render_prompt, row_messages, slot_indices
-from dflash_trainer.regenerate import bench, cli
+from dflash_trainer.bench import regenerate as bench
+from dflash_trainer.data.prompts import (
+    answer_slots,
+    prompt_messages,
+    render_prompt,
+    row_messages,
+    slot_indices,
+)
+from dflash_trainer.data.rows import DataError
+from dflash_trainer.decoding.buckets import BUCKETS, bucket
+from dflash_trainer.decoding.speculative import stop_token_ids
+from dflash_trainer.infra.storage import StorageError
+from dflash_trainer.regenerate import cli
 from dflash_trainer.regenerate.cli import main
 from dflash_trainer.regenerate.engine_hf import HFEngine
 from dflash_trainer.regenerate.plan import DUPLICATE, NO_CHAT, NO_USER_TURN, check_plan, make_plan
 from dflash_trainer.regenerate.sampling import Sampling, draw, nucleus, row_seed
 from dflash_trainer.regenerate.shards import MANIFEST, OutputDir
 from dflash_trainer.regenerate.summary import Figures, collect
-from dflash_trainer.speculative import stop_token_ids
-from dflash_trainer.storage import StorageError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers.mounts import tmpfs
@@ -412,7 +419,7 @@ def test_an_out_that_is_a_file_or_read_only_is_refused_before_the_weights_load(t
 
 
 def test_a_missing_relative_target_is_refused_without_waiting_on_the_hub(tiny_target, tmp_path, monkeypatch, capsys):
-    from dflash_trainer import hub
+    from dflash_trainer.infra import hub
 
     monkeypatch.setattr(hub, "offline", lambda: True)
     monkeypatch.chdir(tmp_path)

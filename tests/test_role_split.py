@@ -1,10 +1,10 @@
 """The T:D split advice: who waits for whom, and the split that moves the most micro-batches per second."""
 
 import pytest
-from dflash_trainer import parallel
 from dflash_trainer.config import ConfigError
-from dflash_trainer.parallel import SplitWindow, drafter_side_advice, split_advice, suggest_split
-from dflash_trainer.sources import Wait
+from dflash_trainer.distributed import parallel
+from dflash_trainer.distributed.parallel import SplitWindow, drafter_side_advice, split_advice, suggest_split
+from dflash_trainer.distributed.sources import Wait
 from dflash_trainer.train import explain
 
 

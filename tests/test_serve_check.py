@@ -7,11 +7,11 @@ a drafter scores well on the features it trained on and badly on the target's ow
 
 import torch
 from dflash_trainer.config import load_config
-from dflash_trainer.data import Batch
-from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
-from dflash_trainer.optim import MasterWeightAdamW
-from dflash_trainer.serve_check import GAP_FLAG, check_published, serving_features
-from dflash_trainer.target import FrozenTarget
+from dflash_trainer.data.rows import Batch
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config
+from dflash_trainer.model.optim import MasterWeightAdamW
+from dflash_trainer.run.serve_check import GAP_FLAG, check_published, serving_features
+from dflash_trainer.target.frozen import FrozenTarget
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers.training import sdpa_step

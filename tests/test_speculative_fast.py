@@ -8,10 +8,10 @@ with two prompts per verify step.
 
 import pytest
 import torch
-from dflash_trainer.fast_decode import FastDecoding, layer_kinds
-from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
-from dflash_trainer.speculative import greedy_generate, speculative_generate
-from dflash_trainer.target import FrozenTarget, attention_implementation, meta_skeleton
+from dflash_trainer.decoding.fast import FastDecoding, layer_kinds
+from dflash_trainer.decoding.speculative import greedy_generate, speculative_generate
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config
+from dflash_trainer.target.frozen import FrozenTarget, attention_implementation, meta_skeleton
 from transformers import AutoModelForCausalLM
 
 from tests.helpers.families import WINDOW, build_family, tokenizer_for_tests

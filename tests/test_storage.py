@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 
 import pytest
-from dflash_trainer import storage
+from dflash_trainer.infra import storage
 
 from tests.helpers.mounts import tmpfs
 
@@ -76,7 +76,7 @@ def test_publish_file_replaces_the_file_in_one_step_and_a_failed_write_leaves_th
 
 def test_dumped_features_read_back_and_a_full_disk_is_said_in_words(tmp_path):
     import torch
-    from dflash_trainer import features
+    from dflash_trainer.data import features
 
     batch = {"features": torch.arange(24, dtype=torch.bfloat16).view(2, 3, 4).transpose(1, 2),  # not contiguous
              "input_ids": torch.tensor([[1, 2, 3], [4, 5, 6]])}

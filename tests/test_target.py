@@ -3,7 +3,7 @@ own forward with an attention mask, on right-padded batches, and equals HF's hid
 
 import pytest
 import torch
-from dflash_trainer.target import FrozenTarget, tapped_forward_supported
+from dflash_trainer.target.frozen import FrozenTarget, tapped_forward_supported
 from transformers import AutoModelForCausalLM
 
 
@@ -38,7 +38,7 @@ def test_compiled_layers_trace_after_transformers_installed_its_capture_hooks(ti
     """transformers hooks every submodule at the first forward that captures outputs (evaluation asks
     for hidden_states); those hooks cannot be traced, so the tapped forward suspends them."""
     import torch._dynamo
-    from dflash_trainer.target import call_target_layer, hooks_suspended
+    from dflash_trainer.target.frozen import call_target_layer, hooks_suspended
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target["target"], attn_implementation="sdpa")
     ids = torch.randint(model.config.vocab_size, (1, 16))
@@ -65,7 +65,7 @@ def test_the_embedding_and_head_are_read_in_the_background_and_equal_the_target(
     import shutil
 
     from dflash_trainer.config import ConfigError
-    from dflash_trainer.target import load_embed_and_head
+    from dflash_trainer.target.frozen import load_embed_and_head
     from safetensors.torch import load_file, save_file
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target["target"])
@@ -96,7 +96,7 @@ def test_the_embedding_and_head_are_read_in_the_background_and_equal_the_target(
 
 
 def test_a_failed_background_read_is_raised_by_wait(tmp_path):
-    from dflash_trainer.target import BorrowedWeights
+    from dflash_trainer.target.frozen import BorrowedWeights
 
     t = torch.empty(4)
     borrowed = BorrowedWeights(t, t, [(t, str(tmp_path / "gone.safetensors"), "w")])

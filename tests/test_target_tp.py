@@ -16,9 +16,10 @@ import tempfile
 import pytest
 import torch
 from dflash_trainer.config import ConfigError, load_config
-from dflash_trainer.parallel import split_advice, suggest_split
-from dflash_trainer.target import meta_skeleton
-from dflash_trainer.target_tp import (
+from dflash_trainer.distributed.parallel import split_advice, suggest_split
+from dflash_trainer.distributed.transport import Roles
+from dflash_trainer.target.frozen import meta_skeleton
+from dflash_trainer.target.tensor_parallel import (
     check_target_fits,
     check_tp_shape,
     config_plan,
@@ -28,7 +29,6 @@ from dflash_trainer.target_tp import (
     valid_tp_sizes,
 )
 from dflash_trainer.train import main
-from dflash_trainer.transport import Roles
 
 from tests.test_distributed import overrides, torchrun
 
@@ -157,8 +157,8 @@ def test_the_plan_shards_attention_and_mlp_projections_and_keeps_the_rest_whole(
 
 def _features_worker(rank: int, world: int, init_file: str, results: str):
     import torch.distributed as dist
-    from dflash_trainer.target import FrozenTarget
-    from dflash_trainer.target_tp import shard_target, tp_mesh
+    from dflash_trainer.target.frozen import FrozenTarget
+    from dflash_trainer.target.tensor_parallel import shard_target, tp_mesh
     from transformers import AutoModelForCausalLM
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -191,8 +191,8 @@ def _fp8_errors(group) -> dict[str, float]:
     """target.quantization = fp8: the group's FP8 features against one rank's FP8 and against bf16."""
     import copy
 
-    from dflash_trainer.target import FrozenTarget
-    from dflash_trainer.target_tp import quantize_shards, shard_target, tp_mesh
+    from dflash_trainer.target.frozen import FrozenTarget
+    from dflash_trainer.target.tensor_parallel import quantize_shards, shard_target, tp_mesh
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -229,8 +229,8 @@ def test_a_tp2_group_computes_the_features_of_one_rank(tmp_path):
 
 def _compiled_worker(rank: int, world: int, init_file: str, results: str):
     import torch.distributed as dist
-    from dflash_trainer.target import FrozenTarget
-    from dflash_trainer.target_tp import shard_target, tp_mesh
+    from dflash_trainer.target.frozen import FrozenTarget
+    from dflash_trainer.target.tensor_parallel import shard_target, tp_mesh
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 

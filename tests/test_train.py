@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.config import ConfigError, load_config
-from dflash_trainer.model import DFlashDrafter
+from dflash_trainer.model.drafter import DFlashDrafter
+from dflash_trainer.run import checkpoint as ckpt
 from dflash_trainer.train import main, run
 
 from tests.helpers.regenerate import free_port
@@ -84,7 +84,7 @@ def counted(monkeypatch, module, name: str) -> list[tuple]:
 def test_a_resumed_start_reads_the_target_config_and_tokenizer_once(full_run, tiny_target, tmp_path, monkeypatch):
     """The resume check (the drafter the config builds against the checkpoint's) and the drafter's setup
     share one read of each: they were read twice on every rank."""
-    from dflash_trainer import loading
+    from dflash_trainer.run import loading
 
     out, summary = full_run
     resumed = tmp_path / "resumed"
@@ -241,7 +241,7 @@ def test_a_bf16_drafter_beside_an_fp32_target_trains_colocated_and_offline(tiny_
     """train.dtype = bfloat16 on the embedded default, whose target stays fp32: the borrowed embedding and
     head come in the drafter's dtype (the step and the evaluation multiplied fp32 embeddings into bf16
     layers and stopped with 'expected m1 and m2 to have the same dtype')."""
-    from dflash_trainer.target_rank import dump_features
+    from dflash_trainer.run.target_rank import dump_features
 
     bf16 = ["train.dtype=bfloat16", "train.steps=2", "train.checkpoint_every=0"]
     assert tiny_config(tiny_target, tmp_path / "x", *bf16).target.dtype == "float32"  # the premise

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
-from dflash_trainer.transport import (
+from dflash_trainer.distributed.transport import (
     FeatureReceiver,
     FeatureSender,
     Roles,
@@ -123,7 +123,7 @@ def test_bad_splits_are_explained():
 
 
 def test_header_limits_are_explained():
-    from dflash_trainer.transport import KIND_BATCH, _decode_header, _encode_header
+    from dflash_trainer.distributed.transport import KIND_BATCH, _decode_header, _encode_header
 
     batch = make_batch(4)
     header = _decode_header(_encode_header(KIND_BATCH, 4, -1, 2, batch), src=0)

@@ -42,7 +42,7 @@ TRAIN = Job("train", "training", ("dflash_trainer.train",), ("dflash-train",), "
             "trainer", "`make train` resumes from the last checkpoint")
 REGENERATE = Job("regenerate", "regeneration", ("dflash_trainer.regenerate",), ("dflash-regenerate",), "--out", (),
                  "regeneration", "`make regenerate` answers the rest (the shards written are kept)")
-EVAL = Job("eval", "evaluation", ("dflash_trainer.eval_cli",), ("dflash-eval",), "--out", (),
+EVAL = Job("eval", "evaluation", ("dflash_trainer.eval",), ("dflash-eval",), "--out", (),
            "evaluation", "`make eval` evaluates again")
 JOBS = {job.name: job for job in (TRAIN, REGENERATE, EVAL)}
 

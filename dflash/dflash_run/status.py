@@ -11,7 +11,7 @@ from .jobs import EVAL, REGENERATE, TRAIN, Job
 from .procs import alive, job_processes, of_run
 
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
-# The plain progress lines a job writes to its log (dflash_trainer.metrics): "train: step 120/3000 | ...",
+# The plain progress lines a job writes to its log (dflash_trainer.infra.metrics): "train: step 120/3000 | ...",
 # "regenerate: 40/9262 prompts | ...", "eval: gsm8k 12/32 prompts | ..." (after a "[rank0]:" tag, if any).
 PROGRESS_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?((?:train: step|regenerate:|eval: \S+) \d+/\d+.*)$")
 

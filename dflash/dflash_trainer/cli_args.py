@@ -29,8 +29,8 @@ OK, FAULT, BAD_INPUT = 0, 1, 2
 def bad_input_errors(*more: type[BaseException]) -> tuple[type[BaseException], ...]:
     """The errors whose fix is a change of input: the trainer's own, and a command's (EvalError, ...)."""
     from .config import ConfigError
-    from .data import DataError
-    from .run_dir import RunDirError
+    from .data.rows import DataError
+    from .run.run_dir import RunDirError
 
     return (ConfigError, DataError, RunDirError, *more)
 

@@ -71,7 +71,7 @@ SEED = Rule(ge=0, le=MAX_SEED)
 
 # What train.moments_dtype may be (AdamW's moments: fp32, or bf16 beside fp32 masters).
 MOMENTS_DTYPE_NAMES = ("float32", "bfloat16")
-# What target.quantization may be (fp8.py: the target's decoder layers as FP8-dynamic GEMMs).
+# What target.quantization may be (target/fp8.py: the target's decoder layers as FP8-dynamic GEMMs).
 TARGET_QUANTIZATIONS = ("none", "fp8")
 
 @dataclass
@@ -79,7 +79,7 @@ class TargetConfig:
     path: Annotated[str, PATH] = ""  # HF directory or hub id of the target; "embedded" builds the tiny one
     dtype: Annotated[str, DTYPE] = "bfloat16"  # the dtype the frozen target's weights and features run in
     # fp8: the decoder layers' GEMMs in FP8 (weights per channel, activations per token, as vLLM serves
-    # *-FP8-dynamic checkpoints): features as an FP8-served target computes them, faster (fp8.py)
+    # *-FP8-dynamic checkpoints): features as an FP8-served target computes them, faster (target/fp8.py)
     quantization: Annotated[str, Rule(choices=TARGET_QUANTIZATIONS)] = "none"
     # Run the modelling code the target's directory ships (a family transformers lacks): opt-in, recorded
     trust_remote_code: bool = False
@@ -117,7 +117,7 @@ class ParallelConfig:
     # GPUs per target: the target ranks form groups of target_tp, each holding one target sharded with tensor
     # parallelism (for targets larger than one GPU); target_ranks must be a multiple of it
     target_tp: Annotated[int, PROCESSES] = 1
-    # ddp: a full copy per drafter rank; fsdp: split across them (sharding.py)
+    # ddp: a full copy per drafter rank; fsdp: split across them (distributed/sharding.py)
     drafter_sharding: Annotated[str, Rule(choices=("ddp", "fsdp"))] = "ddp"
     prefetch: Annotated[int, Rule(ge=1, le=1024)] = 2  # micro-batches in flight per target -> drafter pair
     isolate_gpus: bool = True  # each worker sees its GPU as cuda:0: one compile cache for all ranks
@@ -468,7 +468,7 @@ def semantic_problems(c: RunConfig) -> list[str]:
                         "target.quantization = none")
     problems += parallel_problems(c)
     if c.train.moments_dtype != "float32":
-        # Only the one-pass update stores moments apart from the fp32 masters (optim.py).
+        # Only the one-pass update stores moments apart from the fp32 masters (model/optim.py).
         if c.train.dtype == "float32":
             problems.append(f"train.moments_dtype = {c.train.moments_dtype} needs low-precision parameters, and "
                             "train.dtype is float32 (the parameters are their own fp32 masters, stepped by "

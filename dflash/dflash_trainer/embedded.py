@@ -15,11 +15,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from . import parallel
 from .config import RunConfig
-from .console import console
-from .data import normalise_messages
-from .held_out import distinct_prompts
+from .data.held_out import distinct_prompts
+from .data.rows import normalise_messages
+from .distributed import parallel
+from .infra.console import console
 from .regenerate import regenerate_rows
 from .regenerate.engine_hf import HFEngine
 from .regenerate.sampling import Sampling

@@ -7,7 +7,7 @@
         --target-gpus 0 --drafter-gpus 2                                   # ... train many epochs on it
 
 A drafter rank reads top to bottom: setup (drafter, sharding, optimizer, feature source, the one
-drafter step of step.py) -> resume -> the compile step -> the loop (step, log, checkpoint, stop) ->
+drafter step of run/step.py) -> resume -> the compile step -> the loop (step, log, checkpoint, stop) ->
 finish (the published drafter, tau, the summary).
 """
 
@@ -25,24 +25,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .gc_pause import gc_paused
+from .infra.gc_pause import gc_paused
 
-with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause.py
+with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc_pause.py
     import torch
     from rich.markup import escape
     from tqdm import tqdm
 
-    from . import checkpoint as ckpt
-    from . import cli_args, parallel, run_dir, storage
-    from .compile_guard import CompileReport, leave_run_phase, prefetch_triton_key
-    from .compile_step import check_dense_fits, compile_cache_dir, compile_drafter_step
+    from . import cli_args
+    from .compile.guard import CompileReport, leave_run_phase, prefetch_triton_key
     from .config import RunConfig, check_init_from, load_config
-    from .data import MicroBatches, load_rows, tokenize_dataset
+    from .data.features import FeatureShards
+    from .data.rows import MicroBatches, load_rows, tokenize_dataset
+    from .distributed import parallel
+    from .distributed.parallel import drafter_side_advice
+    from .distributed.sharding import Replicated, Sharded, shard_drafter
+    from .distributed.sources import FeatureBatch, disk_source, local_source, remote_source
     from .embedded import resolve_target
-    from .evaluate import evaluate, evaluate_before, evaluate_saved, record_eval_prompts
-    from .features import FeatureShards
-    from .flops import peak_flops
-    from .loading import (
+    from .infra import storage
+    from .infra.metrics import Metrics, duration, eta, plain_progress, say_progress, slot_summary
+    from .model.drafter import DFlashDrafter
+    from .model.flops import peak_flops
+    from .model.optim import MasterWeightAdamW, warmup_cosine
+    from .run import checkpoint as ckpt
+    from .run import run_dir
+    from .run.compile_step import check_dense_fits, compile_cache_dir, compile_drafter_step
+    from .run.evaluate import evaluate, evaluate_before, evaluate_saved, record_eval_prompts
+    from .run.loading import (
         DTYPES,
         TargetFiles,
         attention_backend,
@@ -54,18 +63,12 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause
         new_drafter,
         read_target_files,
     )
-    from .metrics import Metrics, duration, eta, plain_progress, say_progress, slot_summary
-    from .model import DFlashDrafter
-    from .optim import MasterWeightAdamW, warmup_cosine
-    from .parallel import drafter_side_advice
-    from .serve_check import check_published
-    from .sharding import Replicated, Sharded, shard_drafter
-    from .sources import FeatureBatch, disk_source, local_source, remote_source
-    from .step import DrafterStep, StepClock, StepFigures
-    from .stop import StopRequest
-    from .summary import Startup, print_summary, write_summary
-    from .target import BorrowedWeights, FrozenTarget, load_embed_and_head
-    from .target_rank import dump_features, run_target
+    from .run.serve_check import check_published
+    from .run.step import DrafterStep, StepClock, StepFigures
+    from .run.stop import StopRequest
+    from .run.summary import Startup, print_summary, write_summary
+    from .run.target_rank import dump_features, run_target
+    from .target.frozen import BorrowedWeights, FrozenTarget, load_embed_and_head
 
 if TYPE_CHECKING:
     from transformers import Qwen3Config
@@ -169,7 +172,7 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
             source, wait_kind, samples = disk_source(shards, my_batches, DTYPES[train.dtype], device), "disk", \
                 shards.count
         else:
-            from .transport import FeatureReceiver
+            from .distributed.transport import FeatureReceiver
 
             receiver = FeatureReceiver(ctx.roles, ctx.rank, ctx.groups, device, cfg.parallel.prefetch,
                                        start=first_batch)

@@ -8,9 +8,9 @@ import importlib
 import warnings
 
 import torch
-from dflash_trainer import attention
-from dflash_trainer.attention import EAGER_FLEX_WARNING, DenseFallbackError, attend, dense_scores_bytes
-from dflash_trainer.mask import dflash_mask_mod
+from dflash_trainer.model import attention
+from dflash_trainer.model.attention import EAGER_FLEX_WARNING, DenseFallbackError, attend, dense_scores_bytes
+from dflash_trainer.model.mask import dflash_mask_mod
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 

@@ -4,7 +4,7 @@ the objective and evaluation tests use to get a drafter that has learnt somethin
 from __future__ import annotations
 
 import torch
-from dflash_trainer.objective import drafter_loss, prepare_micro_batch
+from dflash_trainer.model.objective import drafter_loss, prepare_micro_batch
 
 
 def sdpa_step(drafter, optimizer, target, ids, loss_mask, features, num_anchors: int, seed: int) -> None:
@@ -20,7 +20,7 @@ def sdpa_step(drafter, optimizer, target, ids, loss_mask, features, num_anchors:
 
 def random_drafter_dir(target_dir, out):
     """A drafter with random weights built for the target in `target_dir` (1 layer, block 4), saved in `out`."""
-    from dflash_trainer.model import DFlashDrafter, DrafterShape, drafter_config
+    from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

@@ -17,19 +17,19 @@ import os
 import sys
 from pathlib import Path
 
-from ..gc_pause import gc_paused
+from ..infra.gc_pause import gc_paused
 
-with gc_paused():  # torch's and transformers' imports, a fifth faster: gc_pause.py
+with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc_pause.py
     from rich.console import Console
     from rich.markup import escape
 
     from .. import cli_args
     from ..config import ConfigError
-    from ..data import DataError, load_rows
-    from ..loading import check_target
-    from ..prompts import check_chat_template
-    from ..speculative import stop_token_ids
-    from ..storage import StorageError
+    from ..data.prompts import check_chat_template
+    from ..data.rows import DataError, load_rows
+    from ..decoding.speculative import stop_token_ids
+    from ..infra.storage import StorageError
+    from ..run.loading import check_target
     from .driver import Stopped, World, run_chunks
     from .engine_openai import EndpointError
     from .plan import check_plan, make_plan

@@ -17,8 +17,8 @@ from datetime import timedelta
 import torch
 from tqdm import tqdm
 
-from ..metrics import PlainProgress, plain_progress, say_progress
-from ..prompts import render_prompt, slot_indices
+from ..data.prompts import render_prompt, slot_indices
+from ..infra.metrics import PlainProgress, plain_progress, say_progress
 from .answers import Request, assemble_row
 from .plan import TEMPLATE_ERRORS, Job, Plan, chunks, conversation_of
 from .sampling import Sampling, row_seed
@@ -41,7 +41,7 @@ class World:
     def start(self) -> torch.device:
         """The device this rank generates on, and (world > 1) a gloo group for barriers and the summary."""
         if self.size > 1:
-            from ..compile_guard import isolate_local_gpu
+            from ..compile.guard import isolate_local_gpu
 
             isolate_local_gpu(self.local_rank)  # each rank sees its GPU as cuda:0: one compile cache for all
             import torch.distributed as dist

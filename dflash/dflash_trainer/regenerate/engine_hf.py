@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StaticCache
 
-from ..data import DataError
-from ..decode_buckets import bucket
+from ..data.rows import DataError
+from ..decoding.buckets import bucket
 from .answers import Answer, Request, answer_from_ids
 from .sampling import Sampling, SeededSampler
 

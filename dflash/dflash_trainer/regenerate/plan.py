@@ -19,8 +19,8 @@ from itertools import islice
 from jinja2 import TemplateError
 from tqdm import tqdm
 
-from ..data import DataError
-from ..prompts import answer_slots, render_prompt, row_id, row_messages, slot_indices
+from ..data.prompts import answer_slots, render_prompt, row_id, row_messages, slot_indices
+from ..data.rows import DataError
 from .sampling import Sampling
 
 NO_USER_TURN = "no user turn"

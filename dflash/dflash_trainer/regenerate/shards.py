@@ -18,8 +18,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from .. import storage
-from ..data import DataError
+from ..data.rows import DataError
+from ..infra import storage
 from .summary import Figures
 
 MANIFEST = "regenerate.json"

@@ -1,0 +1,3 @@
+from .step import main
+
+raise SystemExit(main())

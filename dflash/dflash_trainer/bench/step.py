@@ -1,0 +1,400 @@
+"""Drafter-step benchmark: `make bench` / `python -m dflash_trainer.bench --preset qwen3-8b`.
+
+Times the full drafter training step (step.DrafterStep, the trainer's own: block inputs, drafter
+forward, chunked LM head + CE, backward, fp32-master AdamW) at a fixed shape after the serialized
+compile step, and reports step time, context tokens/s, MFU (against the GPU's dense bf16 datasheet
+peak, README "Performance") and peak memory. With
+--with-target a random-weight target of the preset's shape produces the features, as in a
+one-GPU run; without it the features are random (the drafter step alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config
+
+from .. import cli_args
+from ..config import MOMENTS_DTYPE_NAMES, TARGET_QUANTIZATIONS
+from ..distributed.sources import FeatureBatch, Wait
+from ..infra.dtypes import DTYPES
+from ..infra.gpu_clock import ClockSampler
+from ..model.anchors import sample_anchors
+from ..model.attention import dense_scores_bytes
+from ..model.drafter import DFlashDrafter, DrafterShape, drafter_config
+from ..model.flops import peak_flops
+from ..model.mask import dflash_block_mask
+from ..model.optim import MOMENTS, MasterWeightAdamW
+from ..run.compile_step import compile_drafter_step
+from ..run.step import DrafterStep, StepClock, phase
+
+PRESETS = {
+    # Qwen3-8B and its published drafter (z-lab/Qwen3-8B-DFlash-b16).
+    "qwen3-8b": {
+        "target": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
+        "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
+    },
+    # A shape small enough for a CPU smoke run of this script.
+    "tiny": {
+        "target": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+        "drafter": {"num_layers": 2, "block_size": 8, "mask_token_id": 3},
+    },
+}
+
+
+def build_target(cfg: Qwen3Config, device, dtype):
+    """A random-weight causal LM of the preset's shape, initialised on the device (fast for 8B)."""
+    from transformers import Qwen3ForCausalLM
+
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+    return model
+
+
+def make_assets(root: Path, preset: str, seq: int, rows: int) -> None:
+    """A random-weight target directory of the preset's shape, a tokenizer and pre-tokenized data.
+
+    For end-to-end benchmarks of the real trainer (torchrun, target ranks, drafter ranks) where no
+    real checkpoint can be downloaded. Data rows are random token ids of `seq` tokens with the last
+    3/4 supervised, so every micro-batch has the benchmark's shape.
+    """
+    from transformers import Qwen3ForCausalLM
+
+    from ..embedded import build_tokenizer, read_corpus
+
+    cfg = Qwen3Config(**PRESETS[preset]["target"], tie_word_embeddings=False)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(root / "target")
+    tokenizer = build_tokenizer([m["content"] for c in read_corpus() for m in c])
+    tokenizer.save_pretrained(root / "target")
+    g = torch.Generator().manual_seed(1)
+    with open(root / "train.jsonl", "w") as f:
+        for _ in range(rows):
+            ids = torch.randint(len(tokenizer), (seq,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * (seq // 4) + [1] * (seq - seq // 4)}) + "\n")
+    print(f"bench assets in {root}: target ({cfg.num_hidden_layers} layers, random weights), {rows} rows of {seq}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="dflash-bench", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
+    p.add_argument("--seq", type=cli_args.for_key("data.max_length"), default=3072,
+                   help="context tokens per sequence (S)")
+    p.add_argument("--anchors", type=cli_args.for_key("train.num_anchors"), default=512, help="blocks per sequence (N)")
+    p.add_argument("--micro-batch", type=cli_args.for_key("train.micro_batch"), default=1)
+    p.add_argument("--grad-accum", type=cli_args.for_key("train.grad_accum"), default=1,
+                   help="micro-batches per optimizer step")
+    p.add_argument("--no-compile-layers", action="store_true",
+                   help="eager layers around the compiled flex_attention (A/B against the default)")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the timed steps")
+    p.add_argument("--no-memory-probe", action="store_true", help="skip the attention memory probe")
+    p.add_argument("--steps", type=cli_args.integer(ge=1, le=100_000), default=10)
+    p.add_argument("--untimed-steps", type=cli_args.integer(ge=0, le=100_000), default=2,
+                   help="steps run after the compile step, before timing")
+    p.add_argument("--chunk-rows", type=cli_args.for_key("train.loss_chunk_rows"), default=2048)
+    p.add_argument("--moments-dtype", choices=MOMENTS_DTYPE_NAMES, default="float32",
+                   help="AdamW's moments (train.moments_dtype): the bf16-moment A/B")
+    p.add_argument("--with-target", action="store_true", help="features from a random-weight target")
+    p.add_argument("--target-sdpa", choices=["default", "cudnn", "flash"], default="default",
+                   help="SDPA kernels the target's forward prefers (--with-target)")
+    p.add_argument("--target-quantization", choices=TARGET_QUANTIZATIONS, default="none",
+                   help="the target's decoder GEMMs: bf16, or fp8 (FP8-dynamic, target.quantization; --with-target)")
+    p.add_argument("--cache-dir", default="runs/bench/compile-cache")
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--make-assets", metavar="DIR", help="write a random target + data for end-to-end runs")
+    p.add_argument("--rows", type=cli_args.integer(ge=1, le=1_000_000), default=64, help="data rows for --make-assets")
+    p.add_argument("--stack-dump-after", type=cli_args.SECONDS, help="dump every thread's stack after N s (diagnosis)")
+    args = cli_args.parse(p, argv)
+    if isinstance(args, int):
+        return args
+    if args.stack_dump_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stack_dump_after, repeat=True)
+    if args.make_assets:
+        make_assets(Path(args.make_assets), args.preset, args.seq, args.rows)
+        return 0
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and args.preset != "tiny":
+        print(f"error: --preset {args.preset} needs a CUDA GPU; use --preset tiny for a CPU smoke run",
+              file=sys.stderr)
+        return 2
+    # bf16 moments need bf16 parameters (the one-pass update): a CPU smoke run of them uses bf16 too
+    dtype = torch.bfloat16 if device.type == "cuda" or args.moments_dtype != "float32" else torch.float32
+    preset = PRESETS[args.preset]
+    tcfg = Qwen3Config(**preset["target"], tie_word_embeddings=False)
+    dcfg = drafter_config(tcfg, DrafterShape(**preset["drafter"]))
+    torch.manual_seed(0)
+    target = build_target(tcfg, device, dtype) if args.with_target else None
+    if target is not None:
+        from torch.nn.attention import SDPBackend
+
+        from ..target.frozen import FrozenTarget
+
+        backends = {"default": None, "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
+                    "flash": [SDPBackend.FLASH_ATTENTION]}[args.target_sdpa]
+        frozen = FrozenTarget(target, dcfg.dflash_config["target_layer_ids"], sdpa_backends=backends,
+                              quantization=args.target_quantization)
+        embed, head = frozen.embed_weight, frozen.head_weight
+    else:
+        embed = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
+        head = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
+    with torch.device(device):
+        drafter = DFlashDrafter(dcfg).to(dtype)
+    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4, moments_dtype=DTYPES[args.moments_dtype])
+    b, S, N, B, A = args.micro_batch, args.seq, args.anchors, dcfg.block_size, args.grad_accum
+    attention = "flex" if device.type == "cuda" else "sdpa"
+    compiled_layers = attention == "flex" and not args.no_compile_layers
+
+    step = DrafterStep(drafter, embed, head, opt, num_anchors=N, gamma=None, chunk_rows=args.chunk_rows,
+                       backend=attention, compiled_layers=compiled_layers, vocab_size=tcfg.vocab_size)
+    t0 = time.perf_counter()
+    report = None
+    if attention == "flex":
+        report = compile_drafter_step(step, [S], b, Path(args.cache_dir), log=print,
+                                      target=frozen if target is not None else None)
+    compile_s = time.perf_counter() - t0
+
+    feat_dim = len(drafter.target_layer_ids) * dcfg.hidden_size
+    ids = torch.randint(tcfg.vocab_size, (b, S), device=device)
+    lm = torch.ones(b, S, dtype=torch.uint8, device=device)
+
+    def feature_batches():
+        """Features from the target (its GPU time measured between two events) or random."""
+        while True:
+            if target is not None:
+                wait = Wait.interval(device)
+                with phase("target"):
+                    feats = frozen.features(ids)
+                yield FeatureBatch(feats, ids, lm, b * S, 0, wait.stop())
+            else:
+                yield FeatureBatch(torch.randn(b, S, feat_dim, device=device, dtype=dtype), ids, lm, b * S, 0,
+                                   Wait(within_step=False))
+
+    batches = feature_batches()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    profiler = _profiler(device) if args.profile else None
+    sampler = ClockSampler(device)  # the SM clock and power over the timed steps (gpu_clock: why)
+    launched = []
+    try:
+        for it in range(args.untimed_steps + args.steps):
+            if it == args.untimed_steps:
+                if profiler is not None:
+                    profiler.start()
+                sampler.start()
+                clock = StepClock(device)  # as the train loop: no host sync between steps
+            done = step.run(batches, A)  # A micro-batches (features, blocks, forward, backward), then AdamW
+            if it >= args.untimed_steps:
+                launched.append((done, clock.lap()))
+        figures = [(done.read(), StepClock.seconds(lap)) for done, lap in launched]
+    finally:
+        sampler.stop()
+    if profiler is not None:
+        profiler.stop()
+        _print_profile(profiler, args.steps)
+    board = sampler.summary()  # the SM clock and power
+    print(sampler.describe())
+    flops = figures[-1][0].flops
+    times = [seconds - f.step_wait_s for f, seconds in figures]  # the drafter's share of each step
+    target_times = [f.step_wait_s for f, _ in figures]
+    step_s = statistics.mean(times)
+    peak = peak_flops(device)
+    result = {
+        "preset": args.preset, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "micro_batch": b, "grad_accum": A, "seq": S, "anchors": N, "block": B,
+        "compiled_layers": compiled_layers,
+        # as the optimizer holds them after the steps, not as asked
+        "moments_dtype": sorted({str(s[k].dtype).removeprefix("torch.") for s in opt.opt.state.values()
+                                 for k in MOMENTS}),
+        "optimizer_state_gib": sum(t.numel() * t.element_size() for s in opt.opt.state.values()
+                                   for t in s.values()) / 2**30,
+        "drafter_params_m": drafter.num_params() / 1e6,
+        "compile_s": compile_s,
+        "compile_cache_hits": report.cache_hits if report else None,
+        "compile_cache_misses": report.cache_misses if report else None,
+        "drafter_step_ms": 1e3 * step_s,
+        "drafter_step_ms_min": 1e3 * min(times),
+        "target_ms": 1e3 * statistics.mean(target_times) if target is not None else None,
+        "target_quantization": args.target_quantization if target is not None else None,
+        "context_tokens_per_s_drafter": A * b * S / step_s,
+        "context_tokens_per_s_one_gpu": A * b * S / (step_s + statistics.mean(target_times)) if target is not None
+        else None,
+        "model_tflop_per_step": flops / 1e12,
+        "achieved_tflops": flops / step_s / 1e12,
+        "mfu": flops / step_s / peak if peak else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        **(board or {"clock_unavailable": sampler.unavailable}),
+        "dense_scores_gib_per_layer": dense_scores_bytes(b, dcfg.num_attention_heads, N * B, S + N * B) / 2**30,
+    }
+    if attention == "flex" and not args.no_memory_probe:
+        result.update(attention_memory_probe(dcfg, lm, N))
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def attention_memory_probe(dcfg, loss_mask, num_anchors: int) -> dict:
+    """The fused attention's extra memory (forward + backward, one layer's call at the benchmark shape)
+    against what the dense path would hold: one fp32 score copy, and the ~3.3 copies the eager math path
+    peaks at (measured on an H200). Runs after the timed steps and compiles the standalone
+    flex_attention for this shape, so it leaves the fail-on-recompile stance first.
+    """
+    from ..compile.guard import leave_run_phase
+    from ..model.attention import DENSE_PEAK_COPIES, attend
+
+    leave_run_phase()
+    device = loss_mask.device
+    b, S = loss_mask.shape
+    h, d = dcfg.num_attention_heads, dcfg.head_dim
+    anchors, keep = sample_anchors(loss_mask, num_anchors)
+    mask = dflash_block_mask(anchors, keep, dcfg.block_size, S)
+    q_len, kv_len = mask.seq_lengths
+    q = torch.randn(b, h, q_len, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, h, kv_len, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, h, kv_len, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    for measure in (False, True):  # the first call compiles
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = attend(q, k, v, mask)
+        out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        q.grad = k.grad = v.grad = None
+        del out
+    dense = dense_scores_bytes(b, h, q_len, kv_len)
+    print(f"attention memory probe [{b}, {h}, {q_len} x {kv_len}]: fused forward + backward used "
+          f"{peak / 2**20:,.0f} MiB above its inputs (outputs and gradients included); one dense fp32 score "
+          f"copy is {dense / 2**30:.1f} GiB and the eager math path peaks near {DENSE_PEAK_COPIES * dense / 2**30:.0f} GiB")
+    return {"attention_probe_shape": [b, h, q_len, kv_len], "attention_fused_peak_mib": peak / 2**20,
+            "attention_dense_copy_gib": dense / 2**30,
+            "attention_dense_eager_peak_gib": DENSE_PEAK_COPIES * dense / 2**30}
+
+
+def _profiler(device):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities, record_shapes=True)
+
+
+# Kernel-name patterns -> what they are, for the profile summary.
+_KERNEL_KINDS = [
+    ("flex attention", ("flex", "triton_tem_fused_flex")),
+    ("GEMM", ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas", "mm_", "triton_tem_fused_mm", "triton_tem_fused_addmm")),
+    # "lerp": the one-pass AdamW update (optim.ONE_PASS_UPDATE), an Inductor kernel named after its ops
+    ("optimizer", ("adam", "foreach", "multi_tensor", "clip", "lerp")),
+    ("fused elementwise (Inductor)", ("triton_poi", "triton_red", "triton_per")),
+    ("elementwise (eager)", ("elementwise", "vectorized", "reduce_kernel", "copy", "index", "scatter", "gather")),
+]
+
+
+def _print_profile(profiler, steps: int) -> None:
+    # Kernels only: CPU-side ops (aten::mm, ...) also carry the device time of the kernels they launch.
+    # and so do user annotations such as Optimizer.step#AdamW.step (kernel time counted twice).
+    events = [e for e in profiler.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+              and not getattr(e, "is_user_annotation", False) and not e.key.startswith("Optimizer.")]
+    rows = sorted(((e.key, e.self_device_time_total, e.count) for e in events if e.self_device_time_total > 0),
+                  key=lambda r: -r[1])
+    total = sum(t for _, t, _ in rows) or 1
+    kinds: dict[str, float] = {}
+    for name, t, _ in rows:
+        low = name.lower()
+        kind = next((k for k, pats in _KERNEL_KINDS if any(p in low for p in pats)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + t
+    print(f"GPU time per step by kind ({steps} steps profiled):")
+    for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:32s} {t / steps / 1e3:8.1f} ms  {t / total:6.1%}")
+    print("top kernels (ms per step, calls per step):")
+    for name, t, n in rows[:25]:
+        print(f"  {t / steps / 1e3:8.2f} ms  x{n / steps:5.1f}  {name[:110]}")
+    _print_gemm_shapes(profiler, steps)
+    _print_idle(profiler, steps)
+
+
+def _print_gemm_shapes(profiler, steps: int) -> None:
+    """GEMM time and rate per shape (from the aten ops' recorded input shapes): which GEMMs lag the rest."""
+    rows = []
+    for e in profiler.key_averages(group_by_input_shape=True):
+        if e.key not in ("aten::mm", "aten::addmm") or e.device_time_total <= 0:
+            continue
+        # mm(a, b[, out]) or addmm(bias, a, b): the first two 2-D shapes that chain are a and b.
+        shapes = list(e.input_shapes)
+        pair = next(((a, b) for a, b in itertools.pairwise(shapes) if len(a) == len(b) == 2 and a[1] == b[0]), None)
+        if pair is None:
+            continue
+        (m, k), (_, n) = pair
+        rows.append((e.device_time_total / steps / 1e3, e.count / steps, m, k, n,
+                     2 * m * k * n * e.count / e.device_time_total / 1e6))
+    if not rows:
+        return
+    print("GEMMs by shape (ms per step, calls per step, [M x K] @ [K x N], TFLOP/s):")
+    for ms, calls, m, k, n, rate in sorted(rows, key=lambda r: -r[0])[:20]:
+        print(f"  {ms:8.2f} ms  x{calls:5.1f}  [{m} x {k}] @ [{k} x {n}]  {rate:6.0f} TFLOP/s")
+
+
+def _print_idle(profiler, steps: int) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        charged, gaps = idle_gaps(json.loads(trace.read_text())["traceEvents"])
+    if not gaps:
+        return
+    print(f"GPU idle {sum(charged.values()) / steps / 1e3:.1f} ms per step ({gaps / steps:.0f} gaps > 5 us), "
+          "by phase and the CPU op at the gap's middle:")
+    for (where, op), t in sorted(charged.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {t / steps / 1e3:8.2f} ms  {where:10s} {op[:90]}")
+
+
+def idle_gaps(trace_events: list[dict], min_gap_us: float = 5.0) -> tuple[dict[tuple[str, str], float], int]:
+    """Where the GPU waits for the CPU, from a Chrome trace: gaps between GPU work longer than min_gap_us,
+    charged to the step phase (a `step/*` range, step.phase) and the innermost CPU op the main thread was in at
+    the gap's middle (a sync, a Python-side loop, a slow launch path). Returns ({(phase, op): us}, gaps).
+    """
+    events = [e for e in trace_events if e.get("ph") == "X"]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    phases = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("step/")]
+    if not gpu or not phases:
+        return {}, 0
+    main_tid = phases[0]["tid"]
+    cpu = [e for e in events if e.get("tid") == main_tid and e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")]
+    charged: dict[tuple[str, str], float] = {}
+    count, end = 0, gpu[0][1]
+    for start, stop in gpu[1:]:
+        if start - end > min_gap_us:
+            mid = (start + end) / 2
+            around = [e for e in cpu if e["ts"] <= mid <= e["ts"] + e["dur"]]
+            where = next((e["name"][len("step/"):] for e in around if e["name"].startswith("step/")), "-")
+            ops = [e for e in around if e["cat"] != "user_annotation"]
+            op = min(ops, key=lambda e: e["dur"])["name"] if ops else "(python)"
+            charged[(where, op)] = charged.get((where, op), 0.0) + start - end
+            count += 1
+        end = max(end, stop)
+    return charged, count
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

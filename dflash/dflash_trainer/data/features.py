@@ -1,0 +1,70 @@
+"""Offline mode: target features dumped once to sharded safetensors files, read back by drafters.
+
+For users with one GPU (run the target, then the drafter, in turn) and for many epochs over the
+same data: anchors are drawn anew every step, so each epoch over the same features still trains on
+new blocks. One file per micro-batch (`mb-00000042.safetensors`) plus `meta.json` naming the
+target and its tapped layers, checked against the drafter before training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..infra import storage
+
+META = "meta.json"
+
+
+def shard_path(root: Path, index: int) -> Path:
+    return Path(root) / f"mb-{index:08d}.safetensors"
+
+
+def write_meta(root: Path, target: str, layer_ids: list[int], count: int, micro_batch: int,
+               quantization: str = "none") -> None:
+    meta = {"target": target, "target_layer_ids": layer_ids, "micro_batches": count, "micro_batch": micro_batch,
+            "target_quantization": quantization}
+    with _explained(root):
+        root.mkdir(parents=True, exist_ok=True)
+        storage.write_text_atomic(root / META, json.dumps(meta, indent=2))
+
+
+def write_shard(root: Path, index: int, batch: dict[str, torch.Tensor]) -> None:
+    tensors = {k: v.contiguous().cpu() for k, v in batch.items()}
+    with _explained(root):
+        Path(root).mkdir(parents=True, exist_ok=True)
+        # a reader never sees half a shard, and a failed write leaves none behind
+        storage.publish_file(shard_path(root, index), lambda tmp: save_file(tensors, str(tmp)))
+
+
+def _explained(root: Path):
+    return storage.explained(f"writing features to {root}", Path(root),
+                             "Free space (or give another --dump-features directory) and dump again")
+
+
+class FeatureShards:
+    """Micro-batch i of the training stream is shard i mod count (epochs over the same features)."""
+
+    def __init__(self, root: str | Path, layer_ids: list[int]):
+        self.root = Path(root)
+        meta_path = self.root / META
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{meta_path} not found: dump features first with --dump-features {root}")
+        self.meta = json.loads(meta_path.read_text())
+        if list(self.meta["target_layer_ids"]) != list(layer_ids):
+            raise ValueError(f"{root} holds features of target layers {self.meta['target_layer_ids']} but the "
+                             f"drafter taps {layer_ids}: dump again or set drafter.target_layer_ids to match")
+        self.count = int(self.meta["micro_batches"])
+        missing = [i for i in range(self.count) if not shard_path(self.root, i).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{root}: {len(missing)} of {self.count} shards missing (first: "
+                                    f"{shard_path(self.root, missing[0]).name}); the dump did not finish")
+
+    def load(self, index: int, device) -> dict[str, torch.Tensor]:
+        tensors = load_file(shard_path(self.root, index % self.count))
+        if torch.device(device).type == "cuda":  # a copy from pageable memory would wait for the GPU
+            tensors = {k: v.pin_memory() for k, v in tensors.items()}
+        return {k: v.to(device, non_blocking=True) for k, v in tensors.items()}

@@ -1,0 +1,1 @@
+"""dflash-eval: judge a drafter by real speculative decoding on prompt sets (tau, speedup, a figure)."""

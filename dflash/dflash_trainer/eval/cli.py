@@ -1,0 +1,534 @@
+"""dflash-eval: judge a drafter the way it will be served: tau per prompt set, speedup, a figure.
+
+    dflash-eval --drafter DIR --target PATH --prompts FILE_OR_DATASET... --out DIR
+                [--max-new-tokens N] [--limit N] [--temperature 0] [--name NAME=SOURCE ...]
+    dflash-eval --run OUTPUT        # a training run: its drafter, target and held-out prompts
+
+Every prompt is decoded twice, greedily: by speculative decoding (decoding/speculative.py, the loop the trainer's
+tau uses) and by the target alone. The outputs must be equal token for token (greedy speculative
+decoding is lossless); a divergence is an error unless the target's two candidates were within
+rounding of each other (a near tie, reported). Inputs are all checked before anything runs, and
+nothing is written to --out unless the evaluation completes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..infra.gc_pause import gc_paused
+
+with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc_pause.py
+    import torch
+
+    from .. import cli_args
+    from ..config import TARGET_QUANTIZATIONS, ConfigError, drafter_file_problems
+    from ..data.prompt_sets import PromptSet, load_prompt_set, name_sources
+    from ..decoding.fast import FastDecoding
+    from ..decoding.speculative import AcceptanceStats, stop_token_ids
+    from ..infra import storage
+    from ..infra.console import console
+    from ..infra.dtypes import DTYPES
+    from ..infra.metrics import PlainProgress, say_progress
+    from ..run import checkpoint as ckpt
+    from ..run import run_dir as run_dir_lib
+    from ..run.evaluate import EVAL_PROMPTS_FILE
+    from ..run.loading import check_target
+    from ..target.fp8 import check_fp8_device, check_not_prequantized
+    from ..target.frozen import FrozenTarget, attention_implementation, check_supported_target, meta_skeleton
+    from .report import SetResult, build_report, plot, table, write_json, write_requests
+
+
+# A divergence between speculative and target-only decoding is a near tie when the target's logits for the two
+# tokens differ by less than this share of the largest logit: the rounding a one-token forward and a block
+# forward can disagree by in that dtype (bf16 keeps 8 significant bits, and the error grows over the layers).
+TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+class EvalError(ValueError):
+    """Input dflash-eval cannot use, with what to change."""
+
+
+class OutputMismatch(RuntimeError):
+    """Speculative decoding produced something target-only greedy decoding did not."""
+
+
+@dataclass
+class Plan:
+    """What one evaluation runs on, every input checked."""
+
+    drafter_dir: Path
+    target_path: str
+    out: Path
+    device: torch.device
+    target_dtype: torch.dtype
+    drafter_dtype: torch.dtype
+    target_quantization: str
+    max_new_tokens: int
+    limit: int | None
+    tie_tolerance: float
+    drafter_config: dict
+    tokenizer: object
+    sets: list[PromptSet] = field(default_factory=list)
+    trust_remote_code: bool = False
+    batch_size: int = 1
+
+
+EVAL_FP8_SETTING = ("--target-quantization fp8", "give --target-quantization none")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", type=cli_args.directory,
+                   help="the drafter directory (this trainer's OUTPUT/drafter, a checkpoint, z-lab's)")
+    p.add_argument("--target", help="the target model: a Hugging Face directory or hub id")
+    p.add_argument("--prompts", nargs="+", default=[], metavar="FILE_OR_DATASET",
+                   type=cli_args.file_or_dataset,
+                   help="prompt sources, one prompt set each: JSONL files or hub datasets (owner/name[:config][@split])")
+    p.add_argument("--name", action="append", default=[], metavar="NAME=SOURCE", type=cli_args.named_source,
+                   help="name a prompt set (the source is added when --prompts lacks it); default: the file name")
+    p.add_argument("--out", help="where eval.json, requests.jsonl and eval.png go (default with --run: OUTPUT/eval)")
+    p.add_argument("--run", metavar="OUTPUT", type=cli_args.directory,
+                   help="a training run's output dir: its drafter (or latest checkpoint), "
+                   "target, held-out prompts and eval settings are the defaults")
+    p.add_argument("--max-new-tokens", type=cli_args.NEW_TOKENS,
+                   help="tokens to generate per prompt (default 256; --run: the run's)")
+    p.add_argument("--limit", type=cli_args.PROMPTS, help="the first N usable prompts of each set (default: all)")
+    p.add_argument("--temperature", type=cli_args.number(), default=0.0, help="0 only: greedy decoding")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                   help="target and drafter dtype (auto: bfloat16 on CUDA, float32 on CPU; --run: the run's)")
+    p.add_argument("--target-quantization", choices=TARGET_QUANTIZATIONS,
+                   help="the target's decoder GEMMs: none, or fp8 as an FP8-dynamic target is served "
+                        "(target.quantization; default none; --run: the run's)")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="run the modelling code the target's directory ships (target.trust_remote_code; --run: "
+                        "the run's)")
+    p.add_argument("--batch-size", type=cli_args.ROWS, default=1,
+                   help="prompts decoded together, each verify step checking a block of each (default 1: the "
+                        "speedup one request sees; more: the throughput of a batched server)")
+    p.add_argument("--bench", action="store_true",
+                   help="no drafter, no prompts: time target-only decoding and the verify step at a model shape "
+                        "with random weights (--preset; bench/decoding.py) and print the figures")
+    p.add_argument("--preset", default="qwen3-8b", help="--bench: the model shape (qwen3-8b, or tiny on a CPU)")
+    p.add_argument("--tie-tolerance", type=cli_args.number(ge=0, le=1),
+                   help="near-tie threshold, a share of the largest logit (default by dtype: fp32 1e-4, bf16 3e-2)")
+    return p
+
+
+# ---- checking the inputs (nothing is written) ------------------------------------------------------
+
+def _config_json(directory: Path, missing: str) -> dict:
+    """directory/config.json, or EvalError(missing) when there is none."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise EvalError(missing)
+    try:
+        value = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise EvalError(f"{config_file} cannot be read ({exc}): it is damaged; copy it again from where the "
+                        "directory came from") from None
+    if not isinstance(value, dict):
+        raise EvalError(f"{config_file} is not a JSON object: it is damaged; copy it again from where it came from")
+    return value
+
+
+def run_defaults(run_dir: Path) -> dict:
+    """The drafter, target, prompts and settings of a training run's output directory."""
+    cfg = _config_json(run_dir, f"--run {run_dir}: no config.json there, so it is not a training run's output "
+                       "directory (the trainer's --output-dir); give --drafter, --target and --prompts instead")
+    drafter = run_dir / "drafter"
+    if not (drafter / "config.json").is_file():
+        drafter = _run_checkpoint(run_dir)
+    try:
+        return _run_settings(cfg, run_dir, drafter)
+    except (KeyError, TypeError) as exc:
+        raise EvalError(f"--run {run_dir}: its config.json lacks {exc} (written by another version of the trainer?): "
+                        "give --drafter, --target and --prompts instead") from None
+
+
+def _run_checkpoint(run_dir: Path) -> Path:
+    """A run without its published drafter: its newest intact checkpoint, said on the console (and which newer
+    ones are damaged), since tau then measures a drafter mid-training."""
+    found = ckpt.inspect(run_dir / "checkpoints")
+    if found.resume_from is None:
+        damaged = "".join(f"; {p.name} is damaged ({problem})" for p, problem in found.damaged)
+        raise EvalError(f"--run {run_dir}: no drafter yet (neither {run_dir / 'drafter'} nor an intact checkpoint "
+                        f"under {run_dir / 'checkpoints'}{damaged}): wait for the first checkpoint, or give --drafter")
+    newer = [f"{p.name} is damaged ({problem})" for p, problem in found.damaged
+             if (ckpt.step_of(p) or 0) > (found.resume_step or 0)]
+    console.print(f"--run {run_dir}: no published drafter (drafter/) yet: evaluating the checkpoint "
+                  f"{found.resume_from.name}" + (f", the newest intact one ({'; '.join(newer)})" if newer else ""),
+                  markup=False, soft_wrap=True)
+    return found.resume_from
+
+
+def _run_settings(cfg: dict, run_dir: Path, drafter: Path) -> dict:
+    recorded = run_dir / EVAL_PROMPTS_FILE
+    defaults = {"drafter": str(drafter), "target": run_dir_lib.resolve_stored(cfg["target"]["path"], run_dir),
+                "max_new_tokens": cfg["eval"]["max_new_tokens"],
+                "target_dtype": cfg["target"]["dtype"], "drafter_dtype": cfg["train"]["dtype"],
+                "target_quantization": cfg["target"].get("quantization", "none"),  # older runs: none
+                "trust_remote_code": cfg["target"].get("trust_remote_code", False),
+                "block_size": cfg["drafter"].get("block_size")}
+    if recorded.is_file():  # exactly the prompts the run's tau was measured on
+        defaults["names"] = [f"held-out={recorded}"]
+    elif cfg["data"]["eval"]:
+        defaults["names"] = [f"held-out={src}" for src in run_dir_lib.resolve_stored(cfg["data"]["eval"][:1], run_dir)]
+        defaults["limit"] = cfg["eval"]["prompts"]
+    return defaults
+
+
+def check_drafter_dir(path: Path) -> dict:
+    """The drafter's config.json, refused when it is not a DFlash drafter this evaluation implements."""
+    raw = _config_json(path, f"--drafter {path}: no config.json. Point it at a drafter directory: a training run's "
+                       "OUTPUT/drafter, a checkpoint OUTPUT/checkpoints/step-N, or a z-lab drafter")
+    config_file = path / "config.json"
+    dflash = raw.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise EvalError(f"{config_file} has no dflash_config (mask_token_id, target_layer_ids): not a DFlash drafter. "
+                        "Point --drafter at the drafter directory, not the target or the run directory")
+    if "DFlash2DraftModel" in (raw.get("architectures") or []):
+        raise EvalError(f"{path} is a DFlash 2 drafter (candidate selector, convolutions), which dflash-eval does "
+                        "not implement; evaluate it with z-lab's dflash benchmark")
+    missing = [k for k in ("mask_token_id", "target_layer_ids") if dflash.get(k) is None] + \
+        (["block_size"] if raw.get("block_size") is None else [])
+    if missing:
+        raise EvalError(f"{config_file} lacks {missing}: add them (dflash_config.mask_token_id, "
+                        "dflash_config.target_layer_ids and a top-level block_size, as z-lab's drafters have)")
+    if problems := drafter_file_problems(raw):  # block_size 0, a negative layer id: what no drafter setting allows
+        raise EvalError(f"{config_file} holds values no drafter can have: {'; '.join(problems)}. The file was edited "
+                        "or damaged: copy it again from where the drafter came from")
+    layer_types = set(raw.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"} or raw.get("is_causal"):
+        raise EvalError(f"{path}: drafter layers {sorted(layer_types)} (sliding-window or causal drafter attention) "
+                        "are not implemented by dflash-eval, which drafts with full attention over the block")
+    return raw
+
+
+def check_fits(raw: dict, drafter_dir: Path, target_config, target: str) -> None:
+    """The drafter was built for this target: hidden size, tapped layers, vocabulary, context."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    layers, ids = tc.num_hidden_layers, list(raw["dflash_config"]["target_layer_ids"])
+    fix = f"evaluate it against the target it was trained for (see {drafter_dir / 'config.json'})"
+    problems = []
+    if raw.get("hidden_size") != tc.hidden_size:
+        problems.append(f"its hidden size is {raw.get('hidden_size')}, the target's {tc.hidden_size}")
+    if raw.get("num_target_layers") not in (None, layers):
+        problems.append(f"it was trained for a target with {raw['num_target_layers']} layers, this one has {layers}")
+    if any(not 0 <= i < layers for i in ids):
+        problems.append(f"its target_layer_ids {ids} are not all layers of the target's {layers}")
+    if raw.get("vocab_size") not in (None, tc.vocab_size):
+        problems.append(f"its vocabulary has {raw['vocab_size']} tokens, the target's {tc.vocab_size}")
+    if not 0 <= raw["dflash_config"]["mask_token_id"] < tc.vocab_size:
+        problems.append(f"its mask_token_id {raw['dflash_config']['mask_token_id']} is not a row of the target's "
+                        f"embedding ({tc.vocab_size})")
+    if problems:
+        raise EvalError(f"drafter {drafter_dir} does not fit target {target}: " + "; ".join(problems) + f". {fix}")
+    context = getattr(tc, "max_position_embeddings", None)
+    if context is not None and raw["block_size"] > context:
+        raise EvalError(f"drafter {drafter_dir}: block size {raw['block_size']} is above target {target}'s context of "
+                        f"{context} tokens: no block fits. Use a drafter with a smaller block_size")
+
+
+def check_out_writable(out: Path) -> None:
+    """--out takes files: found before the evaluation, not after it (nothing is created)."""
+    try:
+        storage.check_can_create(out, "--out")
+    except ValueError as exc:
+        raise EvalError(str(exc)) from None
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def plan(args) -> Plan:
+    """Every input checked and every prompt tokenized, before any model weight is read."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    defaults = run_defaults(Path(args.run)) if args.run else {}
+    drafter = args.drafter or defaults.get("drafter")
+    target = args.target or defaults.get("target")
+    out = args.out or (str(Path(args.run) / "eval") if args.run else None)
+    missing = [flag for flag, v in (("--drafter", drafter), ("--target", target), ("--out", out)) if not v]
+    if missing:
+        raise EvalError(f"missing {', '.join(missing)}: give them, or --run OUTPUT for a training run's")
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else defaults.get("max_new_tokens", 256)
+    if max_new < 1:
+        raise EvalError(f"--max-new-tokens {max_new}: give at least 1 (tau needs generated tokens)")
+    own_prompts = bool(args.prompts or args.name)
+    limit = args.limit if args.limit is not None else (None if own_prompts else defaults.get("limit"))
+    if limit is not None and limit < 1:
+        raise EvalError(f"--limit {limit}: give at least 1, or leave it out for every prompt")
+    if args.temperature != 0:
+        raise EvalError(f"--temperature {args.temperature}: dflash-eval decodes greedily (0), where speculative "
+                        "decoding must reproduce the target's own output token for token")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"--out {out} is a file: give a directory")
+    check_out_writable(out)
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as exc:
+        raise EvalError(f"--device {args.device}: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EvalError(f"--device {device}: no CUDA GPU is visible; use --device cpu")
+    if args.dtype == "auto" and "target_dtype" in defaults:
+        target_dtype, drafter_dtype = DTYPES[defaults["target_dtype"]], DTYPES[defaults["drafter_dtype"]]
+    else:
+        target_dtype = drafter_dtype = _dtype(args.dtype, device)
+    quantization = args.target_quantization or defaults.get("target_quantization", "none")
+    if quantization == "fp8":
+        if target_dtype != torch.bfloat16:
+            raise EvalError(f"--target-quantization fp8 needs a bf16 target (the FP8 GEMMs write bf16), and the "
+                            f"target's dtype is {str(target_dtype).removeprefix('torch.')}: add --dtype bfloat16")
+        try:
+            check_fp8_device(device, setting=EVAL_FP8_SETTING)
+        except ConfigError as exc:
+            raise EvalError(str(exc)) from None
+
+    drafter_dir = Path(drafter)
+    raw = check_drafter_dir(drafter_dir)
+    trained = defaults.get("block_size") if drafter == defaults.get("drafter") else None
+    if trained is not None and raw["block_size"] != trained:
+        console.print(f"note: {drafter_dir / 'config.json'} says block_size {raw['block_size']}, and the run trained "
+                      f"with {trained} (drafter.block_size): evaluating at {raw['block_size']}, as its config says",
+                      markup=False, soft_wrap=True)
+    try:  # a missing directory, or a hub id while the hub is unreachable: refused in seconds, not after retries
+        check_target(target)
+    except ConfigError as exc:
+        raise EvalError(str(exc).replace("target.path", "--target", 1)) from None
+    trust = bool(args.trust_remote_code or defaults.get("trust_remote_code", False))
+    try:
+        target_config = AutoConfig.from_pretrained(target, trust_remote_code=trust)
+        tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust)
+    except (OSError, ValueError) as exc:
+        hint = " (or add --trust-remote-code if you trust the code it ships)" * ("trust_remote_code" in str(exc))
+        raise EvalError(f"--target {target}: cannot load its config and tokenizer ({exc}). Give the target's "
+                        f"Hugging Face directory (config.json, tokenizer, weights) or a reachable hub id{hint}") from exc
+    try:  # a family the decoding loop cannot serve: refused before its weights are read
+        check_supported_target(target_config, f"--target {target}", trust)
+    except ConfigError as exc:
+        raise EvalError(str(exc)) from None
+    check_fits(raw, drafter_dir, target_config, target)
+    if quantization == "fp8":
+        try:
+            check_not_prequantized(target_config, f"--target {target}", setting=EVAL_FP8_SETTING)
+        except ConfigError as exc:
+            raise EvalError(str(exc)) from None
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    context = getattr(tc, "max_position_embeddings", None) or 1 << 30
+    if max_new >= context:
+        raise EvalError(f"--max-new-tokens {max_new} leaves no room for a prompt in the target's context of "
+                        f"{context} tokens: lower it")
+    sources = name_sources(args.prompts, args.name if own_prompts else defaults.get("names", []))
+    sets = [load_prompt_set(name, source, tokenizer, target, limit, context - max_new, tc.vocab_size)
+            for name, source in sources]
+    tolerance = args.tie_tolerance if args.tie_tolerance is not None else TIE_TOLERANCE[target_dtype]
+    return Plan(drafter_dir, target, out, device, target_dtype, drafter_dtype, quantization, max_new, limit,
+                tolerance, raw, tokenizer, sets, trust, args.batch_size)
+
+
+def load_models(p: Plan):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from ..model.drafter import DFlashDrafter
+
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    from safetensors import SafetensorError
+
+    try:
+        drafter = DFlashDrafter.from_pretrained(p.drafter_dir)
+    except (ValueError, RuntimeError, OSError, SafetensorError) as exc:  # key or shape mismatch, a cut-short file
+        weights = p.drafter_dir / "model.safetensors"
+        raise EvalError(f"--drafter {p.drafter_dir}: cannot load its weights from {weights} ({exc}): the file is "
+                        "missing, cut short or from another model; copy the drafter directory again (or give "
+                        "another checkpoint)") from None
+    drafter = drafter.to(device=p.device, dtype=p.drafter_dtype).eval()
+    try:  # the attention implementation the trainer chose for this family (target.attention_implementation)
+        attention = attention_implementation(meta_skeleton(AutoConfig.from_pretrained(
+            p.target_path, trust_remote_code=p.trust_remote_code), p.trust_remote_code))
+        model = AutoModelForCausalLM.from_pretrained(p.target_path, dtype=p.target_dtype, attn_implementation=attention,
+                                                     trust_remote_code=p.trust_remote_code).to(p.device)
+    except (OSError, ValueError) as exc:  # no weights beside the config, a model class transformers lacks
+        raise EvalError(f"--target {p.target_path}: cannot load the model ({exc})") from exc
+    return drafter, FrozenTarget(model, drafter.target_layer_ids, quantization=p.target_quantization)
+
+
+# ---- decoding ------------------------------------------------------------------------------------
+
+def _timed(device: torch.device, fn, *args):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    result = fn(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def compare(target: FrozenTarget, prompt_len: int, spec: list[int], ref: list[int], tolerance: float) -> dict | None:
+    """None when equal; a near tie's description; OutputMismatch for any other divergence."""
+    if spec == ref:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(spec, ref, strict=False)) if a != b), min(len(spec), len(ref)))
+    if at >= min(len(spec), len(ref)):
+        raise OutputMismatch(f"speculative decoding stopped after {len(spec) - prompt_len} tokens, target-only "
+                             f"decoding after {len(ref) - prompt_len}, with the same tokens up to there")
+    device = target.embed_weight.device
+    logits = target.model(torch.tensor([ref[:at]], device=device), logits_to_keep=1).logits[0, -1].float()
+    gap = abs(float(logits[ref[at]] - logits[spec[at]]))
+    allowed = tolerance * float(logits.abs().max())
+    where = {"position": at - prompt_len, "target_only_token": ref[at], "speculative_token": spec[at],
+             "logit_gap": gap, "tolerance": allowed}
+    if gap > allowed:
+        raise OutputMismatch(f"generated token {at - prompt_len}: speculative decoding gave {spec[at]}, target-only "
+                             f"greedy decoding {ref[at]}, and the target prefers {ref[at]} by {gap:.4g} logits "
+                             f"(more than rounding, {allowed:.4g})")
+    return where
+
+
+def _decode_batch(p: Plan, loops: FastDecoding, batch: list[list[int]], stop: set[int]):
+    """Speculative and target-only decoding of one batch, each timed without the recording of a new shape."""
+    def timed(fn):
+        setup = loops.setup_s
+        result, seconds = _timed(p.device, fn, batch, p.max_new_tokens, stop)
+        return result, seconds - (loops.setup_s - setup)
+
+    specs, spec_s = timed(loops.speculative)
+    refs, ref_s = timed(loops.greedy)
+    return specs, spec_s, refs, ref_s
+
+
+def _check_request(p: Plan, target: FrozenTarget, prompts: PromptSet, rid, prompt, spec, ref) -> dict | None:
+    try:
+        return compare(target, len(prompt), spec.tokens, ref, p.tie_tolerance)
+    except OutputMismatch as exc:
+        raise OutputMismatch(f"prompt set {prompts.name!r}, request {rid}: {exc}. Greedy speculative decoding "
+                             "must reproduce the target's own output; this is a bug in the decoding loop, or the "
+                             "drafter and target disagree on the tokenizer (report it)") from None
+
+
+def evaluate_set(p: Plan, loops: FastDecoding, target: FrozenTarget, prompts: PromptSet, stop: set[int],
+                 requests: list[dict]) -> SetResult:
+    from tqdm import tqdm
+
+    result = SetResult(prompts.name, prompts.source, len(prompts.prompts), prompts.skipped,
+                       AcceptanceStats(loops.drafter.block_size))
+    # A terminal shows a bar per set; a log gets a plain line at the first prompt, every 30 s and at the last.
+    said = PlainProgress(len(prompts.prompts))
+    pairs = list(zip(prompts.ids, prompts.prompts, strict=True))
+    bar = tqdm(total=len(pairs), desc=prompts.name, leave=False, disable=None)
+    for start in range(0, len(pairs), p.batch_size):
+        batch = pairs[start : start + p.batch_size]
+        specs, spec_s, refs, ref_s = _decode_batch(p, loops, [prompt for _, prompt in batch], stop)
+        result.speculative_s += spec_s
+        result.target_only_s += ref_s
+        for (rid, prompt), spec, ref in zip(batch, specs, refs, strict=True):
+            tie = _check_request(p, target, prompts, rid, prompt, spec, ref)
+            _record(p, result, requests, prompts.name, rid, prompt, spec, ref, tie)
+        bar.update(len(batch))
+        done = start + len(batch)
+        if said.due(done):
+            say_progress(f"eval: {prompts.name} {done}/{said.total} prompts | tau {result.stats.tau:.2f} | "
+                         f"{said.timing(done)}")
+    bar.close()
+    return result
+
+
+def _record(p: Plan, result: SetResult, requests: list[dict], set_name: str, rid, prompt, spec, ref, tie) -> None:
+    new = len(spec.tokens) - len(prompt)
+    result.stats.add(spec.accept_lengths, new)
+    result.target_only_tokens += len(ref) - len(prompt)
+    if tie is None:
+        result.outputs_equal += 1
+    else:
+        result.near_ties.append({"id": rid, **tie})
+    requests.append({
+        "set": set_name, "id": rid, "prompt_tokens": len(prompt), "new_tokens": new,
+        "accept_lengths": spec.accept_lengths,
+        "tau": sum(spec.accept_lengths) / max(1, len(spec.accept_lengths)), "equal_to_target_only": tie is None,
+        "output_ids": spec.tokens[len(prompt):], "output": p.tokenizer.decode(spec.tokens[len(prompt):]),
+    })
+
+
+def evaluate(p: Plan) -> tuple[dict, list[dict]]:
+    drafter, target = load_models(p)
+    stop = stop_token_ids(target.model, p.tokenizer)
+    loops = FastDecoding(target, drafter, p.batch_size, log=lambda line: console.print(line, markup=False))
+    if p.device.type == "cuda":  # kernels, allocator and cuBLAS handles warm before anything is timed
+        first = p.sets[0].prompts[: p.batch_size]
+        loops.speculative(first, p.max_new_tokens, stop)
+        loops.greedy(first, p.max_new_tokens, stop)
+    requests: list[dict] = []
+    results = [evaluate_set(p, loops, target, s, stop, requests) for s in p.sets]
+    meta = {
+        "drafter": str(p.drafter_dir), "target": p.target_path,
+        "device": torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu",
+        "dtype": str(p.target_dtype).removeprefix("torch."), "drafter_dtype": str(p.drafter_dtype).removeprefix("torch."),
+        "target_quantization": p.target_quantization, "target_attention": target.attention,
+        "block_size": drafter.block_size, "max_new_tokens": p.max_new_tokens, "limit": p.limit, "temperature": 0.0,
+        "stop_token_ids": sorted(stop), "torch": torch.__version__, "batch_size": p.batch_size,
+        "decoding": loops.describe(),
+    }
+    return build_report(meta, results, drafter.block_size), requests
+
+
+def bench(args) -> int:
+    """--bench: bench/decoding.py's figures at --preset's shape (no drafter, prompts or --out are read)."""
+    from ..bench import decoding as eval_bench
+
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        new_tokens = args.max_new_tokens if args.max_new_tokens is not None else 128
+        return eval_bench.main(args.preset, args.batch_size, new_tokens, device, _dtype(args.dtype, device))
+    except (ValueError, RuntimeError) as exc:
+        cli_args.say_error(console, f"--bench: {exc}")
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = cli_args.parse(parser(), argv)
+    if isinstance(args, int):
+        return args
+    if args.bench:
+        return bench(args)
+    try:
+        p = plan(args)
+        report, requests = evaluate(p)
+    except (*cli_args.bad_input_errors(EvalError), storage.StorageError) as exc:
+        cli_args.say_error(console, str(exc))
+        return cli_args.exit_code(exc, EvalError)
+    except OutputMismatch as exc:
+        cli_args.say_error(console, str(exc),
+                           bold="error: speculative output differs from target-only greedy decoding:")
+        return cli_args.FAULT
+    try:
+        with storage.explained(f"writing the results to --out {p.out}", p.out,
+                               "Free space or make it writable, then run again (or give another --out)"):
+            p.out.mkdir(parents=True, exist_ok=True)
+            write_json(p.out / "eval.json", report)
+            write_requests(p.out / "requests.jsonl", requests)
+            plot(report, p.out / "eval.png")
+    except storage.StorageError as exc:
+        console.print(table(report))  # the numbers on the terminal at least
+        cli_args.say_error(console, str(exc))
+        return cli_args.FAULT
+    console.print(table(report))
+    console.print(f"eval.json, requests.jsonl and eval.png in {p.out}", markup=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

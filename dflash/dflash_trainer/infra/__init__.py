@@ -1,0 +1,2 @@
+"""Process services every stage uses: files written atomically, the model hub offline, the console,
+progress lines and TensorBoard, the GC pause during imports, the GPU clock sampler, dtype names."""

@@ -1,0 +1,301 @@
+"""The DFlash drafter: L Qwen3 decoder layers conditioned on a frozen target by KV injection.
+
+Parameter names and the saved directory match the published z-lab drafters, so the checkpoints
+load in z-lab's ``dflash`` package, SGLang and vLLM. The drafter owns no embedding and no LM head:
+it borrows the target's (frozen) ones, and returns normalised hidden states.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Config,
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+from ..target.frozen import borrowed_scales, drafter_rope, text_config
+
+# The attention kernel is injected: (q [b,h,Q,d], k [b,kv,S+Q,d], v) -> [b,h,Q,d].
+# Training passes the compiled flex_attention with the DFlash BlockMask, inference and the
+# dense reference pass SDPA. Keeping it out of the model keeps the model file readable.
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def build_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
+    """The published rule: ``num_ids`` layers evenly spaced from 1 to T-3 (one id: the middle)."""
+    if num_ids < 1:
+        raise ValueError(f"need at least one target layer id, got {num_ids}")
+    if num_ids == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end < start:
+        raise ValueError(
+            f"target has {num_target_layers} layers; the rule spaces ids over 1..T-3, so it needs at least 4"
+        )
+    return [round(start + i * (end - start) / (num_ids - 1)) for i in range(num_ids)]
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """What a drafter needs beyond its target's shape."""
+
+    num_layers: int = 5
+    block_size: int = 16
+    mask_token_id: int = 0
+    target_layer_ids: tuple[int, ...] | None = None  # None: the published rule with num_layers ids
+    intermediate_size: int | None = None  # None: the target's
+
+
+def _first_attr(config, names: tuple[str, ...], default=None):
+    return next((getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
+
+
+def drafter_config(target_config, shape: DrafterShape, borrowed: dict | None = None) -> Qwen3Config:
+    """A Qwen3Config in the published drafters' format, derived from the target's config.
+
+    borrowed: how the target scales what the drafter borrows (target.borrowed_scales; None: read from the
+    target's model class). Values other than the identity go into dflash_config under z-lab's names, which
+    the trainer trains with and z-lab's loop and dflash-eval serve with."""
+    tc = text_config(target_config)
+    num_target_layers = tc.num_hidden_layers
+    layer_ids = list(shape.target_layer_ids or build_target_layer_ids(num_target_layers, shape.num_layers))
+    if any(not 0 <= i < num_target_layers for i in layer_ids):
+        raise ValueError(f"target_layer_ids {layer_ids} outside the target's {num_target_layers} layers")
+    vocab = tc.vocab_size
+    if not 0 <= shape.mask_token_id < vocab:
+        raise ValueError(
+            f"mask_token_id {shape.mask_token_id} is not a row of the target embedding (vocab {vocab}); "
+            "pick a reserved or padded row of the target's vocabulary"
+        )
+    intermediate = shape.intermediate_size or _first_attr(tc, ("intermediate_size", "ffn_dim", "n_inner"))
+    if intermediate is None:
+        raise ValueError(f"the target's config ({tc.model_type}) names no intermediate_size: set "
+                         "drafter.intermediate_size")
+    if borrowed is None:
+        borrowed = borrowed_scales(target_config)
+    heads = tc.num_attention_heads
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=tc.hidden_size,
+        intermediate_size=intermediate,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        hidden_act=_first_attr(tc, ("hidden_activation", "hidden_act"), "silu"),
+        max_position_embeddings=tc.max_position_embeddings,
+        rms_norm_eps=_first_attr(tc, ("rms_norm_eps", "layer_norm_eps", "norm_eps"), 1e-6),
+        rope_parameters=drafter_rope(tc),
+        attention_bias=getattr(tc, "attention_bias", False),
+        tie_word_embeddings=False,
+        layer_types=["full_attention"] * shape.num_layers,
+        architectures=[ARCHITECTURE],
+        block_size=shape.block_size,
+        num_target_layers=num_target_layers,
+        dflash_config={"mask_token_id": shape.mask_token_id, "target_layer_ids": layer_ids,
+                       **{k: v for k, v in borrowed.items() if v != IDENTITY_SCALES[k]}},
+    )
+    # Serving engines that predate transformers 5 read rope_theta at the top level.
+    rope = getattr(config, "rope_parameters", None) or {}
+    if "rope_theta" in rope:
+        config.rope_theta = rope["rope_theta"]
+    return config
+
+
+# z-lab's names for how the target scales its embedding and logits, with the values that change nothing.
+IDENTITY_SCALES = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+
+
+def shape_logits(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
+    """The target's logit transform on the LM head's output, as z-lab's compute_logits applies it."""
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+class DrafterAttention(nn.Module):
+    """Queries from block tokens; keys and values from [fused context ; block tokens] (KV injection)."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, x, context, cos, sin, attention: AttentionFn):
+        b, q_len, _ = x.shape
+        ctx_len = context.shape[1]
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        # Project context and block separately, then concatenate: cheaper than projecting the concat.
+        k = torch.cat([self.k_proj(context), self.k_proj(x)], dim=1)
+        v = torch.cat([self.v_proj(context), self.v_proj(x)], dim=1)
+        k = self.k_norm(k.view(b, ctx_len + q_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(b, ctx_len + q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # Keys are rotated with every position (context then block); queries with the block's only.
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos[:, :, ctx_len:] + rotate_half(q) * sin[:, :, ctx_len:]
+        k = k * cos + rotate_half(k) * sin
+        out = attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.self_attn = DrafterAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, context, cos, sin, attention: AttentionFn):
+        # The context is not normalised by this layer's input norm: it was fused once by hidden_norm.
+        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """fc + hidden_norm fuse K target features; L layers; final norm. Returns normalised hidden states."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        dflash = config.dflash_config
+        self.block_size = int(config.block_size)
+        self.mask_token_id = int(dflash["mask_token_id"])
+        self.target_layer_ids = list(dflash["target_layer_ids"])
+        # What the target applies to the embedding and logits the drafter borrows (drafter_config); read as
+        # z-lab's loop reads them: dflash_config first, then the config's top level.
+        def value(name):
+            return dflash.get(name, getattr(config, name, IDENTITY_SCALES[name]))
+
+        self.input_embedding_scale = float(value("input_embedding_scale"))
+        self.output_multiplier = float(value("output_multiplier"))
+        softcap = value("final_logit_softcapping")
+        self.final_logit_softcapping = float(softcap) if softcap else None
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float | None = None) -> None:
+        std = getattr(self.config, "initializer_range", 0.02) if std is None else std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, Qwen3RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[b, S, K*H] target features -> [b, S, H] context: per token, so decoding fuses each token once."""
+        return self.hidden_norm(self.fc(features))
+
+    def forward(
+        self,
+        features: torch.Tensor | None,  # [b, S, K*H] target features of the context
+        block_embeds: torch.Tensor,  # [b, Q, H] rows of the target's embedding matrix for the block tokens
+        position_ids: torch.Tensor,  # [b, S + Q] context positions, then block positions
+        attention: AttentionFn,
+        layer_fn: Callable | None = None,  # (layer, x, context, cos, sin, attention) -> x, e.g. compiled
+        context: torch.Tensor | None = None,  # fuse(features), when the caller keeps it (decoding)
+        fuse_fn: Callable | None = None,  # (fc, hidden_norm, features) -> context, e.g. compiled
+        norm_fn: Callable | None = None,  # (norm, x) -> x, e.g. compiled
+    ) -> torch.Tensor:
+        if context is None:
+            context = fuse_fn(self.fc, self.hidden_norm, features) if fuse_fn else self.fuse(features)
+        cos, sin = self.rotary_emb(block_embeds, position_ids)
+        # The target's own embedding scale (Gemma's sqrt(hidden)), as z-lab's loop applies it when serving.
+        x = block_embeds * self.input_embedding_scale if self.input_embedding_scale != 1.0 else block_embeds
+        for layer in self.layers:
+            x = layer_fn(layer, x, context, cos, sin, attention) if layer_fn else layer(x, context, cos, sin, attention)
+        return norm_fn(self.norm, x) if norm_fn else self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """Logits through the target's LM head and its logit transform (z-lab's compute_logits)."""
+        return shape_logits(F.linear(hidden, head_weight), self.output_multiplier, self.final_logit_softcapping)
+
+    # ---- Hugging Face directory in the published drafters' format -------------------------------
+
+    def save_pretrained(self, directory: str | Path, state_dict: dict | None = None) -> Path:
+        """state_dict: the weights to write when this module holds only a shard of them (FSDP)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(directory)
+        state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
+        save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
+        directory = Path(directory)
+        config_path = directory / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{directory} has no config.json: not a drafter checkpoint directory")
+        raw = json.loads(config_path.read_text())
+        if ARCHITECTURE not in raw.get("architectures", []):
+            raise ValueError(f"{config_path}: architectures {raw.get('architectures')} lacks {ARCHITECTURE}")
+        config = Qwen3Config.from_pretrained(directory)
+        with torch.device("meta"):
+            model = cls(config)
+        state = load_file(directory / "model.safetensors")
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(f"{directory}: checkpoint keys do not match (missing {missing}, unexpected {unexpected})")
+        model.rotary_emb = Qwen3RotaryEmbedding(config)
+        return model.to(dtype if dtype is not None else torch.get_default_dtype())
+
+    @classmethod
+    def initialised(cls, config: Qwen3Config, device, seed: int) -> DFlashDrafter:
+        """A new drafter built straight on `device` (no CPU copy of 1 B parameters to fill and move):
+        the same seed gives the same weights on the same kind of device."""
+        model = cls.empty(config, device)
+        torch.manual_seed(seed)
+        model.reset_parameters()
+        return model
+
+    @classmethod
+    def empty(cls, config: Qwen3Config, device) -> DFlashDrafter:
+        """Allocated on `device`, weights uninitialised (they are about to be loaded)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device=device)
+        model.rotary_emb = Qwen3RotaryEmbedding(config).to(device)  # its buffers are computed, not loaded
+        return model
+
+    def _apply(self, fn, recurse=True):
+        # RoPE's inverse frequencies stay exact float32 whatever dtype the weights are cast to, as serving
+        # engines compute them: a bf16 cast rounds them by up to 0.4%, a phase error of radians at a
+        # distance of 500 tokens, and a bf16 drafter would learn positions no engine gives it.
+        super()._apply(fn, recurse)
+        rotary = self.__dict__.get("_modules", {}).get("rotary_emb")
+        if rotary is not None and rotary.inv_freq.dtype != torch.float32:
+            self.rotary_emb = Qwen3RotaryEmbedding(self.config).to(rotary.inv_freq.device)
+        return self
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

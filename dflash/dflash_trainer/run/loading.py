@@ -1,0 +1,219 @@
+"""What every role loads: the target (or the embedded default), its tokenizer, the data, the initial drafter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..config import ConfigError, RunConfig
+from ..data.held_out import overlapping, split_by_prompt
+from ..data.rows import MicroBatches, check_sources, load_rows, tokenize_dataset
+from ..distributed import parallel
+from ..infra.console import console
+from ..infra.dtypes import DTYPES
+from ..model.drafter import DFlashDrafter, DrafterShape, drafter_config
+from ..target.fp8 import check_fp8_device, check_not_prequantized
+from ..target.frozen import (
+    FrozenTarget,
+    attention_implementation,
+    borrowed_scales,
+    check_supported_target,
+    meta_skeleton,
+)
+from ..target.tensor_parallel import check_tp_shape
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+
+
+def check_target(path: str) -> None:
+    """target.path names a model directory, or a hub id while the hub is reachable (checked in seconds)."""
+    from ..infra import hub
+
+    if path == "embedded":
+        return
+    local = Path(path)  # a leading ~ is expanded by load_config
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"target.path {path}: the directory has no config.json; give a Hugging Face model "
+                              "directory (config.json, tokenizer files, weights)")
+        return
+    if local.exists():
+        raise ConfigError(f"target.path {path} is a file; give the target model's directory")
+    if hub.looks_like_hub_id(path) and hub.cached_model(path):
+        return
+    if reason := hub.unavailable_reason(path):
+        raise ConfigError(f"target.path {path!r}: {reason}; give the target model's directory")
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Before anything loads: the target, the drafter to start from and the data files are there."""
+    check_target(cfg.target.path)
+    init = cfg.drafter.init_from
+    if init and not (Path(init) / "config.json").is_file():
+        raise ConfigError(f"drafter.init_from {init}: not a drafter directory (no config.json in "
+                          f"{Path(init).absolute()})")
+    features = cfg.data.features_dir
+    if features and not (Path(features) / "meta.json").is_file():
+        raise ConfigError(f"data.features_dir {features}: no meta.json in {Path(features).absolute()}; dump "
+                          f"features first with --dump-features {features}")
+    if cfg.target.path != "embedded":  # the family, from config.json and the model class alone
+        config = target_config(cfg)
+        check_supported_target(config, f"target.path {cfg.target.path}", cfg.target.trust_remote_code)
+        check_tp_shape(config, cfg.parallel.target_tp, cfg.target.path)  # N splits the heads evenly
+        _CHECKED_CONFIGS[(cfg.target.path, cfg.target.trust_remote_code)] = config  # read_target_files takes it
+    if not features:
+        check_sources(cfg.data.train)
+        check_sources(cfg.data.eval)
+        if cfg.target.quantization == "fp8" and cfg.target.path != "embedded":  # from config.json alone
+            check_not_prequantized(config, f"target.path {cfg.target.path}")
+
+
+# The target config check_inputs read, by (path, trust_remote_code): the start reads config.json once.
+_CHECKED_CONFIGS: dict[tuple[str, bool], PretrainedConfig] = {}
+
+
+def target_config(cfg: RunConfig):
+    """The target's config.json (no weights): enough for the drafter's shape."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"target.path {cfg.target.path}: cannot read the model config ({exc})"
+                          + REMOTE_CODE_HINT * ("trust_remote_code" in str(exc))) from exc
+
+
+# transformers' refusal of a checkpoint that ships its own modelling code names its keyword argument.
+REMOTE_CODE_HINT = ("; its family is not in the installed transformers and the directory ships its own modelling "
+                    "code: run it only if you trust it, with --set target.trust_remote_code=true")
+
+
+def load_tokenizer(cfg: RunConfig):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"target.path {cfg.target.path}: cannot load its tokenizer ({exc})"
+                          + REMOTE_CODE_HINT * ("trust_remote_code" in str(exc))) from exc
+
+
+@dataclass(frozen=True)
+class TargetFiles:
+    """The target's config and tokenizer (no weights), read once per start and handed to what needs them:
+    the resume check, the drafter's shape, the data."""
+
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase | None  # None on a rank that needs none (read_target_files)
+
+
+def read_target_files(cfg: RunConfig, ctx: parallel.Context) -> TargetFiles:
+    # Drafter ranks fed by target ranks or disk need the tokenizer only to look up a mask token.
+    mask_lookup = cfg.drafter.mask_token_id is None and not cfg.drafter.init_from
+    needs_tokenizer = ctx.is_target or ctx.colocated or mask_lookup
+    config = _CHECKED_CONFIGS.pop((cfg.target.path, cfg.target.trust_remote_code), None) or target_config(cfg)
+    return TargetFiles(config, load_tokenizer(cfg) if needs_tokenizer else None)
+
+
+def mask_token_id(cfg: RunConfig, tokenizer) -> int:
+    if cfg.drafter.mask_token_id is not None:
+        return cfg.drafter.mask_token_id
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return tokenizer.mask_token_id
+    raise ConfigError("the tokenizer has no mask token: set drafter.mask_token_id to a reserved row of the "
+                      "target embedding (Qwen3: 151669)")
+
+
+def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
+    """The drafter's config (a Qwen3Config in the published format) without building the drafter:
+    target ranks need only its target_layer_ids."""
+    d = cfg.drafter
+    if d.init_from:
+        from transformers import Qwen3Config
+
+        return Qwen3Config.from_pretrained(d.init_from)
+    borrowed = borrowed_scales(target_config, trust_remote_code=cfg.target.trust_remote_code)
+    try:
+        return drafter_config(target_config, DrafterShape(
+            num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_token_id(cfg, tokenizer),
+            target_layer_ids=tuple(d.target_layer_ids) if d.target_layer_ids else None,
+            intermediate_size=d.intermediate_size,
+        ), borrowed)
+    except ValueError as exc:  # layer ids or mask token outside the target
+        raise ConfigError(f"drafter: {exc}") from exc
+
+
+def new_drafter(cfg: RunConfig, target_config, tokenizer, device="cpu", initialise: bool = True,
+                config=None) -> DFlashDrafter:
+    """The initial drafter, built on `device`: the same weights on every rank (DDP also broadcasts rank
+    0's) and in every run with the same seed on the same kind of device. initialise=False: allocated
+    only, for a run that loads a checkpoint next (drafter.init_from's weights are not read either: the
+    checkpoint's replace them). config: drafter_config_for's answer, where the caller has it already."""
+    if cfg.drafter.init_from and initialise:
+        return DFlashDrafter.from_pretrained(cfg.drafter.init_from).to(device)
+    if config is None:
+        config = drafter_config_for(cfg, target_config, tokenizer)
+    if not initialise:
+        return DFlashDrafter.empty(config, device)
+    return DFlashDrafter.initialised(config, device, cfg.train.seed)
+
+
+def load_target(cfg: RunConfig, layer_ids: list[int], device, config=None) -> FrozenTarget:
+    """config: the target's config, where the caller has read it already."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if not sys.stderr.isatty():  # a log file or journald: no carriage-return progress bars
+        hf_logging.disable_progress_bar()
+
+    if cfg.target.quantization == "fp8":  # refused before 16 GB are read, not after
+        check_fp8_device(torch.device(device))  # here, not in check_inputs: CUDA starts only after parallel.init
+    trust = cfg.target.trust_remote_code
+    attention = attention_implementation(meta_skeleton(config if config is not None else target_config(cfg), trust))
+    model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype],
+                                                 attn_implementation=attention, trust_remote_code=trust).to(device)
+    target = FrozenTarget(model, layer_ids, quantization=cfg.target.quantization)
+    console.print(f"target: {target.describe()}", soft_wrap=True)
+    if target.quantized_linears:
+        console.print(f"target: {target.quantized_linears} linears of its decoder layers as FP8-dynamic GEMMs "
+                      "(target.quantization = fp8); the embedding and LM head as they are", soft_wrap=True)
+    return target
+
+
+def load_data(cfg: RunConfig, tokenizer) -> tuple[MicroBatches, MicroBatches | None, list[list[int]]]:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_ds = tokenize_dataset(load_rows(cfg.data.train), tokenizer, cfg.data.max_length, cfg.data.num_proc,
+                                cfg.data.reasoning)
+    if cfg.data.eval:
+        eval_ds = tokenize_dataset(load_rows(cfg.data.eval), tokenizer, cfg.data.max_length, cfg.data.num_proc,
+                                   cfg.data.reasoning)
+        if shared := overlapping(train_ds, eval_ds):
+            console.print(f"[yellow]warning:[/] {shared} of {len(eval_ds)} data.eval rows have a prompt that data.train "
+                          "also has: tau on them is not held out. Remove them from one of the two")
+    else:  # hold out a few distinct prompts from the training data
+        train_ds, eval_ds, distinct, dropped = split_by_prompt(train_ds, cfg.train.seed)
+        console.print(f"held out {len(eval_ds)} of {distinct} distinct training prompts for evaluation"
+                      + (f" (and {dropped} repeated rows of them)" if dropped else ""))
+    stream = MicroBatches(train_ds, cfg.train.micro_batch, cfg.data.context_buckets, pad, cfg.train.seed)
+    eval_stream = MicroBatches(eval_ds, min(cfg.train.micro_batch, len(eval_ds)), cfg.data.context_buckets, pad,
+                               cfg.train.seed)
+    prompts = [prompt_of(eval_ds[i]) for i in range(min(cfg.eval.prompts, len(eval_ds)))]
+    return stream, eval_stream, prompts
+
+
+def prompt_of(row: dict) -> list[int]:
+    """The prompt part of a tokenized row: everything before the first supervised token."""
+    return row["input_ids"][: row["loss_mask"].index(1)]
+
+
+def attention_backend(cfg: RunConfig, device: torch.device) -> str:
+    if cfg.train.attention != "auto":
+        return cfg.train.attention
+    return "flex" if device.type == "cuda" else "sdpa"  # flex_attention has no backward on CPU

@@ -1,0 +1,76 @@
+"""The run's summary: summary.json (written atomically), the table printed at the end, and where the
+seconds before step 1 went (Startup)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from rich.table import Table
+
+from ..infra import storage
+from ..infra.console import console
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    storage.write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
+
+
+def print_summary(summary: dict) -> None:
+    table = Table(title="DFlash training summary", show_header=False)
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)
+    table.add_row("steps", f"{summary['steps']} ({len(summary['losses'])} in this run)")
+    table.add_row("loss", f"{fmt(summary['first_loss'], '.3f')} -> {fmt(summary['final_loss'], '.3f')}")
+    table.add_row("tokens/s", fmt(summary["tokens_per_s"], ",.0f"))
+    table.add_row("MFU", fmt(summary["mfu"], ".1%") if summary["mfu"] else "n/a (no known GPU peak)")
+    table.add_row("time split", ", ".join(f"{k} {v:.1f}s" for k, v in summary["time_split_s"].items()))
+    if "tau_before" in summary:
+        method = summary.get("tau_before_method", "speculative decoding")
+        before = "" if method == "speculative decoding" else f" (before: {method})"
+        table.add_row("tau (acceptance length)", f"{summary['tau_before']:.2f} -> {summary['tau_after']:.2f}{before}")
+    else:
+        table.add_row("tau (acceptance length)", "n/a: no target in this run (offline)")
+    table.add_row("drafter (HF dir)", summary["drafter_dir"])
+    table.add_row("checkpoints", summary["checkpoints"])
+    console.print(table)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (interpreter start-up and imports included); Linux /proc,
+    else 0 (the time since this module was imported)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+PROCESS_START = time.perf_counter() - process_age_s()
+
+
+class Startup:
+    """Where the seconds from process start to the end of step 1 go: one mark per phase."""
+
+    def __init__(self, start: float = PROCESS_START):
+        self.start = start
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.perf_counter()))
+
+    def phases(self) -> dict[str, float]:
+        out, previous = {}, self.start
+        for name, at in self.marks:
+            out[name] = out.get(name, 0.0) + at - previous
+            previous = at
+        return out
+
+    def total(self) -> float:
+        return (self.marks[-1][1] if self.marks else time.perf_counter()) - self.start
+
+    def line(self) -> str:
+        return f"time to first step {self.total():.1f}s: " + ", ".join(
+            f"{name} {seconds:.1f}s" for name, seconds in self.phases().items())

@@ -1,0 +1,144 @@
+"""Target ranks: run the frozen target and send the features to drafter ranks; the offline dump."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..compile.guard import leave_run_phase
+from ..config import ConfigError, RunConfig
+from ..data.features import write_meta, write_shard
+from ..distributed import parallel
+from ..distributed.parallel import SplitWindow
+from ..distributed.sources import Wait
+from ..target.frozen import FrozenTarget
+from ..target.tensor_parallel import check_fits_before_loading, load_sharded_target
+from .compile_step import compile_cache_dir, compile_target_step
+from .evaluate import evaluate_saved
+from .loading import (
+    TargetFiles,
+    console,
+    drafter_config_for,
+    load_data,
+    load_target,
+    load_tokenizer,
+    target_config,
+)
+from .summary import print_summary, write_summary
+
+
+def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_files: TargetFiles,
+               drafter_config=None) -> dict | None:
+    """Run the frozen target on this rank's micro-batches (from start_step on) and send the features to
+    their drafters (drafter_config: the one the resume check read, if any)."""
+    from ..distributed.transport import FeatureSender
+
+    device = ctx.device
+    # A stop request ends a target rank at once: the drafters write the checkpoint, and a send that
+    # waits for a drafter that has stopped would otherwise hold this process until the timeout.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    tokenizer = target_files.tokenizer
+    if drafter_config is None:
+        drafter_config = drafter_config_for(cfg, target_files.config, tokenizer)
+    layer_ids = drafter_config.dflash_config["target_layer_ids"]
+    target = _load_group_target(cfg, ctx, layer_ids, target_files.config)
+    stream, eval_stream, prompts = load_data(cfg, tokenizer)
+    compile_target_step(target, cfg.data.context_buckets, cfg.train.micro_batch,
+                        compile_cache_dir(cfg.train.compile_cache_dir), console.print,
+                        label=ctx.label, serialized=ctx.target_tp == 1)
+    batches_per_step = cfg.train.grad_accum * ctx.num_drafters
+    num_batches = cfg.train.steps * batches_per_step
+    first_batch = start_step * batches_per_step
+    # Every rank of a target group computes each of the group's micro-batches; its first rank sends them.
+    sender = FeatureSender(ctx.roles, ctx.rank, ctx.groups, cfg.parallel.prefetch, start=first_batch) \
+        if ctx.sends_features else None
+    intervals: list[Wait] = []  # the target's GPU time per micro-batch, read without a sync per batch
+    send_wait, tokens = 0.0, 0
+    t_start = time.perf_counter()
+    window = SplitWindow(cfg.parallel.prefetch)
+    for i in ctx.roles.batches_for_target(ctx.roles.target_index(ctx.rank), num_batches, first_batch):
+        batch = stream.batch(i)
+        tokens += int(batch.attention_mask.sum())  # on the host: no device sync
+        batch = batch.to(device)
+        busy = Wait.interval(device)
+        feats = target.features(batch.input_ids, batch.attention_mask)
+        intervals.append(busy.stop())
+        if sender is None:
+            continue
+        t1 = time.perf_counter()
+        sender.send({"features": feats, "input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
+                     "attention_mask": batch.attention_mask})
+        send_wait += time.perf_counter() - t1
+        if ctx.rank == 0 and window.due(len(intervals)):
+            parallel.synchronize(device)
+            console.print(ctx.label + window.advice(intervals, ctx.roles.num_targets, ctx.roles.num_drafters,
+                                                    target_tp=ctx.target_tp))
+    if sender is not None:
+        sender.close(num_batches)
+    wall = time.perf_counter() - t_start
+    busy_s = sum(w.seconds() for w in intervals)
+    if sender is not None:  # one line per target group
+        console.print(f"{ctx.label}target done: {tokens / max(wall, 1e-9):,.0f} tok/s; target compute {busy_s:.1f}s, "
+                      f"waiting on drafters {send_wait:.1f}s of {wall:.1f}s"
+                      + (" (drafters bound the run)" if send_wait > 0.2 * wall else " (target supply bounds the run)"))
+    ctx.barrier()  # the lead drafter has written the final drafter and the summary
+    if ctx.roles.target_index(ctx.rank) != 0:  # the first target group measures tau: all its ranks run the target
+        return None
+    out = Path(cfg.output_dir)
+    leave_run_phase()  # evaluation shapes differ from the training batches'
+    console.quiet = ctx.rank != 0  # the group's other ranks run the same evaluation: one report
+    try:
+        before, after = evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, out / "drafter", device)
+    finally:
+        console.quiet = False
+    if ctx.rank != 0:
+        return None
+    summary = json.loads((out / "summary.json").read_text())
+    summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"],
+                   tau_before_method=before.get("tau_method", "speculative decoding"),
+                   target_ranks=ctx.roles.num_targets, target_tp=ctx.target_tp, target_busy_s=busy_s,
+                   target_wait_s=send_wait)
+    write_summary(out, summary)
+    print_summary(summary)
+    return summary
+
+
+def _load_group_target(cfg: RunConfig, ctx: parallel.Context, layer_ids: list[int], config) -> FrozenTarget:
+    """The whole target, or with parallel.target_tp > 1 this rank's share of its group's; either after a check
+    that the share fits this GPU's free memory."""
+    check_fits_before_loading(cfg, config, ctx.device)
+    if ctx.target_tp == 1:
+        return load_target(cfg, layer_ids, ctx.device, config)
+    return load_sharded_target(cfg, layer_ids, ctx.device, ctx.groups.target_group, config)
+
+
+def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
+    """Run the target over the training stream once; rank r of W writes micro-batches i = r mod W."""
+    if cfg.parallel.target_tp > 1:
+        raise ConfigError(f"--dump-features runs one whole target per process, and parallel.target_tp is "
+                          f"{cfg.parallel.target_tp}: set parallel.target_tp = 1 (--set parallel.target_tp=1) to dump")
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1:  # one GPU per process, chosen before the driver reads CUDA_VISIBLE_DEVICES
+        from ..compile.guard import isolate_local_gpu
+
+        isolate_local_gpu(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_tokenizer(cfg)
+    layer_ids = drafter_config_for(cfg, target_config(cfg), tokenizer).dflash_config["target_layer_ids"]
+    target = load_target(cfg, layer_ids, device)
+    stream, _, _ = load_data(cfg, tokenizer)
+    count = num_batches or stream.per_epoch
+    for i in tqdm(range(rank, count, world), desc="dumping features", disable=None if rank == 0 else True):
+        batch = stream.batch(i).to(device)
+        feats = target.features(batch.input_ids, batch.attention_mask)
+        write_shard(root, i, {"features": feats, "input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
+                              "attention_mask": batch.attention_mask})
+    if rank == 0:
+        write_meta(root, cfg.target.path, layer_ids, count, cfg.train.micro_batch, cfg.target.quantization)
+    console.print(f"rank {rank}: features of {len(range(rank, count, world))} micro-batches in {root}")
