@@ -131,24 +131,28 @@ class MasterWeightAdamW:
             return torch.zeros(())
         grads = [p.grad for p, _ in live]
         sharded = _is_dtensor(grads[0])
-        if sharded:  # FSDP: each rank holds a shard; the norm is the whole gradient's
-            norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
-            norm = (norm.full_tensor() if _is_dtensor(norm) else norm) * grad_scale
-        else:
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-            norm = torch.linalg.vector_norm(torch.stack(norms)) * grad_scale
+        norm = _grad_norm(grads, sharded) * grad_scale
         # torch.nn.utils.clip_grad_norm_'s rule, folded with the scale: one multiplier per step.
         coef = grad_scale * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         if self.one_pass:
-            self._lr.fill_(self.opt.param_groups[0]["lr"])
-            states = [self._state(m) for _, m in live]
-            torch._foreach_add_([s["step"] for s in states], 1.0)
-            for (p, m), s in zip(live, states):
-                self._update(p, p.grad, m, s["exp_avg"], s["exp_avg_sq"], s["step"], self._lr, coef)
-            # The mark torch's step wrapper leaves: the LR scheduler warns "lr_scheduler.step() before
-            # optimizer.step()" on every run otherwise, since this path never calls self.opt.step().
-            self.opt._opt_called = True
-            return norm
+            self._one_pass_step(live, coef)
+        else:
+            self._torch_step(live, coef, sharded)
+        return norm
+
+    def _one_pass_step(self, live: list[tuple[torch.Tensor, torch.Tensor]], coef: torch.Tensor) -> None:
+        """One compiled update per tensor, straight from the low-precision gradient."""
+        self._lr.fill_(self.opt.param_groups[0]["lr"])
+        states = [self._state(m) for _, m in live]
+        torch._foreach_add_([s["step"] for s in states], 1.0)
+        for (p, m), s in zip(live, states):
+            self._update(p, p.grad, m, s["exp_avg"], s["exp_avg_sq"], s["step"], self._lr, coef)
+        # The mark torch's step wrapper leaves: the LR scheduler warns "lr_scheduler.step() before
+        # optimizer.step()" on every run otherwise, since this path never calls self.opt.step().
+        self.opt._opt_called = True
+
+    def _torch_step(self, live: list[tuple[torch.Tensor, torch.Tensor]], coef: torch.Tensor, sharded: bool) -> None:
+        """Gradients cast into fp32 buffers, torch's AdamW steps the masters, the result copied back."""
         cast = [(p, m) for p, m in live if m is not p]
         for p, m in cast:
             if m.grad is None:
@@ -168,7 +172,6 @@ class MasterWeightAdamW:
             self.opt.step()
         if cast:
             torch._foreach_copy_([p for p, _ in cast], [m for _, m in cast])
-        return norm
 
     def _state(self, master: torch.Tensor) -> dict:
         """torch.optim.AdamW's per-tensor state, created as its fused path does (checkpoints load either way),
@@ -210,6 +213,16 @@ class MasterWeightAdamW:
             for key in MOMENTS:
                 if key in saved:
                     saved[key] = saved[key].to(self.moments_dtype)
+
+
+def _grad_norm(grads: list[torch.Tensor], sharded: bool) -> torch.Tensor:
+    """The L2 norm of all the gradients, read in their own dtype (under FSDP each rank holds a shard:
+    the norm is the whole gradient's)."""
+    if sharded:
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+        return norm.full_tensor() if _is_dtensor(norm) else norm
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
