@@ -16,11 +16,12 @@ Exit codes, for every command:
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import config
-from .config import MAX_TOKENS, Rule, check_value, describe_rule
+from .config import MAX_TOKENS, Rule, RunConfig, check_value, describe_rule, given_keys, load_config
 from .config import setting as config_setting
 
 OK, FAULT, BAD_INPUT = 0, 1, 2
@@ -140,6 +141,91 @@ def named_source(text: str) -> str:
     if sep and source.strip():
         file_or_dataset(source.strip())
     return text
+
+
+# ---- the run config: --config, --set and the flags that set one key each ----------------------------
+
+def add_config_flags(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """--config, --set and --print-config, as dflash-train takes them. default None: every key at its default
+    until a file or --set gives it (a command's own defaults then stand, see `chosen`)."""
+    parser.add_argument("--config", default=default, metavar="NAME_OR_FILE",
+                        help="a TOML run config, or a bundled config name (" + (default or "default: none") + ")")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config key (repeatable)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the merged config (defaults, the file, --set and the flags) as TOML and exit")
+
+
+def key_flag(parser, flag: str, key: str, help: str, **kwargs) -> None:
+    """A flag that sets the config key `key`: the key's type and Rule (unless choices or an action are given), its
+    help naming the key. Its default is None (not given): the key's value then comes from --config / --set."""
+    if "choices" not in kwargs and "action" not in kwargs:
+        kwargs["type"] = for_key(key)
+    parser.add_argument(flag, help=f"{help} ({key})", default=None, **kwargs)
+
+
+def flag_settings(args: argparse.Namespace, key_flags: dict[str, str]) -> dict[str, str]:
+    """{flag: "key=value"} of the key-bound flags given, as load_config takes them (named as themselves in its
+    errors). A flag's "auto" is no value of its key: the command decides (a dtype by the device)."""
+    settings = {}
+    for flag, key in key_flags.items():
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value is not None and value != "auto":
+            settings[flag] = f"{key}={_override_text(value)}"
+    return settings
+
+
+def _override_text(value) -> str:
+    return json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+def run_config(args: argparse.Namespace, key_flags: dict[str, str] | None = None, *,
+               whole_run: bool = True) -> RunConfig:
+    """The merged run config: the defaults < --config < --set < the key-bound flags; ConfigError (exit 2) naming
+    the key, the file or the flag and the fix."""
+    return load_config(args.config, args.set, flag_settings(args, key_flags or {}), whole_run=whole_run)
+
+
+def chosen(cfg: RunConfig, key: str, fallback):
+    """The key's value when the file, --set or a flag gave it, else the command's own default `fallback` (where
+    the command's default differs from the config's: eval's 256 new tokens, a dtype by the device)."""
+    if key not in given_keys(cfg):
+        return fallback
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def config_toml(values: dict, section: str = "") -> str:
+    """The merged config as TOML: top-level keys, then one [section] per table; an unset (null) key is a
+    comment, as TOML has no null."""
+    lines = [f"[{section}]"] if section else []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            continue
+        lines.append(f"# {key} is unset" if value is None else f"{key} = {_toml_value(value)}")
+    text = "\n".join(lines) + "\n"
+    for key, value in values.items():
+        if isinstance(value, dict):
+            text += "\n" + config_toml(value, f"{section}.{key}" if section else key)
+    return text
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # strings (JSON escapes are TOML's), ints, floats
+
+
+def print_config(cfg: RunConfig) -> None:
+    """--print-config: the merged config as TOML on stdout (train.steps unset when train.epochs derives it)."""
+    values = cfg.to_dict()
+    if cfg.train.epochs is not None:  # derived from the data at the start, not read from here
+        values["train"]["steps"] = None
+    print(config_toml(values), end="")
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace | int:

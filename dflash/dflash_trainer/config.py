@@ -418,17 +418,26 @@ def _config_path(source: str) -> Path:
     return path
 
 
-def load_config(source: str, overrides: list[str] = (), flags: dict[str, str] | None = None) -> RunConfig:
-    """The config file with --set overrides, then flags ({"--output-dir": "output_dir=runs/x"}: a command-line
-    flag that sets one key, named as itself in the errors)."""
+def _read_values(source: str | None) -> tuple[dict, str]:
+    """The config file's values and its name for errors; no source: none (every key at its default)."""
+    if source is None:
+        return {}, "defaults"
     path = _config_path(source)
-    flags = flags or {}
     try:
-        values = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text()), path.name
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot be read: {exc}") from exc
+
+
+def load_config(source: str | None, overrides: list[str] = (), flags: dict[str, str] | None = None, *,
+                whole_run: bool = True) -> RunConfig:
+    """The config file (None: the defaults) with --set overrides, then flags ({"--output-dir": "output_dir=runs/x"}:
+    a command-line flag that sets one key, named as itself in the errors). whole_run: also the checks a training
+    run needs (a target, data); a command that reads a few keys (dflash-eval, the benches) leaves them out."""
+    values, name = _read_values(source)
+    flags = flags or {}
     for text in [*overrides, *flags.values()]:
         _apply_override(values, text)
     problems: list[str] = []
@@ -437,11 +446,11 @@ def load_config(source: str, overrides: list[str] = (), flags: dict[str, str] | 
         problems.append(f"train.steps = {train['steps']} and train.epochs = {train['epochs']} are both given: keep one "
                         "(epochs derives the steps from the data)")
     config = _build(RunConfig, values, "", problems)
-    if not problems:
+    if not problems and whole_run:
         problems = semantic_problems(config)
     if problems:
         given = (["--set"] if overrides else []) + list(flags)
-        where = path.name + (" with " + ", ".join(given) if given else "")
+        where = name + (" with " + ", ".join(given) if given else "")
         raise ConfigError(f"invalid config ({where}):\n  - " + "\n  - ".join(problems))
     config._given_keys = frozenset(key for key, _ in _leaves(values))  # not a field: what was set explicitly (given_keys)
     return config

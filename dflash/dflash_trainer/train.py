@@ -14,7 +14,6 @@ finish (the published drafter, tau, the summary).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -34,7 +33,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
 
     from . import cli_args
     from .compile.guard import CompileReport, leave_run_phase, prefetch_triton_key
-    from .config import RunConfig, check_init_from, load_config
+    from .config import RunConfig, check_init_from
     from .data.features import FeatureShards
     from .data.rows import MicroBatches, load_rows, tokenize_dataset
     from .distributed import parallel
@@ -550,29 +549,6 @@ def steps_from_epochs(cfg: RunConfig, ctx: parallel.Context, tokenizer) -> None:
                       f"{per_step} a step)", soft_wrap=True)
 
 
-def config_toml(values: dict, section: str = "") -> str:
-    """The merged config as TOML: top-level keys, then one [section] per table; an unset (null) key is a
-    comment, as TOML has no null."""
-    lines = [f"[{section}]"] if section else []
-    for key, value in values.items():
-        if isinstance(value, dict):
-            continue
-        lines.append(f"# {key} is unset" if value is None else f"{key} = {_toml_value(value)}")
-    text = "\n".join(lines) + "\n"
-    for key, value in values.items():
-        if isinstance(value, dict):
-            text += "\n" + config_toml(value, f"{section}.{key}" if section else key)
-    return text
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(value)  # strings (JSON escapes are TOML's), ints, floats
-
-
 # Exit 2: the input (config, data, run directory) needs a change; exit 1: a fault while running (cli_args).
 USAGE_ERRORS = cli_args.bad_input_errors()
 
@@ -589,17 +565,14 @@ def explain(exc: BaseException) -> tuple[int, str]:
     return 1, f"{type(exc).__name__}: {exc}"
 
 
-def flag_settings(args: argparse.Namespace) -> dict[str, str]:
-    """The flags that set one config key each, as load_config takes them (named as themselves in its errors)."""
-    keys = {"--output-dir": ("output_dir", args.output_dir), "--target-gpus": ("parallel.target_ranks", args.target_gpus),
-            "--drafter-gpus": ("parallel.drafter_ranks", args.drafter_gpus)}
-    return {flag: f"{key}={value}" for flag, (key, value) in keys.items() if value is not None}
+# The flags that set one config key each.
+KEY_FLAGS = {"--output-dir": "output_dir", "--target-gpus": "parallel.target_ranks",
+             "--drafter-gpus": "parallel.drafter_ranks"}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash-train", description="Train a DFlash drafter.")
-    p.add_argument("--config", default="embedded", help="a TOML file, or a bundled config name (embedded)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a field")
+    cli_args.add_config_flags(p, default="embedded")
     p.add_argument("--output-dir", type=cli_args.directory,
                    help="where checkpoints, logs and the drafter go (overrides output_dir)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
@@ -617,18 +590,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="offline mode: write target features to DIR and exit")
     p.add_argument("--dump-batches", type=cli_args.STEPS, help="micro-batches to dump (default: one epoch)")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error (or DFLASH_DEBUG=1)")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the merged config (defaults, the file, --set and the flags) as TOML and exit")
     args = cli_args.parse(p, argv)
     if isinstance(args, int):  # a bad flag, said by argparse (2), or --help (0)
         return args
     try:
-        cfg = load_config(args.config, args.set, flag_settings(args))
+        cfg = cli_args.run_config(args, KEY_FLAGS)
         if args.print_config:
-            values = cfg.to_dict()
-            if cfg.train.epochs is not None:  # derived from the data at the start, not read from here
-                values["train"]["steps"] = None
-            print(config_toml(values), end="")
+            cli_args.print_config(cfg)
             return 0
         if args.dump_features:
             check_inputs(cfg)
