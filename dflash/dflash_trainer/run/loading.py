@@ -81,11 +81,7 @@ def target_config(cfg: RunConfig):
     """The target's config.json (no weights): enough for the drafter's shape."""
     from transformers import AutoConfig
 
-    try:
-        return AutoConfig.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"target.path {cfg.target.path}: cannot read the model config ({exc})"
-                          + REMOTE_CODE_HINT * ("trust_remote_code" in str(exc))) from exc
+    return _from_target_dir(cfg, AutoConfig, "read the model config")
 
 
 # transformers' refusal of a checkpoint that ships its own modelling code names its keyword argument.
@@ -96,10 +92,14 @@ REMOTE_CODE_HINT = ("; its family is not in the installed transformers and the d
 def load_tokenizer(cfg: RunConfig):
     from transformers import AutoTokenizer
 
+    return _from_target_dir(cfg, AutoTokenizer, "load its tokenizer")
+
+
+def _from_target_dir(cfg: RunConfig, auto_class, what: str):
     try:
-        return AutoTokenizer.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
+        return auto_class.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"target.path {cfg.target.path}: cannot load its tokenizer ({exc})"
+        raise ConfigError(f"target.path {cfg.target.path}: cannot {what} ({exc})"
                           + REMOTE_CODE_HINT * ("trust_remote_code" in str(exc))) from exc
 
 
