@@ -254,52 +254,20 @@ def compile_variants(
     share: a name for what the probe compiles (e.g. "drafter"): under torchrun, once one rank of this
     start compiled it under the lock, the host's other ranks of the start skip the queue (cache hits).
     """
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError(
-            "compile_variants() must run in the main thread: compiling in a thread races on torch's "
-            "FX-tracing flag. Run it in each rank's main thread before step 1."
-        )
-    if not variants:
-        raise ValueError("compile_variants() got no variants; pass every (bucket, grad mode) the run will use.")
-    import torch._dynamo.config as dynamo_config
-    import torch._functorch.config as functorch_config
+    _check_can_compile(variants)
     from torch._dynamo.utils import counters
 
-    # Compile the backward now, on this thread; lazily it would compile on the autograd device thread.
-    if not _set_if_present(functorch_config, "force_non_lazy_backward_lowering", True):
-        log(
-            f"{label}torch {torch.__version__} has no force_non_lazy_backward_lowering: the backward may "
-            "compile lazily; the probe's backward still compiles it here, on this thread."
-        )
-    # The limit is per code object and shared by every variant: all buckets x grad modes, plus margin.
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, len(variants) + RECOMPILE_MARGIN)
-    accumulated = max(getattr(dynamo_config, "accumulated_recompile_limit", 0), 4 * dynamo_config.recompile_limit)
-    _set_if_present(dynamo_config, "accumulated_recompile_limit", accumulated)
-    torch.compiler.set_stance("default")
-
+    _allow_compiling(len(variants), log, label)
     before = compile_counters()
     breaks_before = set(counters["graph_break"])
-    variant_s: dict[str, float] = {}
     marker = Path(f"{lock_path}.{share}") if lock_path is not None and share else None
     with _compile_turn(lock_path, marker) as (waited, filled):
-        if lock_path is None:
-            log(f"{label}compiling {len(variants)} variant(s) together with the other ranks (no lock)")
-        elif filled:
-            log(f"{label}compile lock taken after {waited:.1f}s; a rank of this start compiled these graphs "
-                f"already: loading {len(variants)} variant(s) from the cache beside the other ranks")
-        else:
-            log(f"{label}compile lock taken after {waited:.1f}s; compiling {len(variants)} variant(s)")
+        log(label + _turn_line(lock_path, waited, filled, len(variants)))
         start = time.monotonic()
-        for variant in variants:
-            t0 = time.monotonic()
-            probe_fn(variant)
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-            variant_s[str(variant)] = time.monotonic() - t0
+        variant_s = _run_probes(probe_fn, variants)
         compile_s = time.monotonic() - start
 
-    torch.compiler.set_stance("fail_on_recompile")  # process-wide: applies to every thread
-    dynamo_config.fail_on_recompile_limit_hit = True  # past the limit: raise, not eager
+    _forbid_compiling()
     after = compile_counters()
     report = CompileReport(
         label=label,
@@ -311,6 +279,66 @@ def compile_variants(
     )
     log(report.summary())
     return report
+
+
+def _check_can_compile(variants: Sequence[Any]) -> None:
+    """The main thread, and at least one variant."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "compile_variants() must run in the main thread: compiling in a thread races on torch's "
+            "FX-tracing flag. Run it in each rank's main thread before step 1."
+        )
+    if not variants:
+        raise ValueError("compile_variants() got no variants; pass every (bucket, grad mode) the run will use.")
+
+
+def _allow_compiling(num_variants: int, log: Callable[[str], None], label: str) -> None:
+    """Compiler settings for the compile step: the backward compiled eagerly, recompile limits that fit
+    every variant, the default stance."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    # Compile the backward now, on this thread; lazily it would compile on the autograd device thread.
+    if not _set_if_present(functorch_config, "force_non_lazy_backward_lowering", True):
+        log(
+            f"{label}torch {torch.__version__} has no force_non_lazy_backward_lowering: the backward may "
+            "compile lazily; the probe's backward still compiles it here, on this thread."
+        )
+    # The limit is per code object and shared by every variant: all buckets x grad modes, plus margin.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, num_variants + RECOMPILE_MARGIN)
+    accumulated = max(getattr(dynamo_config, "accumulated_recompile_limit", 0), 4 * dynamo_config.recompile_limit)
+    _set_if_present(dynamo_config, "accumulated_recompile_limit", accumulated)
+    torch.compiler.set_stance("default")
+
+
+def _turn_line(lock_path: str | os.PathLike | None, waited: float, filled: bool, num_variants: int) -> str:
+    """The log line at the start of this rank's turn: no lock, from the cache, or compiling."""
+    if lock_path is None:
+        return f"compiling {num_variants} variant(s) together with the other ranks (no lock)"
+    if filled:
+        return (f"compile lock taken after {waited:.1f}s; a rank of this start compiled these graphs "
+                f"already: loading {num_variants} variant(s) from the cache beside the other ranks")
+    return f"compile lock taken after {waited:.1f}s; compiling {num_variants} variant(s)"
+
+
+def _run_probes(probe_fn: Callable[[Any], None], variants: Sequence[Any]) -> dict[str, float]:
+    """Each variant's probe, timed to the end of its GPU work: seconds per variant."""
+    variant_s: dict[str, float] = {}
+    for variant in variants:
+        t0 = time.monotonic()
+        probe_fn(variant)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        variant_s[str(variant)] = time.monotonic() - t0
+    return variant_s
+
+
+def _forbid_compiling() -> None:
+    """From here on any recompile raises (leave_run_phase() undoes it)."""
+    import torch._dynamo.config as dynamo_config
+
+    torch.compiler.set_stance("fail_on_recompile")  # process-wide: applies to every thread
+    dynamo_config.fail_on_recompile_limit_hit = True  # past the limit: raise, not eager
 
 
 def leave_run_phase() -> None:
