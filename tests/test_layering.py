@@ -129,3 +129,12 @@ def test_no_import_loop_hidden_or_not():
 ])
 def test_the_loop_finder_finds_loops(edges, expected):
     assert find_cycle(edges) == expected
+
+
+def test_the_wheel_ships_every_subpackage():
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    present = {"dflash_trainer" + "".join("." + part for part in p.parent.relative_to(PACKAGE).parts)
+               for p in PACKAGE.rglob("__init__.py")}
+    assert present <= listed, f"pyproject.toml's [tool.setuptools] packages lacks {sorted(present - listed)}"
