@@ -159,8 +159,8 @@ def add_config_flags(parser: argparse.ArgumentParser, default: str | None = None
 def key_flag(parser, flag: str, key: str, help: str, **kwargs) -> None:
     """A flag that sets the config key `key`: the key's type and Rule (unless choices or an action are given), its
     help naming the key. Its default is None (not given): the key's value then comes from --config / --set."""
-    if "choices" not in kwargs and "action" not in kwargs:
-        kwargs["type"] = for_key(key)
+    if "choices" not in kwargs and "action" not in kwargs and config_setting(key)[0] in (int, float):
+        kwargs["type"] = for_key(key)  # a number: the key's Rule (a path or a name is taken as given)
     parser.add_argument(flag, help=f"{help} ({key})", default=None, **kwargs)
 
 

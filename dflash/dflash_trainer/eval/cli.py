@@ -26,7 +26,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     import torch
 
     from .. import cli_args
-    from ..config import TARGET_QUANTIZATIONS, ConfigError, drafter_file_problems
+    from ..config import TARGET_QUANTIZATIONS, ConfigError, RunConfig, drafter_file_problems, given_keys
     from ..data.prompt_sets import PromptSet, load_prompt_set, name_sources
     from ..decoding.fast import FastDecoding
     from ..decoding.speculative import AcceptanceStats, stop_token_ids
@@ -86,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", type=cli_args.directory,
                    help="the drafter directory (this trainer's OUTPUT/drafter, a checkpoint, z-lab's)")
-    p.add_argument("--target", help="the target model: a Hugging Face directory or hub id")
+    cli_args.key_flag(p, "--target", "target.path", "the target model: a Hugging Face directory or hub id")
     p.add_argument("--prompts", nargs="+", default=[], metavar="FILE_OR_DATASET",
                    type=cli_args.file_or_dataset,
                    help="prompt sources, one prompt set each: JSONL files or hub datasets (owner/name[:config][@split])")
@@ -96,19 +96,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run", metavar="OUTPUT", type=cli_args.directory,
                    help="a training run's output dir: its drafter (or latest checkpoint), "
                    "target, held-out prompts and eval settings are the defaults")
-    p.add_argument("--max-new-tokens", type=cli_args.NEW_TOKENS,
-                   help="tokens to generate per prompt (default 256; --run: the run's)")
+    cli_args.key_flag(p, "--max-new-tokens", "eval.max_new_tokens",
+                      "tokens to generate per prompt (default 256 unless --config or --set gives it; --run: the run's)")
     p.add_argument("--limit", type=cli_args.PROMPTS, help="the first N usable prompts of each set (default: all)")
     p.add_argument("--temperature", type=cli_args.number(), default=0.0, help="0 only: greedy decoding")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
-                   help="target and drafter dtype (auto: bfloat16 on CUDA, float32 on CPU; --run: the run's)")
-    p.add_argument("--target-quantization", choices=TARGET_QUANTIZATIONS,
-                   help="the target's decoder GEMMs: none, or fp8 as an FP8-dynamic target is served "
-                        "(target.quantization; default none; --run: the run's)")
+    cli_args.key_flag(p, "--dtype", "target.dtype", "target dtype, and the drafter's unless train.dtype is given "
+                      "(auto, the default: bfloat16 on CUDA, float32 on CPU; --run: the run's)", choices=["auto", *DTYPES])
+    cli_args.key_flag(p, "--target-quantization", "target.quantization", "the target's decoder GEMMs: none, or fp8 "
+                      "as an FP8-dynamic target is served (default none; --run: the run's)", choices=TARGET_QUANTIZATIONS)
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--trust-remote-code", action="store_true", default=None,
-                   help="run the modelling code the target's directory ships (target.trust_remote_code; --run: "
-                        "the run's)")
+    cli_args.key_flag(p, "--trust-remote-code", "target.trust_remote_code",
+                      "run the modelling code the target's directory ships (--run: the run's)", action="store_true")
     p.add_argument("--batch-size", type=cli_args.ROWS, default=1,
                    help="prompts decoded together, each verify step checking a block of each (default 1: the "
                         "speedup one request sees; more: the throughput of a batched server)")
@@ -118,7 +116,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="qwen3-8b", help="--bench: the model shape (qwen3-8b, or tiny on a CPU)")
     p.add_argument("--tie-tolerance", type=cli_args.number(ge=0, le=1),
                    help="near-tie threshold, a share of the largest logit (default by dtype: fp32 1e-4, bf16 3e-2)")
+    cli_args.add_config_flags(p)
     return p
+
+
+# The flags that set one run-config key each: --config / --set give the same keys.
+KEY_FLAGS = {"--target": "target.path", "--dtype": "target.dtype", "--target-quantization": "target.quantization",
+             "--trust-remote-code": "target.trust_remote_code", "--max-new-tokens": "eval.max_new_tokens"}
 
 
 # ---- checking the inputs (nothing is written) ------------------------------------------------------
@@ -211,9 +215,14 @@ def check_drafter_dir(path: Path) -> dict:
     return raw
 
 
+def text_config(target_config):
+    """The decoder's config of a target's (a multimodal target nests it)."""
+    return target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+
+
 def check_fits(raw: dict, drafter_dir: Path, target_config, target: str) -> None:
     """The drafter was built for this target: hidden size, tapped layers, vocabulary, context."""
-    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    tc = text_config(target_config)
     layers, ids = tc.num_hidden_layers, list(raw["dflash_config"]["target_layer_ids"])
     fix = f"evaluate it against the target it was trained for (see {drafter_dir / 'config.json'})"
     problems = []
@@ -250,63 +259,97 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def plan(args) -> Plan:
-    """Every input checked and every prompt tokenized, before any model weight is read."""
-    from transformers import AutoConfig, AutoTokenizer
+@dataclass
+class Settings:
+    """What the flags, the run config (--config, --set) and --run's recorded run say, merged: explicit keys
+    first, then the run's, then dflash-eval's own defaults."""
 
-    defaults = run_defaults(Path(args.run)) if args.run else {}
-    drafter = args.drafter or defaults.get("drafter")
-    target = args.target or defaults.get("target")
-    out = args.out or (str(Path(args.run) / "eval") if args.run else None)
-    missing = [flag for flag, v in (("--drafter", drafter), ("--target", target), ("--out", out)) if not v]
+    drafter: str | None
+    target: str | None
+    out: str | None
+    max_new_tokens: int
+    limit: int | None
+    target_dtype: str | None  # None: by the device
+    drafter_dtype: str | None  # None: the target's
+    quantization: str
+    trust_remote_code: bool
+    names: list[str]
+    run_drafter: str | None = None  # the drafter --run found, and the block size the run trained with
+    run_block_size: int | None = None
+
+
+def settings(args, cfg: RunConfig) -> Settings:
+    run = run_defaults(Path(args.run)) if args.run else {}
+    own_prompts = bool(args.prompts or args.name)
+    # --dtype (target.dtype) sets the drafter's too, as the run's pair does when it is not given
+    dtypes = (None, None) if "target.dtype" in given_keys(cfg) else (run.get("target_dtype"), run.get("drafter_dtype"))
+    return Settings(
+        drafter=args.drafter or run.get("drafter"), target=cli_args.chosen(cfg, "target.path", run.get("target")),
+        out=args.out or (str(Path(args.run) / "eval") if args.run else None),
+        max_new_tokens=cli_args.chosen(cfg, "eval.max_new_tokens", run.get("max_new_tokens", 256)),
+        limit=args.limit if args.limit is not None else (None if own_prompts else run.get("limit")),
+        target_dtype=cli_args.chosen(cfg, "target.dtype", dtypes[0]),
+        drafter_dtype=cli_args.chosen(cfg, "train.dtype", dtypes[1]),
+        quantization=cli_args.chosen(cfg, "target.quantization", run.get("target_quantization", "none")),
+        trust_remote_code=cli_args.chosen(cfg, "target.trust_remote_code", run.get("trust_remote_code", False)),
+        names=args.name if own_prompts else run.get("names", []),
+        run_drafter=run.get("drafter"), run_block_size=run.get("block_size"))
+
+
+def check_request(args, s: Settings) -> None:
+    """What the command line asks for, before any file is read: the three inputs, greedy decoding, --out."""
+    missing = [flag for flag, v in (("--drafter", s.drafter), ("--target", s.target), ("--out", s.out)) if not v]
     if missing:
         raise EvalError(f"missing {', '.join(missing)}: give them, or --run OUTPUT for a training run's")
-    max_new = args.max_new_tokens if args.max_new_tokens is not None else defaults.get("max_new_tokens", 256)
-    if max_new < 1:
-        raise EvalError(f"--max-new-tokens {max_new}: give at least 1 (tau needs generated tokens)")
-    own_prompts = bool(args.prompts or args.name)
-    limit = args.limit if args.limit is not None else (None if own_prompts else defaults.get("limit"))
-    if limit is not None and limit < 1:
-        raise EvalError(f"--limit {limit}: give at least 1, or leave it out for every prompt")
     if args.temperature != 0:
         raise EvalError(f"--temperature {args.temperature}: dflash-eval decodes greedily (0), where speculative "
                         "decoding must reproduce the target's own output token for token")
-    out = Path(out)
+    out = Path(s.out)
     if out.exists() and not out.is_dir():
         raise EvalError(f"--out {out} is a file: give a directory")
     check_out_writable(out)
+
+
+def pick_device(name: str | None) -> torch.device:
     try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as exc:
-        raise EvalError(f"--device {args.device}: {exc}") from exc
+        raise EvalError(f"--device {name}: {exc}") from exc
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EvalError(f"--device {device}: no CUDA GPU is visible; use --device cpu")
-    if args.dtype == "auto" and "target_dtype" in defaults:
-        target_dtype, drafter_dtype = DTYPES[defaults["target_dtype"]], DTYPES[defaults["drafter_dtype"]]
-    else:
-        target_dtype = drafter_dtype = _dtype(args.dtype, device)
-    quantization = args.target_quantization or defaults.get("target_quantization", "none")
-    if quantization == "fp8":
-        if target_dtype != torch.bfloat16:
-            raise EvalError(f"--target-quantization fp8 needs a bf16 target (the FP8 GEMMs write bf16), and the "
-                            f"target's dtype is {str(target_dtype).removeprefix('torch.')}: add --dtype bfloat16")
-        try:
-            check_fp8_device(device, setting=EVAL_FP8_SETTING)
-        except ConfigError as exc:
-            raise EvalError(str(exc)) from None
+    return device
 
-    drafter_dir = Path(drafter)
+
+def check_fp8(target_dtype: torch.dtype, device: torch.device) -> None:
+    if target_dtype != torch.bfloat16:
+        raise EvalError(f"--target-quantization fp8 needs a bf16 target (the FP8 GEMMs write bf16), and the "
+                        f"target's dtype is {str(target_dtype).removeprefix('torch.')}: add --dtype bfloat16")
+    try:
+        check_fp8_device(device, setting=EVAL_FP8_SETTING)
+    except ConfigError as exc:
+        raise EvalError(str(exc)) from None
+
+
+def check_drafter(s: Settings) -> tuple[Path, dict]:
+    """The drafter's directory and config.json; a note when it holds another block size than the run trained."""
+    drafter_dir = Path(s.drafter)
     raw = check_drafter_dir(drafter_dir)
-    trained = defaults.get("block_size") if drafter == defaults.get("drafter") else None
+    trained = s.run_block_size if s.drafter == s.run_drafter else None
     if trained is not None and raw["block_size"] != trained:
         console.print(f"note: {drafter_dir / 'config.json'} says block_size {raw['block_size']}, and the run trained "
                       f"with {trained} (drafter.block_size): evaluating at {raw['block_size']}, as its config says",
                       markup=False, soft_wrap=True)
+    return drafter_dir, raw
+
+
+def load_target_files(target: str, trust: bool):
+    """The target's config and tokenizer (no weights), refused when the decoding loop cannot serve its family."""
+    from transformers import AutoConfig, AutoTokenizer
+
     try:  # a missing directory, or a hub id while the hub is unreachable: refused in seconds, not after retries
         check_target(target)
     except ConfigError as exc:
         raise EvalError(str(exc).replace("target.path", "--target", 1)) from None
-    trust = bool(args.trust_remote_code or defaults.get("trust_remote_code", False))
     try:
         target_config = AutoConfig.from_pretrained(target, trust_remote_code=trust)
         tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust)
@@ -318,23 +361,42 @@ def plan(args) -> Plan:
         check_supported_target(target_config, f"--target {target}", trust)
     except ConfigError as exc:
         raise EvalError(str(exc)) from None
-    check_fits(raw, drafter_dir, target_config, target)
-    if quantization == "fp8":
+    return target_config, tokenizer
+
+
+def check_target_fits(s: Settings, raw: dict, drafter_dir: Path, target_config) -> int:
+    """The drafter fits the target, an fp8 target is no prequantized one; the target's context, in tokens."""
+    check_fits(raw, drafter_dir, target_config, s.target)
+    if s.quantization == "fp8":
         try:
-            check_not_prequantized(target_config, f"--target {target}", setting=EVAL_FP8_SETTING)
+            check_not_prequantized(target_config, f"--target {s.target}", setting=EVAL_FP8_SETTING)
         except ConfigError as exc:
             raise EvalError(str(exc)) from None
-    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    context = getattr(tc, "max_position_embeddings", None) or 1 << 30
-    if max_new >= context:
-        raise EvalError(f"--max-new-tokens {max_new} leaves no room for a prompt in the target's context of "
+    context = getattr(text_config(target_config), "max_position_embeddings", None) or 1 << 30
+    if s.max_new_tokens >= context:
+        raise EvalError(f"--max-new-tokens {s.max_new_tokens} leaves no room for a prompt in the target's context of "
                         f"{context} tokens: lower it")
-    sources = name_sources(args.prompts, args.name if own_prompts else defaults.get("names", []))
-    sets = [load_prompt_set(name, source, tokenizer, target, limit, context - max_new, tc.vocab_size)
-            for name, source in sources]
+    return context
+
+
+def plan(args, cfg: RunConfig | None = None) -> Plan:
+    """Every input checked and every prompt tokenized, before any model weight is read."""
+    s = settings(args, cfg if cfg is not None else cli_args.run_config(args, KEY_FLAGS, whole_run=False))
+    check_request(args, s)
+    device = pick_device(args.device)
+    target_dtype = DTYPES[s.target_dtype] if s.target_dtype else _dtype("auto", device)
+    drafter_dtype = DTYPES[s.drafter_dtype] if s.drafter_dtype else target_dtype
+    if s.quantization == "fp8":
+        check_fp8(target_dtype, device)
+    drafter_dir, raw = check_drafter(s)
+    target_config, tokenizer = load_target_files(s.target, s.trust_remote_code)
+    context = check_target_fits(s, raw, drafter_dir, target_config)
+    vocab = text_config(target_config).vocab_size
+    sets = [load_prompt_set(name, source, tokenizer, s.target, s.limit, context - s.max_new_tokens, vocab)
+            for name, source in name_sources(args.prompts, s.names)]
     tolerance = args.tie_tolerance if args.tie_tolerance is not None else TIE_TOLERANCE[target_dtype]
-    return Plan(drafter_dir, target, out, device, target_dtype, drafter_dtype, quantization, max_new, limit,
-                tolerance, raw, tokenizer, sets, trust, args.batch_size)
+    return Plan(drafter_dir, s.target, Path(s.out), device, target_dtype, drafter_dtype, s.quantization,
+                s.max_new_tokens, s.limit, tolerance, raw, tokenizer, sets, s.trust_remote_code, args.batch_size)
 
 
 def load_models(p: Plan):
@@ -485,35 +547,22 @@ def evaluate(p: Plan) -> tuple[dict, list[dict]]:
     return build_report(meta, results, drafter.block_size), requests
 
 
-def bench(args) -> int:
+def bench(args, cfg: RunConfig) -> int:
     """--bench: bench/decoding.py's figures at --preset's shape (no drafter, prompts or --out are read)."""
     from ..bench import decoding as eval_bench
 
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        new_tokens = args.max_new_tokens if args.max_new_tokens is not None else 128
-        return eval_bench.main(args.preset, args.batch_size, new_tokens, device, _dtype(args.dtype, device))
+        new_tokens = cli_args.chosen(cfg, "eval.max_new_tokens", 128)
+        return eval_bench.main(args.preset, args.batch_size, new_tokens, device,
+                               _dtype(cli_args.chosen(cfg, "target.dtype", "auto"), device))
     except (ValueError, RuntimeError) as exc:
         cli_args.say_error(console, f"--bench: {exc}")
         return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = cli_args.parse(parser(), argv)
-    if isinstance(args, int):
-        return args
-    if args.bench:
-        return bench(args)
-    try:
-        p = plan(args)
-        report, requests = evaluate(p)
-    except (*cli_args.bad_input_errors(EvalError), storage.StorageError) as exc:
-        cli_args.say_error(console, str(exc))
-        return cli_args.exit_code(exc, EvalError)
-    except OutputMismatch as exc:
-        cli_args.say_error(console, str(exc),
-                           bold="error: speculative output differs from target-only greedy decoding:")
-        return cli_args.FAULT
+def write_results(p: Plan, report: dict, requests: list[dict]) -> int:
+    """eval.json, requests.jsonl and eval.png in --out, the table on the terminal (even when writing fails)."""
     try:
         with storage.explained(f"writing the results to --out {p.out}", p.out,
                                "Free space or make it writable, then run again (or give another --out)"):
@@ -528,6 +577,33 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table(report))
     console.print(f"eval.json, requests.jsonl and eval.png in {p.out}", markup=False)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = cli_args.parse(parser(), argv)
+    if isinstance(args, int):
+        return args
+    try:
+        cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=False)
+    except ConfigError as exc:
+        cli_args.say_error(console, str(exc))
+        return cli_args.BAD_INPUT
+    if args.print_config:
+        cli_args.print_config(cfg)
+        return 0
+    if args.bench:
+        return bench(args, cfg)
+    try:
+        p = plan(args, cfg)
+        report, requests = evaluate(p)
+    except (*cli_args.bad_input_errors(EvalError), storage.StorageError) as exc:
+        cli_args.say_error(console, str(exc))
+        return cli_args.exit_code(exc, EvalError)
+    except OutputMismatch as exc:
+        cli_args.say_error(console, str(exc),
+                           bold="error: speculative output differs from target-only greedy decoding:")
+        return cli_args.FAULT
+    return write_results(p, report, requests)
 
 
 if __name__ == "__main__":
