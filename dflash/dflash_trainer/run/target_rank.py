@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,13 +34,20 @@ from .loading import (
 from .summary import print_summary, write_summary
 
 
+@dataclass
+class _Supply:
+    """What a target rank measured while it fed its drafters."""
+
+    tokens: int = 0
+    busy_s: float = 0.0  # the target's GPU time
+    send_wait_s: float = 0.0  # waiting for drafters to take the features
+    wall_s: float = 0.0
+
+
 def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_files: TargetFiles,
                drafter_config=None) -> dict | None:
     """Run the frozen target on this rank's micro-batches (from start_step on) and send the features to
     their drafters (drafter_config: the one the resume check read, if any)."""
-    from ..distributed.transport import FeatureSender
-
-    device = ctx.device
     # A stop request ends a target rank at once: the drafters write the checkpoint, and a send that
     # waits for a drafter that has stopped would otherwise hold this process until the timeout.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -52,19 +60,31 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
     compile_target_step(target, cfg.data.context_buckets, cfg.train.micro_batch,
                         compile_cache_dir(cfg.train.compile_cache_dir), console.print,
                         label=ctx.label, serialized=ctx.target_tp == 1)
+    supply = _feed_drafters(cfg, ctx, target, stream, start_step)
+    ctx.barrier()  # the lead drafter has written the final drafter and the summary
+    if ctx.roles.target_index(ctx.rank) != 0:  # the first target group measures tau: all its ranks run the target
+        return None
+    return _measure_tau(cfg, ctx, target, tokenizer, eval_stream, prompts, supply)
+
+
+def _feed_drafters(cfg: RunConfig, ctx: parallel.Context, target: FrozenTarget, stream, start_step: int) -> _Supply:
+    """The target's features of this rank's micro-batches; every rank of a target group computes each of the
+    group's micro-batches, and its first rank sends them."""
+    from ..distributed.transport import FeatureSender
+
+    device = ctx.device
     batches_per_step = cfg.train.grad_accum * ctx.num_drafters
     num_batches = cfg.train.steps * batches_per_step
     first_batch = start_step * batches_per_step
-    # Every rank of a target group computes each of the group's micro-batches; its first rank sends them.
     sender = FeatureSender(ctx.roles, ctx.rank, ctx.groups, cfg.parallel.prefetch, start=first_batch) \
         if ctx.sends_features else None
     intervals: list[Wait] = []  # the target's GPU time per micro-batch, read without a sync per batch
-    send_wait, tokens = 0.0, 0
+    supply = _Supply()
     t_start = time.perf_counter()
     window = SplitWindow(cfg.parallel.prefetch)
     for i in ctx.roles.batches_for_target(ctx.roles.target_index(ctx.rank), num_batches, first_batch):
         batch = stream.batch(i)
-        tokens += int(batch.attention_mask.sum())  # on the host: no device sync
+        supply.tokens += int(batch.attention_mask.sum())  # on the host: no device sync
         batch = batch.to(device)
         busy = Wait.interval(device)
         feats = target.features(batch.input_ids, batch.attention_mask)
@@ -74,27 +94,32 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
         t1 = time.perf_counter()
         sender.send({"features": feats, "input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
                      "attention_mask": batch.attention_mask})
-        send_wait += time.perf_counter() - t1
+        supply.send_wait_s += time.perf_counter() - t1
         if ctx.rank == 0 and window.due(len(intervals)):
             parallel.synchronize(device)
             console.print(ctx.label + window.advice(intervals, ctx.roles.num_targets, ctx.roles.num_drafters,
                                                     target_tp=ctx.target_tp))
     if sender is not None:
         sender.close(num_batches)
-    wall = time.perf_counter() - t_start
-    busy_s = sum(w.seconds() for w in intervals)
+    supply.wall_s = time.perf_counter() - t_start
+    supply.busy_s = sum(w.seconds() for w in intervals)
     if sender is not None:  # one line per target group
-        console.print(f"{ctx.label}target done: {tokens / max(wall, 1e-9):,.0f} tok/s; target compute {busy_s:.1f}s, "
-                      f"waiting on drafters {send_wait:.1f}s of {wall:.1f}s"
+        wall, send_wait = supply.wall_s, supply.send_wait_s
+        console.print(f"{ctx.label}target done: {supply.tokens / max(wall, 1e-9):,.0f} tok/s; target compute "
+                      f"{supply.busy_s:.1f}s, waiting on drafters {send_wait:.1f}s of {wall:.1f}s"
                       + (" (drafters bound the run)" if send_wait > 0.2 * wall else " (target supply bounds the run)"))
-    ctx.barrier()  # the lead drafter has written the final drafter and the summary
-    if ctx.roles.target_index(ctx.rank) != 0:  # the first target group measures tau: all its ranks run the target
-        return None
+    return supply
+
+
+def _measure_tau(cfg: RunConfig, ctx: parallel.Context, target: FrozenTarget, tokenizer, eval_stream, prompts,
+                 supply: _Supply) -> dict | None:
+    """tau before and after training, measured by the first target group on the published drafter; its first
+    rank adds them and the supply figures to summary.json."""
     out = Path(cfg.output_dir)
     leave_run_phase()  # evaluation shapes differ from the training batches'
     console.quiet = ctx.rank != 0  # the group's other ranks run the same evaluation: one report
     try:
-        before, after = evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, out / "drafter", device)
+        before, after = evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, out / "drafter", ctx.device)
     finally:
         console.quiet = False
     if ctx.rank != 0:
@@ -102,8 +127,8 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
     summary = json.loads((out / "summary.json").read_text())
     summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"],
                    tau_before_method=before.get("tau_method", "speculative decoding"),
-                   target_ranks=ctx.roles.num_targets, target_tp=ctx.target_tp, target_busy_s=busy_s,
-                   target_wait_s=send_wait)
+                   target_ranks=ctx.roles.num_targets, target_tp=ctx.target_tp, target_busy_s=supply.busy_s,
+                   target_wait_s=supply.send_wait_s)
     write_summary(out, summary)
     print_summary(summary)
     return summary
