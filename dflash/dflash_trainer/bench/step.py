@@ -16,13 +16,14 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import Qwen3Config
 
 from .. import cli_args
-from ..config import MOMENTS_DTYPE_NAMES, TARGET_QUANTIZATIONS
+from ..config import MOMENTS_DTYPE_NAMES, TARGET_QUANTIZATIONS, ConfigError, RunConfig
 from ..distributed.sources import FeatureBatch, Wait
 from ..infra.dtypes import DTYPES
 from ..infra.gpu_clock import ClockSampler
@@ -87,108 +88,115 @@ def make_assets(root: Path, preset: str, seq: int, rows: int) -> None:
     print(f"bench assets in {root}: target ({cfg.num_hidden_layers} layers, random weights), {rows} rows of {seq}")
 
 
-def main(argv=None) -> int:
+# The flags that set one run-config key each: --config / --set give the same keys (the defaults are the config's).
+KEY_FLAGS = {"--seq": "data.max_length", "--anchors": "train.num_anchors", "--micro-batch": "train.micro_batch",
+             "--grad-accum": "train.grad_accum", "--chunk-rows": "train.loss_chunk_rows",
+             "--moments-dtype": "train.moments_dtype", "--no-compile-layers": "train.compile_layers",
+             "--target-quantization": "target.quantization"}
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-bench", description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
-    p.add_argument("--seq", type=cli_args.for_key("data.max_length"), default=3072,
-                   help="context tokens per sequence (S)")
-    p.add_argument("--anchors", type=cli_args.for_key("train.num_anchors"), default=512, help="blocks per sequence (N)")
-    p.add_argument("--micro-batch", type=cli_args.for_key("train.micro_batch"), default=1)
-    p.add_argument("--grad-accum", type=cli_args.for_key("train.grad_accum"), default=1,
-                   help="micro-batches per optimizer step")
-    p.add_argument("--no-compile-layers", action="store_true",
-                   help="eager layers around the compiled flex_attention (A/B against the default)")
+    cli_args.key_flag(p, "--seq", "data.max_length", "context tokens per sequence (S)")
+    cli_args.key_flag(p, "--anchors", "train.num_anchors", "blocks per sequence (N)")
+    cli_args.key_flag(p, "--micro-batch", "train.micro_batch", "rows per micro-batch")
+    cli_args.key_flag(p, "--grad-accum", "train.grad_accum", "micro-batches per optimizer step")
+    cli_args.key_flag(p, "--no-compile-layers", "train.compile_layers", "eager layers around the compiled "
+                      "flex_attention (A/B against the default)", action="store_const", const=False)
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the timed steps")
     p.add_argument("--no-memory-probe", action="store_true", help="skip the attention memory probe")
     p.add_argument("--steps", type=cli_args.integer(ge=1, le=100_000), default=10)
     p.add_argument("--untimed-steps", type=cli_args.integer(ge=0, le=100_000), default=2,
                    help="steps run after the compile step, before timing")
-    p.add_argument("--chunk-rows", type=cli_args.for_key("train.loss_chunk_rows"), default=2048)
-    p.add_argument("--moments-dtype", choices=MOMENTS_DTYPE_NAMES, default="float32",
-                   help="AdamW's moments (train.moments_dtype): the bf16-moment A/B")
+    cli_args.key_flag(p, "--chunk-rows", "train.loss_chunk_rows", "token rows per chunk of the LM head + CE")
+    cli_args.key_flag(p, "--moments-dtype", "train.moments_dtype", "AdamW's moments: the bf16-moment A/B",
+                      choices=MOMENTS_DTYPE_NAMES)
     p.add_argument("--with-target", action="store_true", help="features from a random-weight target")
     p.add_argument("--target-sdpa", choices=["default", "cudnn", "flash"], default="default",
                    help="SDPA kernels the target's forward prefers (--with-target)")
-    p.add_argument("--target-quantization", choices=TARGET_QUANTIZATIONS, default="none",
-                   help="the target's decoder GEMMs: bf16, or fp8 (FP8-dynamic, target.quantization; --with-target)")
+    cli_args.key_flag(p, "--target-quantization", "target.quantization", "the target's decoder GEMMs: bf16, or fp8 "
+                      "(FP8-dynamic; --with-target)", choices=TARGET_QUANTIZATIONS)
     p.add_argument("--cache-dir", default="runs/bench/compile-cache")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--make-assets", metavar="DIR", help="write a random target + data for end-to-end runs")
     p.add_argument("--rows", type=cli_args.integer(ge=1, le=1_000_000), default=64, help="data rows for --make-assets")
     p.add_argument("--stack-dump-after", type=cli_args.SECONDS, help="dump every thread's stack after N s (diagnosis)")
-    args = cli_args.parse(p, argv)
-    if isinstance(args, int):
-        return args
-    if args.stack_dump_after:
-        import faulthandler
+    cli_args.add_config_flags(p)
+    return p
 
-        faulthandler.dump_traceback_later(args.stack_dump_after, repeat=True)
-    if args.make_assets:
-        make_assets(Path(args.make_assets), args.preset, args.seq, args.rows)
-        return 0
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and args.preset != "tiny":
-        print(f"error: --preset {args.preset} needs a CUDA GPU; use --preset tiny for a CPU smoke run",
-              file=sys.stderr)
-        return 2
+@dataclass
+class Setup:
+    """The drafter step at the benchmark's shape, and the random-weight target that feeds it (None: random features)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    tcfg: Qwen3Config
+    dcfg: object
+    frozen: object | None
+    drafter: DFlashDrafter
+    opt: MasterWeightAdamW
+    step: DrafterStep
+    attention: str
+
+
+def frozen_target(args, cfg: RunConfig, tcfg: Qwen3Config, dcfg, device, dtype):
+    """A random-weight target of the preset's shape behind the trainer's FrozenTarget (--with-target)."""
+    from torch.nn.attention import SDPBackend
+
+    from ..target.frozen import FrozenTarget
+
+    backends = {"default": None, "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
+                "flash": [SDPBackend.FLASH_ATTENTION]}[args.target_sdpa]
+    return FrozenTarget(build_target(tcfg, device, dtype), dcfg.dflash_config["target_layer_ids"],
+                        sdpa_backends=backends, quantization=cfg.target.quantization)
+
+
+def setup(args, cfg: RunConfig, device: torch.device) -> Setup:
     # bf16 moments need bf16 parameters (the one-pass update): a CPU smoke run of them uses bf16 too
-    dtype = torch.bfloat16 if device.type == "cuda" or args.moments_dtype != "float32" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" or cfg.train.moments_dtype != "float32" else torch.float32
     preset = PRESETS[args.preset]
     tcfg = Qwen3Config(**preset["target"], tie_word_embeddings=False)
     dcfg = drafter_config(tcfg, DrafterShape(**preset["drafter"]))
     torch.manual_seed(0)
-    target = build_target(tcfg, device, dtype) if args.with_target else None
-    if target is not None:
-        from torch.nn.attention import SDPBackend
-
-        from ..target.frozen import FrozenTarget
-
-        backends = {"default": None, "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
-                    "flash": [SDPBackend.FLASH_ATTENTION]}[args.target_sdpa]
-        frozen = FrozenTarget(target, dcfg.dflash_config["target_layer_ids"], sdpa_backends=backends,
-                              quantization=args.target_quantization)
+    frozen = frozen_target(args, cfg, tcfg, dcfg, device, dtype) if args.with_target else None
+    if frozen is not None:
         embed, head = frozen.embed_weight, frozen.head_weight
     else:
         embed = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
         head = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
     with torch.device(device):
         drafter = DFlashDrafter(dcfg).to(dtype)
-    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4, moments_dtype=DTYPES[args.moments_dtype])
-    b, S, N, B, A = args.micro_batch, args.seq, args.anchors, dcfg.block_size, args.grad_accum
+    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4, moments_dtype=DTYPES[cfg.train.moments_dtype])
     attention = "flex" if device.type == "cuda" else "sdpa"
-    compiled_layers = attention == "flex" and not args.no_compile_layers
+    step = DrafterStep(drafter, embed, head, opt, num_anchors=cfg.train.num_anchors, gamma=None,
+                       chunk_rows=cfg.train.loss_chunk_rows, backend=attention,
+                       compiled_layers=attention == "flex" and cfg.train.compile_layers, vocab_size=tcfg.vocab_size)
+    return Setup(device, dtype, tcfg, dcfg, frozen, drafter, opt, step, attention)
 
-    step = DrafterStep(drafter, embed, head, opt, num_anchors=N, gamma=None, chunk_rows=args.chunk_rows,
-                       backend=attention, compiled_layers=compiled_layers, vocab_size=tcfg.vocab_size)
-    t0 = time.perf_counter()
-    report = None
-    if attention == "flex":
-        report = compile_drafter_step(step, [S], b, Path(args.cache_dir), log=print,
-                                      target=frozen if target is not None else None)
-    compile_s = time.perf_counter() - t0
 
-    feat_dim = len(drafter.target_layer_ids) * dcfg.hidden_size
-    ids = torch.randint(tcfg.vocab_size, (b, S), device=device)
-    lm = torch.ones(b, S, dtype=torch.uint8, device=device)
+def feature_batches(s: Setup, ids: torch.Tensor, loss_mask: torch.Tensor):
+    """Features from the target (its GPU time measured between two events) or random, endlessly."""
+    b, seq = ids.shape
+    feat_dim = len(s.drafter.target_layer_ids) * s.dcfg.hidden_size
+    while True:
+        if s.frozen is not None:
+            wait = Wait.interval(s.device)
+            with phase("target"):
+                feats = s.frozen.features(ids)
+            yield FeatureBatch(feats, ids, loss_mask, b * seq, 0, wait.stop())
+        else:
+            yield FeatureBatch(torch.randn(b, seq, feat_dim, device=s.device, dtype=s.dtype), ids, loss_mask, b * seq,
+                               0, Wait(within_step=False))
 
-    def feature_batches():
-        """Features from the target (its GPU time measured between two events) or random."""
-        while True:
-            if target is not None:
-                wait = Wait.interval(device)
-                with phase("target"):
-                    feats = frozen.features(ids)
-                yield FeatureBatch(feats, ids, lm, b * S, 0, wait.stop())
-            else:
-                yield FeatureBatch(torch.randn(b, S, feat_dim, device=device, dtype=dtype), ids, lm, b * S, 0,
-                                   Wait(within_step=False))
 
-    batches = feature_batches()
-    if device.type == "cuda":
+def timed_steps(args, s: Setup, batches, grad_accum: int) -> tuple[list, ClockSampler]:
+    """The untimed steps, then the timed ones (profiled with --profile): [(step figures, seconds)], the clock."""
+    if s.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    profiler = _profiler(device) if args.profile else None
-    sampler = ClockSampler(device)  # the SM clock and power over the timed steps (gpu_clock: why)
+    profiler = _profiler(s.device) if args.profile else None
+    sampler = ClockSampler(s.device)  # the SM clock and power over the timed steps (gpu_clock: why)
     launched = []
     try:
         for it in range(args.untimed_steps + args.steps):
@@ -196,8 +204,8 @@ def main(argv=None) -> int:
                 if profiler is not None:
                     profiler.start()
                 sampler.start()
-                clock = StepClock(device)  # as the train loop: no host sync between steps
-            done = step.run(batches, A)  # A micro-batches (features, blocks, forward, backward), then AdamW
+                clock = StepClock(s.device)  # as the train loop: no host sync between steps
+            done = s.step.run(batches, grad_accum)  # the micro-batches (features, blocks, forward, backward), AdamW
             if it >= args.untimed_steps:
                 launched.append((done, clock.lap()))
         figures = [(done.read(), StepClock.seconds(lap)) for done, lap in launched]
@@ -206,42 +214,91 @@ def main(argv=None) -> int:
     if profiler is not None:
         profiler.stop()
         _print_profile(profiler, args.steps)
+    return figures, sampler
+
+
+def bench_result(args, cfg: RunConfig, s: Setup, figures: list, sampler: ClockSampler, compiled) -> dict:
+    """The figures of the timed steps; `compiled`: (the compile report or None, its seconds)."""
+    report, compile_s = compiled
+    b, S, N, A = cfg.train.micro_batch, cfg.data.max_length, cfg.train.num_anchors, cfg.train.grad_accum
     board = sampler.summary()  # the SM clock and power
     print(sampler.describe())
     flops = figures[-1][0].flops
     times = [seconds - f.step_wait_s for f, seconds in figures]  # the drafter's share of each step
-    target_times = [f.step_wait_s for f, _ in figures]
+    target_s = statistics.mean(f.step_wait_s for f, _ in figures) if s.frozen is not None else None
     step_s = statistics.mean(times)
-    peak = peak_flops(device)
-    result = {
-        "preset": args.preset, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "micro_batch": b, "grad_accum": A, "seq": S, "anchors": N, "block": B,
-        "compiled_layers": compiled_layers,
+    peak = peak_flops(s.device)
+    states = list(s.opt.opt.state.values())
+    return {
+        "preset": args.preset, "device": torch.cuda.get_device_name() if s.device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "micro_batch": b, "grad_accum": A, "seq": S, "anchors": N,
+        "block": s.dcfg.block_size, "compiled_layers": s.step.compiled_layers,
         # as the optimizer holds them after the steps, not as asked
-        "moments_dtype": sorted({str(s[k].dtype).removeprefix("torch.") for s in opt.opt.state.values()
-                                 for k in MOMENTS}),
-        "optimizer_state_gib": sum(t.numel() * t.element_size() for s in opt.opt.state.values()
-                                   for t in s.values()) / 2**30,
-        "drafter_params_m": drafter.num_params() / 1e6,
+        "moments_dtype": sorted({str(st[k].dtype).removeprefix("torch.") for st in states for k in MOMENTS}),
+        "optimizer_state_gib": sum(t.numel() * t.element_size() for st in states for t in st.values()) / 2**30,
+        "drafter_params_m": s.drafter.num_params() / 1e6,
         "compile_s": compile_s,
         "compile_cache_hits": report.cache_hits if report else None,
         "compile_cache_misses": report.cache_misses if report else None,
         "drafter_step_ms": 1e3 * step_s,
         "drafter_step_ms_min": 1e3 * min(times),
-        "target_ms": 1e3 * statistics.mean(target_times) if target is not None else None,
-        "target_quantization": args.target_quantization if target is not None else None,
+        "target_ms": 1e3 * target_s if target_s is not None else None,
+        "target_quantization": cfg.target.quantization if s.frozen is not None else None,
         "context_tokens_per_s_drafter": A * b * S / step_s,
-        "context_tokens_per_s_one_gpu": A * b * S / (step_s + statistics.mean(target_times)) if target is not None
-        else None,
+        "context_tokens_per_s_one_gpu": A * b * S / (step_s + target_s) if target_s is not None else None,
         "model_tflop_per_step": flops / 1e12,
         "achieved_tflops": flops / step_s / 1e12,
         "mfu": flops / step_s / peak if peak else None,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if s.device.type == "cuda" else None,
         **(board or {"clock_unavailable": sampler.unavailable}),
-        "dense_scores_gib_per_layer": dense_scores_bytes(b, dcfg.num_attention_heads, N * B, S + N * B) / 2**30,
+        "dense_scores_gib_per_layer": dense_scores_bytes(b, s.dcfg.num_attention_heads, N * s.dcfg.block_size,
+                                                         S + N * s.dcfg.block_size) / 2**30,
     }
-    if attention == "flex" and not args.no_memory_probe:
-        result.update(attention_memory_probe(dcfg, lm, N))
+
+
+def run_bench(args, cfg: RunConfig, device: torch.device) -> dict:
+    """Build the step at the shape, compile it (flex), time it, and (flex) probe the attention's memory."""
+    s = setup(args, cfg, device)
+    b, S = cfg.train.micro_batch, cfg.data.max_length
+    t0 = time.perf_counter()
+    report = None
+    if s.attention == "flex":
+        report = compile_drafter_step(s.step, [S], b, Path(args.cache_dir), log=print, target=s.frozen)
+    compile_s = time.perf_counter() - t0
+    ids = torch.randint(s.tcfg.vocab_size, (b, S), device=device)
+    loss_mask = torch.ones(b, S, dtype=torch.uint8, device=device)
+    figures, sampler = timed_steps(args, s, feature_batches(s, ids, loss_mask), cfg.train.grad_accum)
+    result = bench_result(args, cfg, s, figures, sampler, (report, compile_s))
+    if s.attention == "flex" and not args.no_memory_probe:
+        result.update(attention_memory_probe(s.dcfg, loss_mask, cfg.train.num_anchors))
+    return result
+
+
+def main(argv=None) -> int:
+    args = cli_args.parse(parser(), argv)
+    if isinstance(args, int):
+        return args
+    try:
+        cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=False)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return cli_args.BAD_INPUT
+    if args.print_config:
+        cli_args.print_config(cfg)
+        return 0
+    if args.stack_dump_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stack_dump_after, repeat=True)
+    if args.make_assets:
+        make_assets(Path(args.make_assets), args.preset, cfg.data.max_length, args.rows)
+        return 0
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and args.preset != "tiny":
+        print(f"error: --preset {args.preset} needs a CUDA GPU; use --preset tiny for a CPU smoke run",
+              file=sys.stderr)
+        return 2
+    result = run_bench(args, cfg, device)
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
