@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .. import cli_args
+from ..config import ConfigError, given_keys
 from ..decoding.buckets import bucket
 from ..regenerate.baseline import generate_batched
 from ..regenerate.engine_hf import HFEngine
@@ -38,16 +40,21 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def load_model(args, device):
+def load_model(args, cfg, device):
+    """--assets DIR/target, else the run config's target.path, else a random-weight target of the preset's shape;
+    in target.dtype when the config gives it (bfloat16 on a GPU, float32 on the CPU otherwise)."""
     from transformers import Qwen3Config
 
+    from ..infra.dtypes import DTYPES
     from .step import PRESETS, build_target
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.assets:
+    dtype_name = cli_args.chosen(cfg, "target.dtype", None)
+    dtype = DTYPES[dtype_name] if dtype_name else torch.bfloat16 if device.type == "cuda" else torch.float32
+    path = Path(args.assets) / "target" if args.assets else cli_args.chosen(cfg, "target.path", None)
+    if path:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(Path(args.assets) / "target", dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     else:
         torch.manual_seed(0)
         model = build_target(Qwen3Config(**PRESETS[args.preset]["target"], tie_word_embeddings=False), device, dtype)
@@ -117,8 +124,7 @@ def measure(name, model, prompts, args, device) -> tuple[dict, list[list[int]]]:
     return result, answers
 
 
-def main(argv=None) -> int:
-    from .. import cli_args
+def parser() -> argparse.ArgumentParser:
     from .step import PRESETS
 
     p = argparse.ArgumentParser(prog="dflash-bench-regenerate", description=__doc__.splitlines()[0])
@@ -132,27 +138,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="hf engine: eager decode on the GPU too")
     p.add_argument("--contenders", default=",".join(DEFAULT), help=f"comma-separated, from {CONTENDERS}")
     p.add_argument("--json", help="write the results here")
-    args = p.parse_args(argv)
-    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    unknown = sorted(set(contenders) - set(CONTENDERS))
-    if unknown:
-        p.error(f"unknown contender(s) {unknown}: choose from {CONTENDERS}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and args.preset != "tiny" and not args.assets:
-        print(f"error: --preset {args.preset} needs a CUDA GPU; use --preset tiny for a CPU smoke run",
-              file=sys.stderr)
-        return 2
+    cli_args.add_config_flags(p)  # target.path (instead of a random target) and target.dtype
+    return p
 
-    t0 = time.perf_counter()
-    model = load_model(args, device)
-    load_s = time.perf_counter() - t0
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(vocab, (args.prompts, args.prompt_tokens), generator=g).tolist()
-    head = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__, "preset": args.preset, "assets": args.assets,
-            "model_load_s": load_s, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
-            "new_tokens": args.new_tokens}
+
+def run_contenders(contenders: list[str], model, prompts, args, device) -> tuple[list[dict], dict]:
+    """Each contender's figures (or its error: one failing must not hide the others'), and its answers."""
     results, answers = [], {}
     for name in contenders:
         print(f"== {name}", flush=True)
@@ -165,13 +156,58 @@ def main(argv=None) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return results, answers
+
+
+def compare_to_baseline(results: list[dict], answers: dict, prompts: int) -> None:
+    """Each result's speedup over the baseline and its share of answers equal to the baseline's."""
     base = next((r for r in results if r["contender"] == "baseline" and "error" not in r), None)
     for r in results:
         if base and "error" not in r:
             r["speedup_vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
         if "error" not in r and "baseline" in answers and r["contender"] != "baseline":
             same = sum(a == b for a, b in zip(answers[r["contender"]], answers["baseline"]))
-            r["answers_equal_to_baseline"] = same / len(prompts)  # bf16 batching may flip near-tied argmaxes
+            r["answers_equal_to_baseline"] = same / prompts  # bf16 batching may flip near-tied argmaxes
+
+
+def checked_args(argv):
+    """The parsed flags, the run config and the contenders; p.error (exit 2) on a bad one."""
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        cfg = cli_args.run_config(args, whole_run=False)
+    except ConfigError as exc:
+        p.error(str(exc))
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = sorted(set(contenders) - set(CONTENDERS))
+    if unknown:
+        p.error(f"unknown contender(s) {unknown}: choose from {CONTENDERS}")
+    return args, cfg, contenders
+
+
+def main(argv=None) -> int:
+    args, cfg, contenders = checked_args(argv)
+    if args.print_config:
+        cli_args.print_config(cfg)
+        return 0
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    own_target = args.assets or "target.path" in given_keys(cfg)
+    if device.type == "cpu" and args.preset != "tiny" and not own_target:
+        print(f"error: --preset {args.preset} needs a CUDA GPU; use --preset tiny for a CPU smoke run",
+              file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    model = load_model(args, cfg, device)
+    load_s = time.perf_counter() - t0
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(vocab, (args.prompts, args.prompt_tokens), generator=g).tolist()
+    head = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__, "preset": args.preset, "assets": args.assets,
+            "model_load_s": load_s, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens}
+    results, answers = run_contenders(contenders, model, prompts, args, device)
+    compare_to_baseline(results, answers, len(prompts))
     report = {**head, "results": results}
     _print_table(report)
     if args.json:

@@ -24,7 +24,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from rich.markup import escape
 
     from .. import cli_args
-    from ..config import ConfigError
+    from ..config import DTYPE_NAMES, ConfigError, RunConfig
     from ..data.prompts import check_chat_template
     from ..data.rows import DataError, load_rows
     from ..decoding.speculative import stop_token_ids
@@ -55,11 +55,13 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-regenerate", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
-    p.add_argument("--target", required=True, help="the target model directory (its tokenizer renders the prompts)")
-    p.add_argument("--data", required=True, nargs="+", metavar="FILE_OR_DATASET", type=cli_args.file_or_dataset,
+    cli_args.key_flag(p, "--target", "target.path", "the target model directory (its tokenizer renders the prompts; "
+                      "required, here or in --config)")
+    p.add_argument("--data", nargs="+", metavar="FILE_OR_DATASET", type=cli_args.file_or_dataset,
                    help="what data.train takes: JSONL files or globs (messages / conversations / prompt rows), "
-                        "or one hub dataset name")
-    p.add_argument("--out", required=True, help="output directory: part-*.jsonl shards and summary.json")
+                        "or one hub dataset name (required)")
+    p.add_argument("--out", help="output directory: part-*.jsonl shards and summary.json (required)")
+    cli_args.add_config_flags(p)
     p.add_argument("--engine", choices=("hf", "openai"), default="hf",
                    help="hf: the target in this process (default); openai: an OpenAI-compatible server")
     g = p.add_argument_group("sampling (part of every answer's resume key)")
@@ -83,8 +85,8 @@ def parser() -> argparse.ArgumentParser:
     h = p.add_argument_group("engine hf")
     h.add_argument("--batch-size", type=cli_args.ROWS, default=256,
                    help="most prompts per generate call (fewer when the KV cache would not fit)")
-    h.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
-                   help="auto: bfloat16 on a GPU, float32 on the CPU")
+    cli_args.key_flag(h, "--dtype", "target.dtype", "the target's dtype; auto (the default unless --config or --set "
+                      "gives it): bfloat16 on a GPU, float32 on the CPU", choices=("auto", *DTYPE_NAMES))
     h.add_argument("--no-compile", action="store_true", help="GPU: decode eagerly (no static-cache CUDA graphs)")
     o = p.add_argument_group("engine openai")
     o.add_argument("--endpoint", help="the server's base URL, e.g. http://localhost:8000/v1")
@@ -102,8 +104,25 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# The flags that set one run-config key each: --config / --set give the same keys.
+KEY_FLAGS = {"--target": "target.path", "--dtype": "target.dtype"}
+
+
+def apply_config(args) -> RunConfig:
+    """The run config merged (--config < --set < --target, --dtype), its keys written back to args.target and
+    args.dtype: a training config's target serves its regeneration too."""
+    cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=False)
+    args.target = cli_args.chosen(cfg, "target.path", None)
+    args.dtype = cli_args.chosen(cfg, "target.dtype", "auto")
+    return cfg
+
+
 def check_args(args) -> list[str]:
-    problems = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.turns).problems()
+    problems = [f"{flag} is missing: {fix}" for flag, value, fix in (
+        ("--target", args.target, "give the target model directory (or --config with target.path)"),
+        ("--data", args.data, "give the JSONL files or hub dataset to answer"),
+        ("--out", args.out, "give the output directory")) if not value]
+    problems += Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.turns).problems()
     for name in ("shard_size", "batch_size", "concurrency"):
         if getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
@@ -237,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(args, int):
         return args
     try:
+        cfg = apply_config(args)
+        if args.print_config:
+            cli_args.print_config(cfg)
+            return 0
         run(args)
     except (DataError, EndpointError, StorageError, ConfigError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
