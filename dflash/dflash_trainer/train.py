@@ -132,15 +132,62 @@ class History:
         self.drafter_s += seconds - figures.step_wait_s
 
 
+@dataclass
+class FeatureSide:
+    """Where a drafter rank's features come from, and the target's embedding and head it reads."""
+
+    source: Iterator[FeatureBatch]
+    wait_kind: str  # "target" (this process), "transfer" or "disk"
+    samples: int | None  # training samples, where known before the run
+    embed: torch.Tensor
+    head: torch.Tensor
+    target: FrozenTarget | None = None  # colocated runs only: the target, and what evaluation needs
+    eval_stream: MicroBatches | None = None
+    prompts: list[list[int]] = field(default_factory=list)
+    borrowed: BorrowedWeights | None = None  # target-less drafter ranks: the embedding and head being read
+
+
+def colocated_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDrafter, target_files: TargetFiles,
+                       startup: Startup, my_batches: range) -> FeatureSide:
+    """The target in this process computes the features; its embedding and head are the drafter's."""
+    dtype = DTYPES[cfg.train.dtype]
+    target = load_target(cfg, drafter.target_layer_ids, ctx.device, target_files.config)
+    startup.mark("target")
+    # The drafter's dtype (a no-op unless the target's differs, e.g. an fp32 target and a bf16 drafter).
+    embed, head = (w.to(dtype) for w in (target.embed_weight, target.head_weight))
+    stream, eval_stream, prompts = load_data(cfg, target_files.tokenizer)
+    startup.mark("data")
+    return FeatureSide(local_source(stream, target, my_batches, dtype, ctx.device), "target", len(stream.dataset),
+                       embed, head, target, eval_stream, prompts)
+
+
+def borrowed_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDrafter, target_files: TargetFiles,
+                      startup: Startup, my_batches: range, first_batch: int) -> FeatureSide:
+    """Features from disk (offline) or from target ranks; the embedding and head read from the target's files."""
+    device, dtype = ctx.device, DTYPES[cfg.train.dtype]
+    # In the drafter's dtype: only the drafter uses them here (target.dtype is the target ranks' forward).
+    borrowed = load_embed_and_head(cfg.target.path, device, dtype,
+                                   target_files.config, cfg.target.trust_remote_code)  # in the background
+    startup.mark("embedding + head")
+    if ctx.roles.offline:
+        shards = FeatureShards(cfg.data.features_dir, drafter.target_layer_ids)
+        return FeatureSide(disk_source(shards, my_batches, dtype, device), "disk", shards.count,
+                           borrowed.embed, borrowed.head, borrowed=borrowed)
+    from .distributed.transport import FeatureReceiver
+
+    receiver = FeatureReceiver(ctx.roles, ctx.rank, ctx.groups, device, cfg.parallel.prefetch, start=first_batch)
+    return FeatureSide(remote_source(receiver, dtype), "transfer", None, borrowed.embed, borrowed.head,
+                       borrowed=borrowed)
+
+
 def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, target_files: TargetFiles,
                   startup: Startup, drafter_config=None) -> DrafterRun:
     """Drafter, sharding, optimizer, schedule, the feature source and the one drafter step
     (drafter_config: the one the resume check read, built from as it is)."""
     device, train = ctx.device, cfg.train
-    tokenizer = target_files.tokenizer
     start_step, latest = start.resume_point
-    drafter = new_drafter(cfg, target_files.config, tokenizer, device=device, initialise=latest is None,
-                          config=drafter_config)  # a resumed run loads its weights next
+    drafter = new_drafter(cfg, target_files.config, target_files.tokenizer, device=device,
+                          initialise=latest is None, config=drafter_config)  # a resumed run loads its weights next
     startup.mark("drafter")
     num_drafters = ctx.num_drafters
     shard = shard_drafter(cfg.parallel.drafter_sharding, drafter, device, DTYPES[train.dtype],
@@ -148,51 +195,27 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
     first_batch = start_step * train.grad_accum * num_drafters
     # Micro-batch i goes to drafter rank i % D.
     my_batches = range(ctx.drafter_index + first_batch, train.steps * train.grad_accum * num_drafters, num_drafters)
-
-    target = stream = eval_stream = borrowed = None
-    prompts: list[list[int]] = []
     if ctx.colocated:
-        target = load_target(cfg, drafter.target_layer_ids, device, target_files.config)
-        startup.mark("target")
-        # The drafter's dtype (a no-op unless the target's differs, e.g. an fp32 target and a bf16 drafter).
-        embed, head = (w.to(DTYPES[train.dtype]) for w in (target.embed_weight, target.head_weight))
-        stream, eval_stream, prompts = load_data(cfg, tokenizer)
-        startup.mark("data")
-        source, wait_kind, samples = local_source(stream, target, my_batches, DTYPES[train.dtype], device), \
-            "target", len(stream.dataset)
+        side = colocated_features(cfg, ctx, drafter, target_files, startup, my_batches)
     else:
-        # In the drafter's dtype: only the drafter uses them here (target.dtype is the target ranks' forward).
-        borrowed = load_embed_and_head(cfg.target.path, device, DTYPES[train.dtype],
-                                       target_files.config, cfg.target.trust_remote_code)  # in the background
-        embed, head = borrowed.embed, borrowed.head
-        startup.mark("embedding + head")
-        if ctx.roles.offline:
-            shards = FeatureShards(cfg.data.features_dir, drafter.target_layer_ids)
-            source, wait_kind, samples = disk_source(shards, my_batches, DTYPES[train.dtype], device), "disk", \
-                shards.count
-        else:
-            from .distributed.transport import FeatureReceiver
-
-            receiver = FeatureReceiver(ctx.roles, ctx.rank, ctx.groups, device, cfg.parallel.prefetch,
-                                       start=first_batch)
-            source, wait_kind, samples = remote_source(receiver, DTYPES[train.dtype]), "transfer", None
+        side = borrowed_features(cfg, ctx, drafter, target_files, startup, my_batches, first_batch)
 
     optimizer = MasterWeightAdamW(drafter.parameters(), lr=train.lr, weight_decay=train.weight_decay,
                                   max_grad_norm=train.max_grad_norm, moments_dtype=DTYPES[train.moments_dtype])
     scheduler = warmup_cosine(optimizer.opt, train.steps, int(train.warmup_ratio * train.steps), train.min_lr_ratio)
     startup.mark("optimizer")
     backend = attention_backend(cfg, device)
-    step = DrafterStep(drafter, embed, head, optimizer, num_anchors=train.num_anchors, gamma=cfg.drafter.gamma,
-                       chunk_rows=train.loss_chunk_rows, backend=backend,
+    step = DrafterStep(drafter, side.embed, side.head, optimizer, num_anchors=train.num_anchors,
+                       gamma=cfg.drafter.gamma, chunk_rows=train.loss_chunk_rows, backend=backend,
                        compiled_layers=backend == "flex" and train.compile_layers and shard.compiled_layers,
                        vocab_size=drafter.config.vocab_size, model=shard.module,
                        gradient_sync=shard.gradient_sync, scheduler=scheduler)
-    run = DrafterRun(cfg, ctx, drafter, shard, optimizer, scheduler, step, source, wait_kind, start_step, latest,
-                     target, tokenizer, eval_stream, prompts, borrowed)
+    run = DrafterRun(cfg, ctx, drafter, shard, optimizer, scheduler, step, side.source, side.wait_kind, start_step,
+                     latest, side.target, target_files.tokenizer, side.eval_stream, side.prompts, side.borrowed)
     config = drafter.config
     run.log(f"drafter: {config.num_hidden_layers} layers, hidden {config.hidden_size}, block {config.block_size}, "
             f"target layers {drafter.target_layer_ids}, {drafter.num_params() / 1e6:.2f}M params; "
-            + (f"{samples} training samples; " if samples else "")
+            + (f"{side.samples} training samples; " if side.samples else "")
             + f"{num_drafters} drafter rank(s) ({shard.name}); attention {backend} on {device}")
     return run
 
@@ -293,6 +316,56 @@ class LogWindow:
         return " | ".join(parts)
 
 
+class StepBook:
+    """The loop's bookkeeping: each step's figures into the history, the progress bar and metrics, and the
+    T:D split judged over steps 3-12 of this run (past start-up) when target ranks feed it."""
+
+    def __init__(self, run: DrafterRun, metrics: Metrics | None, startup: Startup):
+        self.run, self.metrics, self.startup = run, metrics, startup
+        train, device = run.cfg.train, run.ctx.device
+        self.peak = peak_flops(device)
+        self.history = History()
+        self.clock = StepClock(device)
+        self.bar = tqdm(range(run.start_step, train.steps), initial=run.start_step, total=train.steps, desc="train",
+                        dynamic_ncols=True, disable=None if run.lead else True)
+        # A log (stderr not a terminal) has no bar: a plain line every train.log_every steps instead.
+        self.window = LogWindow(run.start_step) if run.lead and plain_progress() else None
+        self.advise = run.wait_kind == "transfer" and run.lead
+        self.judged = range(run.start_step + 3, min(run.start_step + 12, train.steps) + 1)
+        self.seen: list[tuple[float, float]] = []  # (step seconds, seconds waiting for features)
+
+    def read(self, done: int, result, lap) -> float:
+        """Step `done`'s figures, read from the device: recorded, logged; returns its stop votes."""
+        run, train = self.run, self.run.cfg.train
+        figures, seconds = result.read(), self.clock.seconds(lap)
+        self.history.record(done, figures, seconds)
+        if done == run.start_step + 1:
+            self.startup.mark("step 1")
+            run.log(run.ctx.label + self.startup.line())
+        if run.lead and (done % train.log_every == 0 or done == train.steps):
+            log_step(run, self.bar, self.metrics, done, figures, seconds, self.peak)
+            if self.window is not None:
+                say_progress(self.window.line(run, self.history, done, figures, self.peak))
+        if self.advise and done in self.judged:
+            self.judge_split(done, seconds, figures.step_wait_s)
+        return figures.stop_votes
+
+    def judge_split(self, done: int, seconds: float, wait_s: float) -> None:
+        """After the last judged step: the advice on the target:drafter split."""
+        ctx = self.run.ctx
+        self.seen.append((seconds, wait_s))
+        if done == self.judged[-1]:
+            self.run.log(ctx.label + drafter_side_advice([t for t, _ in self.seen], [w for _, w in self.seen],
+                                                         self.run.cfg.train.grad_accum, ctx.roles.num_targets,
+                                                         ctx.num_drafters, ctx.target_tp))
+
+
+def checkpoint_due(train, done: int) -> bool:
+    """train.checkpoint_every = 0: no checkpoints (benchmarks); the final drafter is still saved."""
+    every = train.checkpoint_every
+    return bool(every) and (done % every == 0 or done == train.steps)
+
+
 def train_loop(run: DrafterRun, metrics: Metrics | None, startup: Startup) -> History:
     """Steps start_step+1 .. train.steps; checkpoints every train.checkpoint_every steps; a graceful stop
     (SIGTERM / SIGINT) writes a checkpoint at the step it ends on.
@@ -303,65 +376,35 @@ def train_loop(run: DrafterRun, metrics: Metrics | None, startup: Startup) -> Hi
     """
     cfg, ctx, device = run.cfg, run.ctx, run.ctx.device
     train = cfg.train
-    peak = peak_flops(device)
-    history = History()
-    clock = StepClock(device)
-    bar = tqdm(range(run.start_step, train.steps), initial=run.start_step, total=train.steps, desc="train",
-               dynamic_ncols=True, disable=None if run.lead else True)
-    # A log (stderr not a terminal) has no bar: a plain line every train.log_every steps instead.
-    window = LogWindow(run.start_step) if run.lead and plain_progress() else None
-
-    # The T:D split is judged over steps 3-12 of this run (past start-up), when target ranks feed it.
-    advise = run.wait_kind == "transfer" and run.lead
-    judged = range(run.start_step + 3, min(run.start_step + 12, train.steps) + 1)
-    seen: list[tuple[float, float]] = []
-
-    def read(done: int, result, lap) -> float:
-        figures, seconds = result.read(), clock.seconds(lap)
-        history.record(done, figures, seconds)
-        if done == run.start_step + 1:
-            startup.mark("step 1")
-            run.log(ctx.label + startup.line())
-        if run.lead and (done % train.log_every == 0 or done == train.steps):
-            log_step(run, bar, metrics, done, figures, seconds, peak)
-            if window is not None:
-                say_progress(window.line(run, history, done, figures, peak))
-        if advise and done in judged:
-            seen.append((seconds, figures.step_wait_s))
-            if done == judged[-1]:
-                run.log(ctx.label + drafter_side_advice([t for t, _ in seen], [w for _, w in seen], train.grad_accum,
-                                                        ctx.roles.num_targets, ctx.num_drafters, ctx.target_tp))
-        return figures.stop_votes
-
+    book = StepBook(run, metrics, startup)
     run.drafter.train()
     pending, votes = None, 0.0
     with StopRequest() as stop:
-        for step in bar:
+        for step in book.bar:
             done = step + 1
             result = run.step.run(run.source, train.grad_accum, lambda index: anchor_generator(cfg, device, index),
                                   lambda totals: parallel.all_reduce_sum(ctx, totals), ctx.num_drafters,
                                   stop_vote=stop.requested)
-            lap = clock.lap()
+            lap = book.clock.lap()
             if pending is not None:
-                votes = read(*pending)
+                votes = book.read(*pending)
             pending = (done, result, lap)
             # One drafter rank stops on its own signal; several stop on the votes all of them read.
             stop_now = done < train.steps and (stop.requested if ctx.num_drafters == 1 else votes > 0)
-            every = train.checkpoint_every  # 0: no checkpoints (benchmarks); the final drafter is still saved
-            due = bool(every) and (done % every == 0 or done == train.steps)
+            due = checkpoint_due(train, done)
             if due or stop_now or done == train.steps:
-                read(*pending)
+                book.read(*pending)
                 pending = None
             if due or stop_now:
-                path = save_checkpoint(run, done, history.losses)
+                path = save_checkpoint(run, done, book.history.losses)
             if stop_now:
-                history.stopped_at = done
+                book.history.stopped_at = done
                 run.log(f"stopped at step {done}: checkpoint {path}; continue with --resume")
                 break
         if pending is not None:
-            read(*pending)
-    bar.close()
-    return history
+            book.read(*pending)
+    book.bar.close()
+    return book.history
 
 
 def finish(run: DrafterRun, history: History, before: dict | None, report: CompileReport | None,
@@ -370,16 +413,32 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
     weights, _ = run.shard.full_state(None, run.lead)  # collective under FSDP
     if not run.lead:
         return None
-    cfg, device, out = run.cfg, run.ctx.device, run.out
-    peak = peak_flops(device)
+    cfg, out = run.cfg, run.out
     # --resume publishes it from the last checkpoint; a run without checkpoints has to train again.
     fix = ("The checkpoints are intact: free space, then --resume publishes it." if cfg.train.checkpoint_every else
            "train.checkpoint_every = 0 kept no checkpoint to publish it from: free space, then train again "
            "with --overwrite.")
     with storage.explained(f"publishing the drafter to {out / 'drafter'}", out, fix):
         final_dir = storage.publish_dir(out / "drafter", lambda d: run.drafter.save_pretrained(d, weights))
+    summary = run_summary(run, history, report, compile_s, startup, final_dir)
+    if run.ctx.colocated:
+        summary.update(evaluate_published(run, before, final_dir))
+    with storage.explained(f"writing {out / 'summary.json'}", out, "The drafter is published; free space."):
+        if run.ctx.colocated:  # what `dflash-eval --run` reads
+            summary["eval_prompts"] = str(record_eval_prompts(out, run.prompts))
+        write_summary(out, summary)
+    metrics.summary(summary)
+    metrics.close()
+    return summary
+
+
+def run_summary(run: DrafterRun, history: History, report: CompileReport | None, compile_s: float,
+                startup: Startup, final_dir: Path) -> dict:
+    """The run's figures for summary.json; a resume that trained nothing keeps the ones recorded before."""
+    device, out = run.ctx.device, run.out
+    peak = peak_flops(device)
     summary = {
-        "steps": cfg.train.steps,
+        "steps": run.cfg.train.steps,
         "first_loss": history.losses[0] if history.losses else None,
         "final_loss": history.losses[-1] if history.losses else None,
         "tokens_per_s": history.tokens / history.train_s if history.train_s else None,
@@ -405,26 +464,25 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
         # Killed after its last checkpoint and before summary.json: the losses that checkpoint recorded.
         summary.update(first_loss=run.checkpoint_losses[0], final_loss=run.checkpoint_losses[-1],
                        losses=run.checkpoint_losses)
-    if run.ctx.colocated:
-        leave_run_phase()  # evaluation shapes (batch sizes) differ from the training step's
-        if before is None:  # resumed: rebuild the initial drafter for the comparison
-            before, after = evaluate_saved(cfg, run.target, run.tokenizer, run.eval_stream, run.prompts, final_dir,
-                                           device)
-        else:
-            after = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
-                             "after training")
-        summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"],
-                       tau_before_method=before.get("tau_method", "speculative decoding"))
-        if run.eval_stream is not None:  # the published drafter, reloaded, on the features serving computes
-            summary["serving_check"] = check_published(cfg, run.drafter, final_dir, run.target, run.eval_stream)
-        summary["target_attention"] = run.target.attention  # chosen per family at load (loading.load_target)
-    with storage.explained(f"writing {out / 'summary.json'}", out, "The drafter is published; free space."):
-        if run.ctx.colocated:  # what `dflash-eval --run` reads
-            summary["eval_prompts"] = str(record_eval_prompts(out, run.prompts))
-        write_summary(out, summary)
-    metrics.summary(summary)
-    metrics.close()
     return summary
+
+
+def evaluate_published(run: DrafterRun, before: dict | None, final_dir: Path) -> dict:
+    """Colocated runs: tau before and after training, and the published drafter's serving check."""
+    cfg, device = run.cfg, run.ctx.device
+    leave_run_phase()  # evaluation shapes (batch sizes) differ from the training step's
+    if before is None:  # resumed: rebuild the initial drafter for the comparison
+        before, after = evaluate_saved(cfg, run.target, run.tokenizer, run.eval_stream, run.prompts, final_dir,
+                                       device)
+    else:
+        after = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
+                         "after training")
+    figures = {"tau_before": before["tau"], "tau_after": after["tau"], "slot_accuracy_after": after["slot_accuracy"],
+               "tau_before_method": before.get("tau_method", "speculative decoding")}
+    if run.eval_stream is not None:  # the published drafter, reloaded, on the features serving computes
+        figures["serving_check"] = check_published(cfg, run.drafter, final_dir, run.target, run.eval_stream)
+    figures["target_attention"] = run.target.attention  # chosen per family at load (loading.load_target)
+    return figures
 
 
 def run_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, target_files: TargetFiles,
