@@ -149,7 +149,8 @@ def add_config_flags(parser: argparse.ArgumentParser, default: str | None = None
     """--config, --set and --print-config, as dflash-train takes them. default None: every key at its default
     until a file or --set gives it (a command's own defaults then stand, see `chosen`)."""
     parser.add_argument("--config", default=default, metavar="NAME_OR_FILE",
-                        help="a TOML run config, or a bundled config name (" + (default or "default: none") + ")")
+                        help="a TOML run config, or a bundled config name (default: "
+                             + (default or "none, every key at its default") + ")")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config key (repeatable)")
     parser.add_argument("--print-config", action="store_true",
