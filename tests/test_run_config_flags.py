@@ -110,3 +110,26 @@ def test_a_bad_key_is_refused_naming_it_and_nothing_is_written(command, argv, tm
     err = _refused(command, [a.format(out=out) for a in argv] + ["--set", "target.dtype=fp4"], capsys)
     assert "target.dtype" in err and "bfloat16" in err
     assert not out.exists()
+
+
+def test_eval_of_a_run_takes_its_settings_and_set_overrides_them(drafter, tiny_target, tmp_path, capsys):
+    """--run OUTPUT: the run's config.json gives the target and settings; --set and the flags override them."""
+    import shutil
+
+    from dflash_trainer.config import RunConfig
+
+    run = tmp_path / "run"
+    shutil.copytree(drafter, run / "drafter")
+    recorded = RunConfig().to_dict()
+    recorded["target"].update(path=tiny_target["target"], dtype="float32")
+    recorded["train"]["dtype"], recorded["eval"]["max_new_tokens"] = "float32", 4
+    (run / "config.json").write_text(json.dumps(recorded))
+    reports = []
+    for extra in ([], ["--set", "eval.max_new_tokens=2"], ["--set", "eval.max_new_tokens=2", "--max-new-tokens", "3"]):
+        out = tmp_path / f"eval{len(reports)}"
+        code = eval_cli.main(["--run", str(run), "--prompts", tiny_target["eval"], "--limit", "1", "--device", "cpu",
+                              "--out", str(out), *extra])
+        assert code == 0, capsys.readouterr().err
+        reports.append(json.loads((out / "eval.json").read_text()))
+    assert [r["max_new_tokens"] for r in reports] == [4, 2, 3]
+    assert {(r["target"], r["dtype"]) for r in reports} == {(tiny_target["target"], "float32")}
