@@ -238,6 +238,24 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
         return exc.code if isinstance(exc.code, int) else BAD_INPUT
 
 
+def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None, key_flags: dict[str, str],
+                      console) -> tuple[argparse.Namespace, RunConfig] | int:
+    """A command's flags and its merged run config (whole_run=False: not a training run), or the exit code to
+    return: argparse's, 2 for a bad key (said on `console`), 0 after --print-config printed the config."""
+    args = parse(parser, argv)
+    if isinstance(args, int):
+        return args
+    try:
+        cfg = run_config(args, key_flags, whole_run=False)
+    except config.ConfigError as exc:
+        say_error(console, str(exc))
+        return BAD_INPUT
+    if args.print_config:
+        print_config(cfg)
+        return 0
+    return args, cfg
+
+
 def say_error(console, message: str, *, bold: str = "error:") -> None:
     """One error line on a rich console: the message escaped (a path such as mt[bench].jsonl is text, not markup)."""
     from rich.markup import escape

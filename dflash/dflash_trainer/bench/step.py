@@ -23,8 +23,9 @@ import torch
 from transformers import Qwen3Config
 
 from .. import cli_args
-from ..config import MOMENTS_DTYPE_NAMES, TARGET_QUANTIZATIONS, ConfigError, RunConfig
+from ..config import MOMENTS_DTYPE_NAMES, TARGET_QUANTIZATIONS, RunConfig
 from ..distributed.sources import FeatureBatch, Wait
+from ..infra.console import console
 from ..infra.dtypes import DTYPES
 from ..infra.gpu_clock import ClockSampler
 from ..model.anchors import sample_anchors
@@ -275,17 +276,10 @@ def run_bench(args, cfg: RunConfig, device: torch.device) -> dict:
 
 
 def main(argv=None) -> int:
-    args = cli_args.parse(parser(), argv)
-    if isinstance(args, int):
-        return args
-    try:
-        cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=False)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return cli_args.BAD_INPUT
-    if args.print_config:
-        cli_args.print_config(cfg)
-        return 0
+    parsed = cli_args.parse_with_config(parser(), argv, KEY_FLAGS, console)
+    if isinstance(parsed, int):
+        return parsed
+    args, cfg = parsed
     if args.stack_dump_after:
         import faulthandler
 

@@ -580,17 +580,10 @@ def write_results(p: Plan, report: dict, requests: list[dict]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cli_args.parse(parser(), argv)
-    if isinstance(args, int):
-        return args
-    try:
-        cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=False)
-    except ConfigError as exc:
-        cli_args.say_error(console, str(exc))
-        return cli_args.BAD_INPUT
-    if args.print_config:
-        cli_args.print_config(cfg)
-        return 0
+    parsed = cli_args.parse_with_config(parser(), argv, KEY_FLAGS, console)
+    if isinstance(parsed, int):
+        return parsed
+    args, cfg = parsed
     if args.bench:
         return bench(args, cfg)
     try:
