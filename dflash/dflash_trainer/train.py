@@ -42,6 +42,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .distributed.sources import FeatureBatch, disk_source, local_source, remote_source
     from .embedded import resolve_target
     from .infra import storage
+    from .infra.bytecode import uncompiled_note
     from .infra.metrics import Metrics, duration, eta, plain_progress, say_progress, slot_summary
     from .model.drafter import DFlashDrafter
     from .model.flops import peak_flops
@@ -342,6 +343,9 @@ class StepBook:
         if done == run.start_step + 1:
             self.startup.mark("step 1")
             run.log(run.ctx.label + self.startup.line())
+            note = uncompiled_note() if run.lead else None
+            if note:
+                run.log(note)
         if run.lead and (done % train.log_every == 0 or done == train.steps):
             log_step(run, self.bar, self.metrics, done, figures, seconds, self.peak)
             if self.window is not None:
