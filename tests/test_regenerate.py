@@ -520,3 +520,29 @@ def test_compiled_hf_engine_on_gpu_equals_greedy_generate(chat_target, source, t
         prompt, answer = split_row(row)
         same += answer == greedy_alone(model, prompt, MAX_NEW, stop)
     assert same == len(rows), f"{same}/{len(rows)} equal"
+
+
+def test_a_target_with_remote_code_loads_only_with_trust_remote_code(tiny_target, tmp_path, monkeypatch, capsys):
+    """A target whose config.json names modelling code it ships (auto_map): refused in words without the flag,
+    answered with it; --set target.trust_remote_code=true is the same key."""
+    import transformers.dynamic_module_utils as dynamic
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "hf-modules"))  # not the user's cache
+    remote = tmp_path / "remote"
+    shutil.copytree(tiny_target["target"], remote)
+    (remote / "configuration_remote.py").write_text(
+        "from transformers import Qwen3Config\n\n\nclass RemoteConfig(Qwen3Config):\n    model_type = 'remote_qwen3'\n")
+    (remote / "modeling_remote.py").write_text(
+        "from transformers import Qwen3ForCausalLM\n\nfrom .configuration_remote import RemoteConfig\n\n\n"
+        "class RemoteForCausalLM(Qwen3ForCausalLM):\n    config_class = RemoteConfig\n")
+    config = json.loads((remote / "config.json").read_text())
+    config.update(model_type="remote_qwen3", auto_map={"AutoConfig": "configuration_remote.RemoteConfig",
+                                                       "AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM"})
+    (remote / "config.json").write_text(json.dumps(config))
+    data = write_jsonl(tmp_path / "chats.jsonl", corpus_rows(2))
+    assert main(args(str(remote), data, tmp_path / "refused")) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--trust-remote-code" in err and not (tmp_path / "refused").exists(), err
+    assert main(args(str(remote), data, tmp_path / "out", "--trust-remote-code")) == 0
+    assert main(args(str(remote), data, tmp_path / "out2", "--set", "target.trust_remote_code=true")) == 0
+    assert len(shard_rows(tmp_path / "out")) == len(shard_rows(tmp_path / "out2")) == 2

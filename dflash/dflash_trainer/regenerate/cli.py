@@ -88,6 +88,8 @@ def parser() -> argparse.ArgumentParser:
     cli_args.key_flag(h, "--dtype", "target.dtype", "the target's dtype; auto (the default unless --config or --set "
                       "gives it): bfloat16 on a GPU, float32 on the CPU", choices=("auto", *DTYPE_NAMES))
     h.add_argument("--no-compile", action="store_true", help="GPU: decode eagerly (no static-cache CUDA graphs)")
+    cli_args.key_flag(p, "--trust-remote-code", "target.trust_remote_code",
+                      "run the modelling and tokenizer code the target's directory ships", action="store_true")
     o = p.add_argument_group("engine openai")
     o.add_argument("--endpoint", help="the server's base URL, e.g. http://localhost:8000/v1")
     o.add_argument("--model", help="the served model name (default: the server's only model)")
@@ -105,15 +107,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 # The flags that set one run-config key each: --config / --set give the same keys.
-KEY_FLAGS = {"--target": "target.path", "--dtype": "target.dtype"}
+KEY_FLAGS = {"--target": "target.path", "--dtype": "target.dtype", "--trust-remote-code": "target.trust_remote_code"}
 
 
 def apply_config(args) -> RunConfig:
-    """The run config merged (--config < --set < --target, --dtype), its keys written back to args.target and
-    args.dtype: a training config's target serves its regeneration too."""
+    """The run config merged (--config < --set < --target, --dtype, --trust-remote-code), its keys written back
+    to args: a training config's target serves its regeneration too."""
     cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=False)
     args.target = cli_args.chosen(cfg, "target.path", None)
     args.dtype = cli_args.chosen(cfg, "target.dtype", "auto")
+    args.trust_remote_code = cfg.target.trust_remote_code
     return cfg
 
 
@@ -137,7 +140,7 @@ def check_args(args) -> list[str]:
     return problems
 
 
-def load_tokenizer(target: str):
+def load_tokenizer(target: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     try:  # a missing directory, or a hub id while the hub is unreachable: refused in seconds, not after retries
@@ -145,17 +148,18 @@ def load_tokenizer(target: str):
     except ConfigError as exc:
         raise DataError(str(exc).replace("target.path", "--target", 1)) from None
     try:
-        return AutoTokenizer.from_pretrained(target)
+        return AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
     except Exception as exc:  # not a model directory, unreachable hub
+        hint = " (or --trust-remote-code if you trust the code it ships)" * ("trust_remote_code" in str(exc))
         raise DataError(f"--target {target}: cannot load its tokenizer ({exc.__class__.__name__}: {exc}); give the "
-                        "target model's directory (config.json, tokenizer files)") from exc
+                        f"target model's directory (config.json, tokenizer files){hint}") from exc
 
 
-def max_context(target: str) -> int | None:
+def max_context(target: str, trust_remote_code: bool = False) -> int | None:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(target).get_text_config(decoder=True)
+        config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code).get_text_config(decoder=True)
     except (OSError, ValueError):  # a tokenizer-only directory (engine openai): the server knows its own limit
         return None
     return getattr(config, "max_position_embeddings", None)
@@ -173,7 +177,7 @@ def make_engine(args, tokenizer, sampling: Sampling, device, log):
         return engine
     from .engine_hf import HFEngine, load_target
 
-    model = load_target(args.target, device, args.dtype)
+    model = load_target(args.target, device, args.dtype, args.trust_remote_code)
     stop = stop_token_ids(model, tokenizer, args.stop_token)
     if not stop:
         log("[yellow]warning:[/] the target names no EOS token: every answer runs to --max-new-tokens "
@@ -208,10 +212,10 @@ def run(args) -> dict | None:
             console.print(*parts)
 
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.turns)
-    tokenizer = load_tokenizer(args.target)
+    tokenizer = load_tokenizer(args.target, args.trust_remote_code)
     check_chat_template(tokenizer, args.target)
     rows = load_rows(args.data, split=args.split, flags="--data")
-    context = max_context(args.target)
+    context = max_context(args.target, args.trust_remote_code)
     plan = make_plan(rows, tokenizer, sampling, args.chat_template_kwargs, args.limit, context)
     check_plan(plan, args.data)
     out = OutputDir(args.out, world.rank)

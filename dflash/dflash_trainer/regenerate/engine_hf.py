@@ -138,7 +138,7 @@ class HFEngine:
                 yield requests[i], answer_from_ids(self.tokenizer, ids, self.stop_ids)
 
 
-def load_target(path: str, device: torch.device, dtype: str = "auto"):
+def load_target(path: str, device: torch.device, dtype: str = "auto", trust_remote_code: bool = False):
     """The target for engine hf: bf16 on a GPU, fp32 on the CPU unless --dtype says otherwise."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -148,8 +148,10 @@ def load_target(path: str, device: torch.device, dtype: str = "auto"):
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                     trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:  # no weights beside the tokenizer, a model class transformers lacks
-        raise DataError(f"--target {path}: cannot load the model ({exc}); give the target model's directory "
+        hint = " (or --trust-remote-code if you trust the code it ships)" * ("trust_remote_code" in str(exc))
+        raise DataError(f"--target {path}: cannot load the model ({exc}){hint}; give the target model's directory "
                         "(config.json, tokenizer files, weights), or use --engine openai with a tokenizer only") from exc
     return model.to(device).eval()
