@@ -44,8 +44,8 @@ test: venv ## run the test suite (GPU tests skip without a GPU)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 FAST_MARKERS := not slow and not docker and not lxc and not gpu
-test-fast: venv ## the tests not marked slow (over ~30 s on 2 cores), docker, lxc or gpu: about 5 minutes on 2 cores
-	$(PY) -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+test-fast: venv ## the tests not marked slow, docker, lxc or gpu, one worker per core: under 2 minutes on 2 cores
+	$(PY) -m pytest -m "$(FAST_MARKERS)" -n auto --dist loadfile $(PYTEST_ARGS)
 
 lint: venv ## ruff on the Python code (ansible/ too), ansible-lint on the playbooks and roles
 	$(VENV)/bin/ruff check dflash image tests ansible

@@ -371,6 +371,7 @@ TERM_THEN_SAVE = textwrap.dedent("""\
     """)
 
 
+@pytest.mark.slow  # a torchrun job with workers that import torch
 def test_torchrun_job_stops_after_its_workers_final_save(tmp_path):
     """Under torchrun the stop signals the workers, not torchrun: torchrun would forward the signal and
     SIGKILL its workers after its shutdown timeout (30 s, hard-coded before torch 2.12; 1 s here), before
@@ -435,6 +436,7 @@ def test_foreground_trainer_is_found_and_stopped(tmp_path):
         child.kill()
 
 
+@pytest.mark.slow  # a torchrun job with workers that import torch
 def test_foreground_torchrun_job_is_stopped_through_its_workers(tmp_path):
     """A local torchrun launch: train-stop signals the workers (each once), torchrun exits by itself after
     their final save, which outlasts torchrun's own shutdown timeout (1 s here)."""

@@ -160,6 +160,7 @@ def test_every_make_target_shown_exists():
     assert not missing, "make targets the docs show but no Makefile defines:\n" + "\n".join(missing)
 
 
+@pytest.mark.slow  # starts every command the docs show
 def test_every_flag_shown_is_accepted_by_its_module():
     found = uses()
     helps = help_texts(tuple(sorted(found)))

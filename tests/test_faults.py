@@ -574,6 +574,7 @@ def test_auto_resume_with_resume_or_overwrite_is_refused(flags, run_copy, capsys
     assert snapshot(run_copy) == before
 
 
+@pytest.mark.slow  # make, the venv check and a trainer process
 def test_make_train_on_a_finished_run_dir_reports_it(run_copy):
     """The Makefile's local `make train`: no TRAIN_ARGS means --auto-resume (the embedded config's own steps
     do not matter, the run's summary does)."""
