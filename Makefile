@@ -44,8 +44,11 @@ test: venv ## run the test suite (GPU tests skip without a GPU)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 FAST_MARKERS := not slow and not docker and not lxc and not gpu
+# One pytest worker per CPU this process may use (nproc: taskset and affinity); PYTEST_ARGS=-n0 for one process
+# (--pdb needs it).
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test-fast: venv ## the tests not marked slow, docker, lxc or gpu, one worker per core: under 2 minutes on 2 cores
-	$(PY) -m pytest -m "$(FAST_MARKERS)" -n auto --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -m "$(FAST_MARKERS)" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: venv ## ruff on the Python code (ansible/ too), ansible-lint on the playbooks and roles
 	$(VENV)/bin/ruff check dflash image tests ansible

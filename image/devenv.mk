@@ -2,7 +2,7 @@
 UPGRADE    ?=
 DRIFT_ARGS ?=
 DEV_WHEELS := $(or $(strip $(WHEEL_CACHE)),wheels-dev)
-# The scratch venv's interpreter stands in for {python}: test-fast as `make test-fast` runs it.
+# The scratch venv's interpreter stands in for {python}: test-fast's selection, in one process.
 DRIFT_TEST  = {python} -m pytest -m "$(FAST_MARKERS)" -p no:cacheprovider $(PYTEST_ARGS)
 
 .PHONY: dev-lock dev-wheels drift test-lowest build-check

@@ -25,7 +25,7 @@ def _note_in_child(tmp_path, **env) -> str:
 
 def test_no_bytecode_and_none_written_is_named_with_the_fix(tmp_path):
     note = _note_in_child(tmp_path, PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=str(tmp_path / "pyc"))
-    assert note.startswith("note: no compiled bytecode for probe_pkg (PYTHONDONTWRITEBYTECODE is set)")
+    assert note.startswith("note: no compiled bytecode for probe_pkg (bytecode writing is off: PYTHONDONTWRITEBYTECODE")
     assert f"-m compileall -q -j 0 {tmp_path}" in note
     assert not (tmp_path / "pyc").exists()  # the check writes nothing
 

@@ -540,6 +540,9 @@ def test_a_target_with_remote_code_loads_only_with_trust_remote_code(tiny_target
                                                        "AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM"})
     (remote / "config.json").write_text(json.dumps(config))
     data = write_jsonl(tmp_path / "chats.jsonl", corpus_rows(2))
+    with pytest.raises(DataError, match="--trust-remote-code"):
+        cli.max_context(str(remote))  # its context limit is read through its own config class
+    assert cli.max_context(str(remote), True) == config["max_position_embeddings"]
     assert main(args(str(remote), data, tmp_path / "refused")) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "--trust-remote-code" in err and not (tmp_path / "refused").exists(), err

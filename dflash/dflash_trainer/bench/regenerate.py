@@ -54,7 +54,8 @@ def load_model(args, cfg, device):
     if path:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                     trust_remote_code=cfg.target.trust_remote_code).to(device)
     else:
         torch.manual_seed(0)
         model = build_target(Qwen3Config(**PRESETS[args.preset]["target"], tie_word_embeddings=False), device, dtype)

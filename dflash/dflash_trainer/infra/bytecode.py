@@ -30,9 +30,10 @@ def uncompiled_note(module: ModuleType | None = None) -> str | None:
         return None
     if os.path.exists(cached):
         return None
-    why = "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else f"{Path(cached).parent} is not writable"
+    why = "bytecode writing is off: PYTHONDONTWRITEBYTECODE or python -B" if sys.dont_write_bytecode \
+        else f"{Path(cached).parent} is not writable"
     path = Path(source)
     site = path.parents[1] if path.name == "__init__.py" else path.parent  # the folder that holds it
     return (f"note: no compiled bytecode for {module.__name__} ({why}): every start compiles the sources of "
-            f"torch and transformers again (about 10 s). Compile them once: {sys.executable} -m compileall "
-            f"-q -j 0 {site}")
+            f"torch and transformers again (about 10 s). Compile them once, as the owner of that folder: "
+            f"{sys.executable} -m compileall -q -j 0 {site}")

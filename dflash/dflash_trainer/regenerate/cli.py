@@ -160,8 +160,11 @@ def max_context(target: str, trust_remote_code: bool = False) -> int | None:
 
     try:
         config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code).get_text_config(decoder=True)
-    except (OSError, ValueError):  # a tokenizer-only directory (engine openai): the server knows its own limit
-        return None
+    except (OSError, ValueError) as exc:
+        if "trust_remote_code" in str(exc):  # its own config class: not "no limit", but code not allowed to run
+            raise DataError(f"--target {target}: its config is code the directory ships ({exc}); give "
+                            "--trust-remote-code if you trust it") from exc
+        return None  # a tokenizer-only directory (engine openai): the server knows its own limit
     return getattr(config, "max_position_embeddings", None)
 
 
