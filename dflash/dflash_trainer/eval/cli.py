@@ -33,6 +33,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..infra import storage
     from ..infra.console import console
     from ..infra.dtypes import DTYPES
+    from ..infra.hub import remote_code_hint
     from ..infra.metrics import PlainProgress, say_progress
     from ..run import checkpoint as ckpt
     from ..run import run_dir as run_dir_lib
@@ -354,9 +355,9 @@ def load_target_files(target: str, trust: bool):
         target_config = AutoConfig.from_pretrained(target, trust_remote_code=trust)
         tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust)
     except (OSError, ValueError) as exc:
-        hint = " (or add --trust-remote-code if you trust the code it ships)" * ("trust_remote_code" in str(exc))
-        raise EvalError(f"--target {target}: cannot load its config and tokenizer ({exc}). Give the target's "
-                        f"Hugging Face directory (config.json, tokenizer, weights) or a reachable hub id{hint}") from exc
+        raise EvalError(f"--target {target}: cannot load its config and tokenizer ({exc})"
+                        f"{remote_code_hint(exc, '--trust-remote-code')}. Give the target's Hugging Face directory "
+                        "(config.json, tokenizer, weights) or a reachable hub id") from exc
     try:  # a family the decoding loop cannot serve: refused before its weights are read
         check_supported_target(target_config, f"--target {target}", trust)
     except ConfigError as exc:

@@ -63,3 +63,12 @@ def unavailable_reason(name: str, noun: str = "directory") -> str:
     if not reachable():
         return f"no such {noun} ({where}), and the hub ({endpoint()}) is not reachable for a hub id"
     return ""
+
+
+def remote_code_hint(exc: BaseException, how: str) -> str:
+    """"; ... `how` ..." when transformers refused a directory that ships its own modelling code (its refusal
+    names its keyword argument), else "": each command says it with its own flag or key."""
+    if "trust_remote_code" not in str(exc):
+        return ""
+    return (f"; its family is not in the installed transformers and the directory ships its own code: run it "
+            f"only if you trust it, with {how}")

@@ -28,6 +28,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..data.prompts import check_chat_template
     from ..data.rows import DataError, load_rows
     from ..decoding.speculative import stop_token_ids
+    from ..infra.hub import remote_code_hint
     from ..infra.storage import StorageError
     from ..run.loading import check_target
     from .driver import Stopped, World, run_chunks
@@ -150,9 +151,9 @@ def load_tokenizer(target: str, trust_remote_code: bool = False):
     try:
         return AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
     except Exception as exc:  # not a model directory, unreachable hub
-        hint = " (or --trust-remote-code if you trust the code it ships)" * ("trust_remote_code" in str(exc))
-        raise DataError(f"--target {target}: cannot load its tokenizer ({exc.__class__.__name__}: {exc}); give the "
-                        f"target model's directory (config.json, tokenizer files){hint}") from exc
+        raise DataError(f"--target {target}: cannot load its tokenizer ({exc.__class__.__name__}: {exc})"
+                        f"{remote_code_hint(exc, '--trust-remote-code')}; give the target model's directory "
+                        "(config.json, tokenizer files)") from exc
 
 
 def max_context(target: str, trust_remote_code: bool = False) -> int | None:
@@ -161,9 +162,8 @@ def max_context(target: str, trust_remote_code: bool = False) -> int | None:
     try:
         config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code).get_text_config(decoder=True)
     except (OSError, ValueError) as exc:
-        if "trust_remote_code" in str(exc):  # its own config class: not "no limit", but code not allowed to run
-            raise DataError(f"--target {target}: its config is code the directory ships ({exc}); give "
-                            "--trust-remote-code if you trust it") from exc
+        if hint := remote_code_hint(exc, "--trust-remote-code"):  # not "no limit": code not allowed to run
+            raise DataError(f"--target {target}: cannot read its config ({exc}){hint}") from exc
         return None  # a tokenizer-only directory (engine openai): the server knows its own limit
     return getattr(config, "max_position_embeddings", None)
 

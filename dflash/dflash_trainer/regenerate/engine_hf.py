@@ -17,6 +17,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StaticCache
 
 from ..data.rows import DataError
 from ..decoding.buckets import bucket
+from ..infra.hub import remote_code_hint
 from .answers import Answer, Request, answer_from_ids
 from .sampling import Sampling, SeededSampler
 
@@ -151,7 +152,7 @@ def load_target(path: str, device: torch.device, dtype: str = "auto", trust_remo
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                      trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:  # no weights beside the tokenizer, a model class transformers lacks
-        hint = " (or --trust-remote-code if you trust the code it ships)" * ("trust_remote_code" in str(exc))
+        hint = remote_code_hint(exc, "--trust-remote-code")
         raise DataError(f"--target {path}: cannot load the model ({exc}){hint}; give the target model's directory "
                         "(config.json, tokenizer files, weights), or use --engine openai with a tokenizer only") from exc
     return model.to(device).eval()

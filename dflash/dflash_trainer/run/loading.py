@@ -14,6 +14,7 @@ from ..data.rows import MicroBatches, check_sources, load_rows, tokenize_dataset
 from ..distributed import parallel
 from ..infra.console import console
 from ..infra.dtypes import DTYPES
+from ..infra.hub import remote_code_hint
 from ..model.drafter import DFlashDrafter, DrafterShape, drafter_config
 from ..target.fp8 import check_fp8_device, check_not_prequantized
 from ..target.frozen import (
@@ -84,11 +85,6 @@ def target_config(cfg: RunConfig):
     return _from_target_dir(cfg, AutoConfig, "read the model config")
 
 
-# transformers' refusal of a checkpoint that ships its own modelling code names its keyword argument.
-REMOTE_CODE_HINT = ("; its family is not in the installed transformers and the directory ships its own modelling "
-                    "code: run it only if you trust it, with --set target.trust_remote_code=true")
-
-
 def load_tokenizer(cfg: RunConfig):
     from transformers import AutoTokenizer
 
@@ -100,7 +96,7 @@ def _from_target_dir(cfg: RunConfig, auto_class, what: str):
         return auto_class.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"target.path {cfg.target.path}: cannot {what} ({exc})"
-                          + REMOTE_CODE_HINT * ("trust_remote_code" in str(exc))) from exc
+                          + remote_code_hint(exc, "--set target.trust_remote_code=true")) from exc
 
 
 @dataclass(frozen=True)
