@@ -72,6 +72,40 @@ def test_bucket_and_stream_are_deterministic(tiny_target, tokenizer):
     assert not a.batch(0).input_ids.equal(a.batch(a.per_epoch).input_ids)  # a new permutation each epoch
 
 
+def test_buckets_used_are_every_shape_the_stream_takes():
+    import datasets
+
+    lengths = [10, 70, 100, 64, 65, 12]
+    ds = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in lengths], "loss_mask": [[1] * n for n in lengths]})
+    stream = MicroBatches(ds, 2, [64, 128, 256], pad_id=0, seed=1)
+    assert stream.buckets_used() == [64, 128]  # no row reaches 256
+    seen = {stream.batch(i).input_ids.shape[1] for i in range(3 * stream.per_epoch)}  # three permutations
+    assert seen <= set(stream.buckets_used())
+    # A selection (an indices mapping over the same table, as the held-out split makes) counts only its rows.
+    assert MicroBatches(ds.select([0, 5]), 1, [64, 128, 256], 0).buckets_used() == [64]
+    assert MicroBatches(ds.select([2]), 1, [64, 128, 256], 0).buckets_used() == [128]
+    with pytest.raises(DataError, match="longer than the largest bucket 64"):
+        MicroBatches(ds, 2, [64], 0).buckets_used()
+
+
+def test_compiled_buckets_say_which_are_skipped(capsys):
+    import datasets
+    from dflash_trainer.config import RunConfig
+    from dflash_trainer.run.loading import compiled_buckets
+
+    def stream(*lengths):
+        ds = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in lengths], "loss_mask": [[1] * n for n in lengths]})
+        return MicroBatches(ds, 1, [512, 1024, 2048, 3072], 0)
+
+    cfg = RunConfig()
+    assert cfg.data.context_buckets == [512, 1024, 2048, 3072]
+    assert compiled_buckets(cfg, stream(100, 600), stream(900)) == [512, 1024]  # the evaluation rows count too
+    out = capsys.readouterr().err  # the trainer's console is stderr
+    assert "compiling 512, 1024; no row of the data falls in 2048, 3072" in " ".join(out.split())
+    assert compiled_buckets(cfg, stream(100, 600, 1500, 3000), None) == [512, 1024, 2048, 3072]
+    assert capsys.readouterr().err == ""  # every bucket used: nothing to say
+
+
 def test_bad_lines_and_files_are_named(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": []}\n\n[1, 2]\n')

@@ -56,6 +56,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
         TargetFiles,
         attention_backend,
         check_inputs,
+        compiled_buckets,
         console,
         drafter_config_for,
         load_data,
@@ -96,6 +97,7 @@ class DrafterRun:
     prompts: list[list[int]] = field(default_factory=list)
     borrowed: BorrowedWeights | None = None  # the embedding and head being read (target-less drafter ranks)
     checkpoint_losses: list[float] = field(default_factory=list)  # the resumed checkpoint's run so far
+    buckets: list[int] | None = None  # the context buckets the compile step compiles (None: data.context_buckets)
 
     @property
     def out(self) -> Path:
@@ -146,6 +148,7 @@ class FeatureSide:
     eval_stream: MicroBatches | None = None
     prompts: list[list[int]] = field(default_factory=list)
     borrowed: BorrowedWeights | None = None  # target-less drafter ranks: the embedding and head being read
+    buckets: list[int] | None = None  # the buckets to compile where the data is read here (None: every one)
 
 
 def colocated_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDrafter, target_files: TargetFiles,
@@ -157,9 +160,10 @@ def colocated_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDra
     # The drafter's dtype (a no-op unless the target's differs, e.g. an fp32 target and a bf16 drafter).
     embed, head = (w.to(dtype) for w in (target.embed_weight, target.head_weight))
     stream, eval_stream, prompts = load_data(cfg, target_files.tokenizer)
+    buckets = compiled_buckets(cfg, stream, eval_stream) if attention_backend(cfg, ctx.device) == "flex" else None
     startup.mark("data")
     return FeatureSide(local_source(stream, target, my_batches, dtype, ctx.device), "target", len(stream.dataset),
-                       embed, head, target, eval_stream, prompts)
+                       embed, head, target, eval_stream, prompts, buckets=buckets)
 
 
 def borrowed_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDrafter, target_files: TargetFiles,
@@ -212,7 +216,8 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
                        vocab_size=drafter.config.vocab_size, model=shard.module,
                        gradient_sync=shard.gradient_sync, scheduler=scheduler)
     run = DrafterRun(cfg, ctx, drafter, shard, optimizer, scheduler, step, side.source, side.wait_kind, start_step,
-                     latest, side.target, target_files.tokenizer, side.eval_stream, side.prompts, side.borrowed)
+                     latest, side.target, target_files.tokenizer, side.eval_stream, side.prompts, side.borrowed,
+                     buckets=side.buckets)
     config = drafter.config
     run.log(f"drafter: {config.num_hidden_layers} layers, hidden {config.hidden_size}, block {config.block_size}, "
             f"target layers {drafter.target_layer_ids}, {drafter.num_params() / 1e6:.2f}M params; "
@@ -243,7 +248,7 @@ def compile_or_check(run: DrafterRun) -> tuple[CompileReport | None, float]:
         return None, 0.0
     cache = compile_cache_dir(run.cfg.train.compile_cache_dir)
     t0 = time.perf_counter()
-    report = compile_drafter_step(run.step, run.cfg.data.context_buckets, run.cfg.train.micro_batch, cache,
+    report = compile_drafter_step(run.step, run.buckets or run.cfg.data.context_buckets, run.cfg.train.micro_batch, cache,
                                   console.print, label=run.ctx.label, serialized=run.shard.serial_compile,
                                   target=run.target)
     return report, time.perf_counter() - t0

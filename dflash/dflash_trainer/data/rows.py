@@ -462,6 +462,20 @@ class MicroBatches:
             self._order = (epoch, torch.randperm(len(self.dataset), generator=g).tolist())
         return self._order[1]
 
+    def buckets_used(self) -> list[int]:
+        """The context buckets at least one row falls in: every shape a micro-batch of this stream can take
+        (a micro-batch is padded to its longest row's bucket). Read as Arrow, without a row in Python."""
+        import numpy as np
+        import pyarrow.compute as pc
+
+        used: set[int] = set()
+        for table in self.dataset.with_format("arrow").iter(batch_size=65_536):
+            lengths = pc.list_value_length(table["input_ids"]).to_numpy()
+            used.update(np.searchsorted(self.buckets, lengths, side="left").tolist())
+        if len(self.buckets) in used:
+            raise DataError(f"a row is longer than the largest bucket {self.buckets[-1]}")
+        return [self.buckets[i] for i in sorted(used)]
+
     def batch(self, index: int) -> Batch:
         epoch, k = divmod(index, self.per_epoch)
         order = self._epoch_order(epoch)

@@ -24,6 +24,7 @@ from .compile_step import compile_cache_dir, compile_target_step
 from .evaluate import evaluate_saved
 from .loading import (
     TargetFiles,
+    compiled_buckets,
     console,
     drafter_config_for,
     load_data,
@@ -57,7 +58,8 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
     layer_ids = drafter_config.dflash_config["target_layer_ids"]
     target = _load_group_target(cfg, ctx, layer_ids, target_files.config)
     stream, eval_stream, prompts = load_data(cfg, tokenizer)
-    compile_target_step(target, cfg.data.context_buckets, cfg.train.micro_batch,
+    buckets = compiled_buckets(cfg, stream, eval_stream) if target.compile_layers else cfg.data.context_buckets
+    compile_target_step(target, buckets, cfg.train.micro_batch,
                         compile_cache_dir(cfg.train.compile_cache_dir), console.print,
                         label=ctx.label, serialized=ctx.target_tp == 1)
     supply = _feed_drafters(cfg, ctx, target, stream, start_step)
