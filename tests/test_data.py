@@ -99,10 +99,10 @@ def test_compiled_buckets_say_which_are_skipped(capsys):
 
     cfg = RunConfig()
     assert cfg.data.context_buckets == [512, 1024, 2048, 3072]
-    assert compiled_buckets(cfg, stream(100, 600), stream(900)) == [512, 1024]  # the evaluation rows count too
+    assert compiled_buckets(cfg, stream(100, 600, 900)) == [512, 1024]
     out = capsys.readouterr().err  # the trainer's console is stderr
-    assert "compiling 512, 1024; no row of the data falls in 2048, 3072" in " ".join(out.split())
-    assert compiled_buckets(cfg, stream(100, 600, 1500, 3000), None) == [512, 1024, 2048, 3072]
+    assert "compiling 512, 1024; no training row falls in 2048, 3072" in " ".join(out.split())
+    assert compiled_buckets(cfg, stream(100, 600, 1500, 3000)) == [512, 1024, 2048, 3072]
     assert capsys.readouterr().err == ""  # every bucket used: nothing to say
 
 

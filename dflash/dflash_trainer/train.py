@@ -160,7 +160,7 @@ def colocated_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDra
     # The drafter's dtype (a no-op unless the target's differs, e.g. an fp32 target and a bf16 drafter).
     embed, head = (w.to(dtype) for w in (target.embed_weight, target.head_weight))
     stream, eval_stream, prompts = load_data(cfg, target_files.tokenizer)
-    buckets = compiled_buckets(cfg, stream, eval_stream) if attention_backend(cfg, ctx.device) == "flex" else None
+    buckets = compiled_buckets(cfg, stream) if attention_backend(cfg, ctx.device) == "flex" else None
     startup.mark("data")
     return FeatureSide(local_source(stream, target, my_batches, dtype, ctx.device), "target", len(stream.dataset),
                        embed, head, target, eval_stream, prompts, buckets=buckets)
@@ -248,7 +248,8 @@ def compile_or_check(run: DrafterRun) -> tuple[CompileReport | None, float]:
         return None, 0.0
     cache = compile_cache_dir(run.cfg.train.compile_cache_dir)
     t0 = time.perf_counter()
-    report = compile_drafter_step(run.step, run.buckets or run.cfg.data.context_buckets, run.cfg.train.micro_batch, cache,
+    buckets = run.buckets or run.cfg.data.context_buckets
+    report = compile_drafter_step(run.step, buckets, run.cfg.train.micro_batch, cache,
                                   console.print, label=run.ctx.label, serialized=run.shard.serial_compile,
                                   target=run.target)
     return report, time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""The drafter's compile step: every context bucket compiled (forward + backward) before step 1.
+"""The drafter's compile step: every context bucket a step can take compiled (forward + backward) before step 1.
 
 The mechanics (turn-taking lock, cache directory, fail-on-recompile) are in compile/guard.py; this file
 says what a DFlash drafter step runs (step.DrafterStep), so that the compile step compiles exactly that.
@@ -46,7 +46,7 @@ def compile_cache_dir(setting: str | None) -> Path:
 
 def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir: Path, log, label: str = "",
                          serialized: bool = True, target=None):
-    """The serialized compile step: compile the drafter step for every context bucket (forward +
+    """The serialized compile step: compile the drafter step for every bucket in `buckets` (forward +
     backward, and the optimizer's update kernel) before step 1.
 
     Ranks take turns through a file lock in the shared cache directory, so the first fills the cache
@@ -87,7 +87,7 @@ def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir
 
 def compile_target_step(target, buckets, micro_batch: int, cache_dir: Path, log, label: str = "",
                         serialized: bool = True):
-    """A target rank's compile step: its compiled feature forward for every context bucket, through the
+    """A target rank's compile step: its compiled feature forward for every bucket in `buckets`, through the
     same lock and cache as the drafter ranks' (no-op where the target runs eagerly: not on a GPU, or a
     backbone without the tapped forward). serialized=False: no lock, for a tensor-parallel target group,
     whose forward needs every rank of the group."""

@@ -204,14 +204,15 @@ def load_data(cfg: RunConfig, tokenizer) -> tuple[MicroBatches, MicroBatches | N
     return stream, eval_stream, prompts
 
 
-def compiled_buckets(cfg: RunConfig, *streams: MicroBatches | None) -> list[int]:
-    """The context buckets the compile step compiles where this rank reads the data: those some training or
-    evaluation row falls in (the only shapes its micro-batches take), so a short dataset does not wait for
-    the compile of buckets no row reaches (10-30 s each cold on an H200)."""
-    used = sorted({b for stream in streams if stream is not None for b in stream.buckets_used()})
+def compiled_buckets(cfg: RunConfig, stream: MicroBatches) -> list[int]:
+    """The context buckets the compile step compiles where this rank reads the data: those some training row
+    falls in (the only shapes its micro-batches take), so a short dataset does not wait for the compile of
+    buckets no row reaches (10-30 s each cold on an H200). Evaluation runs outside the strict compile stance
+    (before the compile step, or after leave_run_phase), so its rows need none."""
+    used = stream.buckets_used()
     unused = [b for b in cfg.data.context_buckets if b not in used]
     if unused:
-        console.print(f"context buckets: compiling {', '.join(map(str, used))}; no row of the data falls in "
+        console.print(f"context buckets: compiling {', '.join(map(str, used))}; no training row falls in "
                       f"{', '.join(map(str, unused))} (data.context_buckets)")
     return used
 

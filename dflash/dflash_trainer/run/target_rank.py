@@ -58,7 +58,7 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
     layer_ids = drafter_config.dflash_config["target_layer_ids"]
     target = _load_group_target(cfg, ctx, layer_ids, target_files.config)
     stream, eval_stream, prompts = load_data(cfg, tokenizer)
-    buckets = compiled_buckets(cfg, stream, eval_stream) if target.compile_layers else cfg.data.context_buckets
+    buckets = compiled_buckets(cfg, stream) if target.compile_layers else cfg.data.context_buckets
     compile_target_step(target, buckets, cfg.train.micro_batch,
                         compile_cache_dir(cfg.train.compile_cache_dir), console.print,
                         label=ctx.label, serialized=ctx.target_tp == 1)
