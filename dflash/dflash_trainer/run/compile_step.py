@@ -1,4 +1,4 @@
-"""The drafter's compile step: every context bucket a step can take compiled (forward + backward) before step 1.
+"""The drafter's compile step: each context bucket a step can take, forward + backward, before step 1.
 
 The mechanics (turn-taking lock, cache directory, fail-on-recompile) are in compile/guard.py; this file
 says what a DFlash drafter step runs (step.DrafterStep), so that the compile step compiles exactly that.
