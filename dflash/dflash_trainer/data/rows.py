@@ -469,7 +469,7 @@ class MicroBatches:
         import pyarrow.compute as pc
 
         used: set[int] = set()
-        for table in self.dataset.with_format("arrow").iter(batch_size=65_536):
+        for table in self.dataset.with_format("arrow").iter(batch_size=8_192):  # ~100 MB of ids a batch
             lengths = pc.list_value_length(table["input_ids"]).to_numpy()
             used.update(np.searchsorted(self.buckets, lengths, side="left").tolist())
         if len(self.buckets) in used:
