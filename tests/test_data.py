@@ -1,6 +1,7 @@
 """Data: chat template rendering, assistant loss masks, buckets, the resumable micro-batch stream."""
 
 import pytest
+import torch
 from dflash_trainer.data.rows import (
     DataError,
     MicroBatches,
@@ -104,6 +105,40 @@ def test_compiled_buckets_say_which_are_skipped(capsys):
     assert "compiling 512, 1024; no training row falls in 2048, 3072" in " ".join(out.split())
     assert compiled_buckets(cfg, stream(100, 600, 1500, 3000)) == [512, 1024, 2048, 3072]
     assert capsys.readouterr().err == ""  # every bucket used: nothing to say
+
+
+def test_feature_buckets_come_from_the_dump_and_a_mismatch_is_refused(tmp_path, capsys):
+    """Offline drafter ranks compile the lengths the dumped micro-batches have (read from the shards'
+    headers); a dump of another micro-batch size or other buckets is refused before anything runs, naming
+    the setting to change."""
+    from dflash_trainer.config import ConfigError, RunConfig
+    from dflash_trainer.data.features import FeatureShards, write_meta, write_shard
+    from dflash_trainer.run.loading import feature_buckets
+
+    def batch(rows, length):
+        ids = torch.zeros(rows, length, dtype=torch.long)
+        return {"features": torch.zeros(rows, length, 8), "input_ids": ids, "loss_mask": ids.to(torch.uint8),
+                "attention_mask": ids.to(torch.uint8)}
+
+    for i, length in enumerate([1024, 512, 1024]):
+        write_shard(tmp_path, i, batch(2, length))
+    write_meta(tmp_path, "t", [1], 3, 2)
+    shards = FeatureShards(tmp_path, [1])
+    assert shards.shapes() == {(2, 512), (2, 1024)}
+    cfg = RunConfig()
+    cfg.train.micro_batch = 2
+    assert feature_buckets(cfg, shards) == [512, 1024]
+    said = " ".join(capsys.readouterr().err.split())
+    assert "compiling 512, 1024; no dumped micro-batch has 2048, 3072" in said
+    cfg.train.micro_batch = 4
+    with pytest.raises(ConfigError, match="micro-batches of 2 rows, but train.micro_batch = 4: set "
+                                          "train.micro_batch = 2 or dump the features again"):
+        feature_buckets(cfg, shards)
+    cfg.train.micro_batch = 2
+    cfg.data.context_buckets = [1024, 2048]
+    with pytest.raises(ConfigError, match=r"context length 512, which data.context_buckets \[1024, 2048\] lacks: "
+                                          r"set data.context_buckets = \[512, 1024\]"):
+        feature_buckets(cfg, shards)
 
 
 def test_bad_lines_and_files_are_named(tmp_path):

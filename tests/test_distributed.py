@@ -36,7 +36,7 @@ def overrides(tiny_target, out):
         f"target.path={tiny_target['target']}", f"data.train={json.dumps([tiny_target['train']])}",
         f"data.eval={json.dumps([tiny_target['eval']])}", f"output_dir={out}", "train.steps=4",
         "train.micro_batch=4", "train.num_anchors=8", "train.log_every=1", "eval.prompts=2",
-        "eval.max_new_tokens=8",
+        "eval.max_new_tokens=8", "data.context_buckets=[64, 128, 256]",  # no row reaches 256
     ]
 
 
@@ -72,6 +72,9 @@ def test_one_target_two_drafters_match_one_process(tiny_target, tmp_path, coloca
     assert summary["losses"] == pytest.approx(colocated_accum2["losses"], rel=1e-4)
     assert summary["tau_before"] == pytest.approx(colocated_accum2["tau_before"])  # same initial drafter
     assert "transfer" in summary["time_split_s"] and "target done" in proc.stderr
+    # the drafter ranks, which never read the data, take the buckets its rows fall in from the target rank
+    assert summary["context_buckets_used"] == colocated_accum2["context_buckets_used"]
+    assert 256 not in summary["context_buckets_used"]
 
 
 def test_two_targets_one_drafter(tiny_target, tmp_path, colocated_accum2):
@@ -117,6 +120,18 @@ def test_offline_dump_then_two_drafters(tiny_target, tmp_path, colocated_accum2)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["losses"] == pytest.approx(colocated_accum2["losses"], rel=1e-4)
     assert "disk" in summary["time_split_s"]
+    assert summary["context_buckets_used"] == colocated_accum2["context_buckets_used"]  # from the shards
+    # One drafter started by hand (no torchrun), as on a one-GPU machine: grad_accum = 2 takes the same
+    # micro-batches per step as the two ranks did.
+    one = tmp_path / "one"
+    sets = [x for o in overrides(tiny_target, one) + ["train.grad_accum=2"] for x in ("--set", o)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "dflash_trainer.train", "--config", "embedded", *sets,
+                           "--set", f"data.features_dir={feats}"], capture_output=True, text=True, timeout=300,
+                          env=dict(env, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    alone = json.loads((one / "summary.json").read_text())
+    assert alone["losses"] == pytest.approx(colocated_accum2["losses"], rel=1e-4)
 
 
 def test_offline_fsdp_drafters_match_one_process_and_resume(tiny_target, tmp_path, colocated_accum2):

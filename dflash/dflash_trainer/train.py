@@ -59,6 +59,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
         compiled_buckets,
         console,
         drafter_config_for,
+        feature_buckets,
         load_data,
         load_target,
         new_drafter,
@@ -148,7 +149,7 @@ class FeatureSide:
     eval_stream: MicroBatches | None = None
     prompts: list[list[int]] = field(default_factory=list)
     borrowed: BorrowedWeights | None = None  # target-less drafter ranks: the embedding and head being read
-    buckets: list[int] | None = None  # the buckets to compile where the data is read here (None: every one)
+    buckets: list[int] | None = None  # the buckets the micro-batches take, where known (None: every one)
 
 
 def colocated_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDrafter, target_files: TargetFiles,
@@ -160,7 +161,7 @@ def colocated_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDra
     # The drafter's dtype (a no-op unless the target's differs, e.g. an fp32 target and a bf16 drafter).
     embed, head = (w.to(dtype) for w in (target.embed_weight, target.head_weight))
     stream, eval_stream, prompts = load_data(cfg, target_files.tokenizer)
-    buckets = compiled_buckets(cfg, stream) if attention_backend(cfg, ctx.device) == "flex" else None
+    buckets = compiled_buckets(cfg, stream, say=attention_backend(cfg, ctx.device) == "flex")
     startup.mark("data")
     return FeatureSide(local_source(stream, target, my_batches, dtype, ctx.device), "target", len(stream.dataset),
                        embed, head, target, eval_stream, prompts, buckets=buckets)
@@ -176,13 +177,17 @@ def borrowed_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDraf
     startup.mark("embedding + head")
     if ctx.roles.offline:
         shards = FeatureShards(cfg.data.features_dir, drafter.target_layer_ids)
+        buckets = feature_buckets(cfg, shards, say=attention_backend(cfg, device) == "flex")
         return FeatureSide(disk_source(shards, my_batches, dtype, device), "disk", shards.count,
-                           borrowed.embed, borrowed.head, borrowed=borrowed)
+                           borrowed.embed, borrowed.head, borrowed=borrowed, buckets=buckets)
     from .distributed.transport import FeatureReceiver
 
+    # The buckets the training rows fall in, from the first target rank (it reads the data); before the
+    # receiver posts its first header.
+    buckets = parallel.from_first_rank(ctx, None)
     receiver = FeatureReceiver(ctx.roles, ctx.rank, ctx.groups, device, cfg.parallel.prefetch, start=first_batch)
     return FeatureSide(remote_source(receiver, dtype), "transfer", None, borrowed.embed, borrowed.head,
-                       borrowed=borrowed)
+                       borrowed=borrowed, buckets=buckets)
 
 
 def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, target_files: TargetFiles,
@@ -458,6 +463,7 @@ def run_summary(run: DrafterRun, history: History, report: CompileReport | None,
         "time_to_first_step_s": startup.total() if history.losses else None,
         "startup_s": startup.phases(),
         "compile_cache_hits": report.cache_hits if report else None,
+        "context_buckets_used": run.buckets,  # the lengths its micro-batches take (None: not known here)
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "drafter_ranks": run.ctx.num_drafters,
         "drafter_dir": str(final_dir),

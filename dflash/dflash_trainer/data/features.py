@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..infra import storage
@@ -62,6 +63,16 @@ class FeatureShards:
         if missing:
             raise FileNotFoundError(f"{root}: {len(missing)} of {self.count} shards missing (first: "
                                     f"{shard_path(self.root, missing[0]).name}); the dump did not finish")
+
+    def shapes(self) -> set[tuple[int, int]]:
+        """The (rows, context length) of every micro-batch, from the shards' headers (no tensor is read):
+        the shapes a drafter step takes on these features."""
+        shapes = set()
+        for i in range(self.count):
+            with safe_open(shard_path(self.root, i), "pt") as f:
+                rows, length = f.get_slice("input_ids").get_shape()
+                shapes.add((int(rows), int(length)))
+        return shapes
 
     def load(self, index: int, device) -> dict[str, torch.Tensor]:
         tensors = load_file(shard_path(self.root, index % self.count))

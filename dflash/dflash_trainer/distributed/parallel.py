@@ -102,7 +102,11 @@ def init(target_ranks: int, drafter_ranks: int, offline: bool, isolate_gpus: boo
         device = torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
+    backend = "nccl" if use_cuda else "gloo"
+    if "MASTER_ADDR" in os.environ:  # launched by torchrun (or its environment given by hand)
+        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    else:  # one process started by hand, e.g. one drafter rank training on dumped features: a world of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(minutes=30))
     groups = setup_transport(roles)
     return Context(world, rank, local_rank, device, roles, groups)
 
@@ -117,6 +121,16 @@ def all_reduce_sum(ctx: Context, tensor: torch.Tensor) -> torch.Tensor:
     if ctx.groups is not None and ctx.groups.drafters is not None and ctx.num_drafters > 1:
         dist.all_reduce(tensor, group=ctx.groups.drafters)
     return tensor
+
+
+def from_first_rank(ctx: Context, value):
+    """Rank 0's value (any picklable object) on every rank; collective over the gloo header group (no
+    device involved): every rank calls it at the same point."""
+    if ctx.groups is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=ctx.groups.header)
+    return box[0]
 
 
 def synchronize(device: torch.device) -> None:

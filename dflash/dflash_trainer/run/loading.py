@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import ConfigError, RunConfig
+from ..data.features import FeatureShards
 from ..data.held_out import overlapping, split_by_prompt
 from ..data.rows import MicroBatches, check_sources, load_rows, tokenize_dataset
 from ..distributed import parallel
@@ -204,15 +205,36 @@ def load_data(cfg: RunConfig, tokenizer) -> tuple[MicroBatches, MicroBatches | N
     return stream, eval_stream, prompts
 
 
-def compiled_buckets(cfg: RunConfig, stream: MicroBatches) -> list[int]:
+def compiled_buckets(cfg: RunConfig, stream: MicroBatches, say: bool = True) -> list[int]:
     """The context buckets the compile step compiles where this rank reads the data: those some training row
     falls in (the only shapes its micro-batches take), so a short dataset does not wait for the compile of
     buckets no row reaches (10-30 s each cold on an H200). Evaluation runs outside the strict compile stance
-    (before the compile step, or after leave_run_phase), so its rows need none."""
-    used = stream.buckets_used()
-    unused = [b for b in cfg.data.context_buckets if b not in used]
-    if unused:
-        console.print(f"context buckets: compiling {', '.join(map(str, used))}; no training row falls in "
+    (before the compile step, or after leave_run_phase), so its rows need none. say: print the ones skipped
+    (where a compile step runs)."""
+    return _say_skipped(cfg, stream.buckets_used(), "no training row falls in", say)
+
+
+def feature_buckets(cfg: RunConfig, shards: FeatureShards, say: bool = True) -> list[int]:
+    """The context buckets of dumped features: the lengths their micro-batches were padded to. Features
+    dumped with another micro-batch size or other buckets would take a shape the compile step never compiled
+    and stop the run at that step: refused here, before anything runs."""
+    shapes = shards.shapes()
+    rows = sorted({r for r, _ in shapes})
+    lengths = sorted({n for _, n in shapes})
+    fix = f"or dump the features again with this config (--dump-features {shards.root})"
+    if rows != [cfg.train.micro_batch]:
+        raise ConfigError(f"{shards.root} holds micro-batches of {', '.join(map(str, rows))} rows, but "
+                          f"train.micro_batch = {cfg.train.micro_batch}: set train.micro_batch = {rows[0]} {fix}")
+    if outside := [n for n in lengths if n not in cfg.data.context_buckets]:
+        raise ConfigError(f"{shards.root} holds micro-batches of context length {', '.join(map(str, outside))}, "
+                          f"which data.context_buckets {list(cfg.data.context_buckets)} lacks: set "
+                          f"data.context_buckets = {lengths} {fix}")
+    return _say_skipped(cfg, lengths, "no dumped micro-batch has", say)
+
+
+def _say_skipped(cfg: RunConfig, used: list[int], why: str, say: bool) -> list[int]:
+    if say and (unused := [b for b in cfg.data.context_buckets if b not in used]):
+        console.print(f"context buckets: compiling {', '.join(map(str, used))}; {why} "
                       f"{', '.join(map(str, unused))} (data.context_buckets)")
     return used
 

@@ -24,6 +24,7 @@ from .compile_step import compile_cache_dir, compile_target_step
 from .evaluate import evaluate_saved
 from .loading import (
     TargetFiles,
+    attention_backend,
     compiled_buckets,
     console,
     drafter_config_for,
@@ -56,9 +57,12 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
     if drafter_config is None:
         drafter_config = drafter_config_for(cfg, target_files.config, tokenizer)
     layer_ids = drafter_config.dflash_config["target_layer_ids"]
-    target = _load_group_target(cfg, ctx, layer_ids, target_files.config)
     stream, eval_stream, prompts = load_data(cfg, tokenizer)
-    buckets = compiled_buckets(cfg, stream) if target.compile_layers else cfg.data.context_buckets
+    # The buckets some training row falls in, said once and sent to every rank: the drafter ranks, which do
+    # not read the data, compile only those (before the target loads, so they do not wait for it).
+    say = attention_backend(cfg, ctx.device) == "flex"  # the drafter ranks' compile step (same device kind)
+    buckets = parallel.from_first_rank(ctx, compiled_buckets(cfg, stream, say) if ctx.rank == 0 else None)
+    target = _load_group_target(cfg, ctx, layer_ids, target_files.config)
     compile_target_step(target, buckets, cfg.train.micro_batch,
                         compile_cache_dir(cfg.train.compile_cache_dir), console.print,
                         label=ctx.label, serialized=ctx.target_tp == 1)
