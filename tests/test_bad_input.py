@@ -265,3 +265,21 @@ def test_eval_of_a_run_says_when_the_drafter_config_has_another_block_size(run_c
     assert code == 0, err
     assert (f"note: {config_file} says block_size 4, and the run trained with 8 (drafter.block_size): evaluating "
             "at 4") in err, err
+
+
+def test_eval_of_a_run_without_held_out_prompts_says_to_give_prompts(run_copy, tmp_path, capsys):
+    """A run that recorded no held-out prompts (offline, or still training) and has no data.eval: --run alone
+    names what is missing and the flag to give, rather than suggesting --run again."""
+    from dflash_trainer.eval.cli import main as evaluate
+    from dflash_trainer.run.run_dir import RUN_CONFIG
+
+    (run_copy / "eval_prompts.jsonl").unlink(missing_ok=True)
+    config_file = run_copy / RUN_CONFIG
+    recorded = json.loads(config_file.read_text())
+    recorded["data"]["eval"] = []
+    config_file.write_text(json.dumps(recorded))
+    code = evaluate(["--run", str(run_copy), "--out", str(tmp_path / "eval"), "--device", "cpu"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2, err
+    assert f"--run {run_copy} holds no held-out prompts" in err and "give --prompts FILE_OR_DATASET" in err, err
+    assert not (tmp_path / "eval").exists()

@@ -109,11 +109,16 @@ def test_compiled_buckets_say_which_are_skipped(capsys):
 
 def test_feature_buckets_come_from_the_dump_and_a_mismatch_is_refused(tmp_path, capsys):
     """Offline drafter ranks compile the lengths the dumped micro-batches have (read from the shards'
-    headers); a dump of another micro-batch size or other buckets is refused before anything runs, naming
-    the setting to change."""
+    headers); features of another target, other tapped layers, another micro-batch size or other buckets are
+    refused before anything runs, naming the setting to change."""
     from dflash_trainer.config import ConfigError, RunConfig
-    from dflash_trainer.data.features import FeatureShards, write_meta, write_shard
+    from dflash_trainer.data.features import FeatureShards, target_fingerprint, write_meta, write_shard
     from dflash_trainer.run.loading import feature_buckets
+    from transformers import LlamaConfig, MistralConfig
+
+    llama = LlamaConfig(hidden_size=8, num_hidden_layers=2, vocab_size=32, num_attention_heads=2)
+    wider = LlamaConfig(hidden_size=16, num_hidden_layers=2, vocab_size=32, num_attention_heads=2)
+    mistral = MistralConfig(hidden_size=8, num_hidden_layers=2, vocab_size=32, num_attention_heads=2)
 
     def batch(rows, length):
         ids = torch.zeros(rows, length, dtype=torch.long)
@@ -122,23 +127,33 @@ def test_feature_buckets_come_from_the_dump_and_a_mismatch_is_refused(tmp_path, 
 
     for i, length in enumerate([1024, 512, 1024]):
         write_shard(tmp_path, i, batch(2, length))
-    write_meta(tmp_path, "t", [1], 3, 2)
-    shards = FeatureShards(tmp_path, [1])
-    assert shards.shapes() == {(2, 512), (2, 1024)}
+    write_meta(tmp_path, "llama", [1], 3, 2, fingerprint=target_fingerprint(llama))
+    shards = FeatureShards(tmp_path)
+    assert shards.shapes() == {(2, 512, 8), (2, 1024, 8)}
     cfg = RunConfig()
-    cfg.train.micro_batch = 2
-    assert feature_buckets(cfg, shards) == [512, 1024]
+    cfg.target.path, cfg.train.micro_batch = "llama", 2
+    assert feature_buckets(cfg, shards, llama, [1]) == [512, 1024]
     said = " ".join(capsys.readouterr().err.split())
     assert "compiling 512, 1024; no dumped micro-batch has 2048, 3072" in said
+    with pytest.raises(ConfigError, match=r"holds features of another target \(llama: model_type llama; llama has "
+                                          r"model_type mistral\): set target.path to the dumped target"):
+        feature_buckets(cfg, shards, mistral, [1])
+    with pytest.raises(ConfigError, match=r"holds features of target layers \[1\] but the drafter taps \[0\]: set "
+                                          r"drafter.target_layer_ids = \[1\] or dump the features again"):
+        feature_buckets(cfg, shards, llama, [0])
     cfg.train.micro_batch = 4
     with pytest.raises(ConfigError, match="micro-batches of 2 rows, but train.micro_batch = 4: set "
                                           "train.micro_batch = 2 or dump the features again"):
-        feature_buckets(cfg, shards)
+        feature_buckets(cfg, shards, llama, [1])
     cfg.train.micro_batch = 2
     cfg.data.context_buckets = [1024, 2048]
     with pytest.raises(ConfigError, match=r"context length 512, which data.context_buckets \[1024, 2048\] lacks: "
                                           r"set data.context_buckets = \[512, 1024\]"):
-        feature_buckets(cfg, shards)
+        feature_buckets(cfg, shards, llama, [1])
+    write_meta(tmp_path, "llama", [1], 3, 2)  # a dump from before the fingerprint: the feature width still tells
+    with pytest.raises(ConfigError, match=r"holds features 8 wide, and llama \(16 hidden x 1 tapped layers\) gives "
+                                          r"16: set target.path to the dumped target"):
+        feature_buckets(cfg, FeatureShards(tmp_path), wider, [1])
 
 
 def test_bad_lines_and_files_are_named(tmp_path):

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,6 +76,11 @@ def test_one_target_two_drafters_match_one_process(tiny_target, tmp_path, coloca
     # the drafter ranks, which never read the data, take the buckets its rows fall in from the target rank
     assert summary["context_buckets_used"] == colocated_accum2["context_buckets_used"]
     assert 256 not in summary["context_buckets_used"]
+    # what `dflash-eval --run` reads: the held-out prompts tau was measured on, and the target's attention
+    assert summary["target_attention"] == colocated_accum2["target_attention"]
+    recorded = (out / "eval_prompts.jsonl").read_text()
+    assert summary["eval_prompts"] == str(out / "eval_prompts.jsonl")
+    assert recorded == Path(colocated_accum2["eval_prompts"]).read_text()  # the same held-out prompts
 
 
 def test_two_targets_one_drafter(tiny_target, tmp_path, colocated_accum2):
@@ -128,7 +134,7 @@ def test_offline_dump_then_two_drafters(tiny_target, tmp_path, colocated_accum2)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-m", "dflash_trainer.train", "--config", "embedded", *sets,
                            "--set", f"data.features_dir={feats}"], capture_output=True, text=True, timeout=300,
-                          env=dict(env, OMP_NUM_THREADS="1"))
+                          env=dict(env, OMP_NUM_THREADS="1"), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     alone = json.loads((one / "summary.json").read_text())
     assert alone["losses"] == pytest.approx(colocated_accum2["losses"], rel=1e-4)

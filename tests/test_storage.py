@@ -83,7 +83,7 @@ def test_dumped_features_read_back_and_a_full_disk_is_said_in_words(tmp_path):
     root = tmp_path / "feats"
     features.write_shard(root, 0, batch)
     features.write_meta(root, "t", [1, 3], 1, 2)
-    shards = features.FeatureShards(root, [1, 3])
+    shards = features.FeatureShards(root)
     assert all(torch.equal(shards.load(5, "cpu")[k], v) for k, v in batch.items())
     assert sorted(p.name for p in root.iterdir()) == ["mb-00000000.safetensors", "meta.json"]
     with tmpfs(tmp_path / "mnt", "1m") as mnt:

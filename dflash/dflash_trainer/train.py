@@ -176,8 +176,9 @@ def borrowed_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDraf
                                    target_files.config, cfg.target.trust_remote_code)  # in the background
     startup.mark("embedding + head")
     if ctx.roles.offline:
-        shards = FeatureShards(cfg.data.features_dir, drafter.target_layer_ids)
-        buckets = feature_buckets(cfg, shards, say=attention_backend(cfg, device) == "flex")
+        shards = FeatureShards(cfg.data.features_dir)
+        buckets = feature_buckets(cfg, shards, target_files.config, drafter.target_layer_ids,
+                                  say=attention_backend(cfg, device) == "flex")
         return FeatureSide(disk_source(shards, my_batches, dtype, device), "disk", shards.count,
                            borrowed.embed, borrowed.head, borrowed=borrowed, buckets=buckets)
     from .distributed.transport import FeatureReceiver

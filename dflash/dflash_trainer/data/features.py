@@ -24,10 +24,18 @@ def shard_path(root: Path, index: int) -> Path:
     return Path(root) / f"mb-{index:08d}.safetensors"
 
 
+# What identifies the target whose features a dump holds (its path may move): checked before training on them.
+TARGET_FINGERPRINT = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+
+
+def target_fingerprint(text_config) -> dict:
+    return {k: getattr(text_config, k, None) for k in TARGET_FINGERPRINT}
+
+
 def write_meta(root: Path, target: str, layer_ids: list[int], count: int, micro_batch: int,
-               quantization: str = "none") -> None:
+               quantization: str = "none", fingerprint: dict | None = None) -> None:
     meta = {"target": target, "target_layer_ids": layer_ids, "micro_batches": count, "micro_batch": micro_batch,
-            "target_quantization": quantization}
+            "target_quantization": quantization, "target_config": fingerprint}
     with _explained(root):
         root.mkdir(parents=True, exist_ok=True)
         storage.write_text_atomic(root / META, json.dumps(meta, indent=2))
@@ -49,29 +57,26 @@ def _explained(root: Path):
 class FeatureShards:
     """Micro-batch i of the training stream is shard i mod count (epochs over the same features)."""
 
-    def __init__(self, root: str | Path, layer_ids: list[int]):
+    def __init__(self, root: str | Path):
         self.root = Path(root)
         meta_path = self.root / META
         if not meta_path.is_file():
             raise FileNotFoundError(f"{meta_path} not found: dump features first with --dump-features {root}")
         self.meta = json.loads(meta_path.read_text())
-        if list(self.meta["target_layer_ids"]) != list(layer_ids):
-            raise ValueError(f"{root} holds features of target layers {self.meta['target_layer_ids']} but the "
-                             f"drafter taps {layer_ids}: dump again or set drafter.target_layer_ids to match")
         self.count = int(self.meta["micro_batches"])
         missing = [i for i in range(self.count) if not shard_path(self.root, i).is_file()]
         if missing:
             raise FileNotFoundError(f"{root}: {len(missing)} of {self.count} shards missing (first: "
                                     f"{shard_path(self.root, missing[0]).name}); the dump did not finish")
 
-    def shapes(self) -> set[tuple[int, int]]:
-        """The (rows, context length) of every micro-batch, from the shards' headers (no tensor is read):
-        the shapes a drafter step takes on these features."""
+    def shapes(self) -> set[tuple[int, int, int]]:
+        """The (rows, context length, feature width) of every micro-batch, from the shards' headers (no tensor
+        is read): the shapes a drafter step takes on these features."""
         shapes = set()
         for i in range(self.count):
             with safe_open(shard_path(self.root, i), "pt") as f:
-                rows, length = f.get_slice("input_ids").get_shape()
-                shapes.add((int(rows), int(length)))
+                rows, length, width = f.get_slice("features").get_shape()
+                shapes.add((int(rows), int(length), int(width)))
         return shapes
 
     def load(self, index: int, device) -> dict[str, torch.Tensor]:

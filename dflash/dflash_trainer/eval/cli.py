@@ -186,6 +186,11 @@ def _run_settings(cfg: dict, run_dir: Path, drafter: Path) -> dict:
     elif cfg["data"]["eval"]:
         defaults["names"] = [f"held-out={src}" for src in run_dir_lib.resolve_stored(cfg["data"]["eval"][:1], run_dir)]
         defaults["limit"] = cfg["eval"]["prompts"]
+    else:
+        defaults["missing_prompts"] = (
+            f"--run {run_dir} holds no held-out prompts ({EVAL_PROMPTS_FILE} is written when a run with a target "
+            "ends; an offline run, or one still training, has none) and its data.eval is empty: give --prompts "
+            "FILE_OR_DATASET")
     return defaults
 
 
@@ -277,6 +282,7 @@ class Settings:
     names: list[str]
     run_drafter: str | None = None  # the drafter --run found, and the block size the run trained with
     run_block_size: int | None = None
+    missing_prompts: str | None = None  # why --run gave no prompts (and none were given)
 
 
 def settings(args, cfg: RunConfig) -> Settings:
@@ -294,7 +300,8 @@ def settings(args, cfg: RunConfig) -> Settings:
         quantization=cli_args.chosen(cfg, "target.quantization", run.get("target_quantization", "none")),
         trust_remote_code=cli_args.chosen(cfg, "target.trust_remote_code", run.get("trust_remote_code", False)),
         names=args.name if own_prompts else run.get("names", []),
-        run_drafter=run.get("drafter"), run_block_size=run.get("block_size"))
+        run_drafter=run.get("drafter"), run_block_size=run.get("block_size"),
+        missing_prompts=None if own_prompts else run.get("missing_prompts"))
 
 
 def check_request(args, s: Settings) -> None:
@@ -302,6 +309,8 @@ def check_request(args, s: Settings) -> None:
     missing = [flag for flag, v in (("--drafter", s.drafter), ("--target", s.target), ("--out", s.out)) if not v]
     if missing:
         raise EvalError(f"missing {', '.join(missing)}: give them, or --run OUTPUT for a training run's")
+    if s.missing_prompts:
+        raise EvalError(s.missing_prompts)
     if args.temperature != 0:
         raise EvalError(f"--temperature {args.temperature}: dflash-eval decodes greedily (0), where speculative "
                         "decoding must reproduce the target's own output token for token")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import ConfigError, RunConfig
-from ..data.features import FeatureShards
+from ..data.features import FeatureShards, target_fingerprint
 from ..data.held_out import overlapping, split_by_prompt
 from ..data.rows import MicroBatches, check_sources, load_rows, tokenize_dataset
 from ..distributed import parallel
@@ -24,6 +24,7 @@ from ..target.frozen import (
     borrowed_scales,
     check_supported_target,
     meta_skeleton,
+    text_config,
 )
 from ..target.tensor_parallel import check_tp_shape
 
@@ -214,14 +215,35 @@ def compiled_buckets(cfg: RunConfig, stream: MicroBatches, say: bool = True) -> 
     return _say_skipped(cfg, stream.buckets_used(), "no training row falls in", say)
 
 
-def feature_buckets(cfg: RunConfig, shards: FeatureShards, say: bool = True) -> list[int]:
-    """The context buckets of dumped features: the lengths their micro-batches were padded to. Features
-    dumped with another micro-batch size or other buckets would take a shape the compile step never compiled
-    and stop the run at that step: refused here, before anything runs."""
-    shapes = shards.shapes()
-    rows = sorted({r for r, _ in shapes})
-    lengths = sorted({n for _, n in shapes})
+def feature_buckets(cfg: RunConfig, shards: FeatureShards, target_config, layer_ids: list[int],
+                    say: bool = True) -> list[int]:
+    """Check that dumped features fit this run, and return their context buckets (the lengths the micro-batches
+    were padded to). Features of another target would train the drafter against another model's embedding
+    and head; another micro-batch size or other buckets would take a shape the compile step never compiled
+    and stop the run at that step: each is refused here, before anything is written."""
+    tc = text_config(target_config)
     fix = f"or dump the features again with this config (--dump-features {shards.root})"
+    dumped, ours = shards.meta.get("target_config"), target_fingerprint(tc)
+    if dumped and (differ := [k for k in ours if dumped.get(k) != ours[k]]):
+        raise ConfigError(f"{shards.root} holds features of another target ({shards.meta['target']}: "
+                          + ", ".join(f"{k} {dumped.get(k)}" for k in differ) + f"; {cfg.target.path} has "
+                          + ", ".join(f"{k} {ours[k]}" for k in differ) + f"): set target.path to the dumped "
+                          f"target {fix}")
+    if list(shards.meta["target_layer_ids"]) != list(layer_ids):
+        raise ConfigError(f"{shards.root} holds features of target layers {shards.meta['target_layer_ids']} but the "
+                          f"drafter taps {list(layer_ids)}: set drafter.target_layer_ids = "
+                          f"{shards.meta['target_layer_ids']} {fix}")
+    if Path(shards.meta["target"]).expanduser().resolve() != Path(cfg.target.path).expanduser().resolve():
+        console.print(f"note: {shards.root} was dumped from {shards.meta['target']}; this run reads the embedding "
+                      f"and head of {cfg.target.path}, a model of the same shape", markup=False, soft_wrap=True)
+    shapes = shards.shapes()
+    width = len(layer_ids) * tc.hidden_size
+    if bad := sorted({w for *_, w in shapes if w != width}):
+        raise ConfigError(f"{shards.root} holds features {bad[0]} wide, and {cfg.target.path} ({tc.hidden_size} "
+                          f"hidden x {len(shards.meta['target_layer_ids'])} tapped layers) gives {width}: set "
+                          f"target.path to the dumped target ({shards.meta['target']}) {fix}")
+    rows = sorted({r for r, *_ in shapes})
+    lengths = sorted({n for _, n, _ in shapes})
     if rows != [cfg.train.micro_batch]:
         raise ConfigError(f"{shards.root} holds micro-batches of {', '.join(map(str, rows))} rows, but "
                           f"train.micro_batch = {cfg.train.micro_batch}: set train.micro_batch = {rows[0]} {fix}")

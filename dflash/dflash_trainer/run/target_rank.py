@@ -14,14 +14,14 @@ from tqdm import tqdm
 
 from ..compile.guard import leave_run_phase
 from ..config import ConfigError, RunConfig
-from ..data.features import write_meta, write_shard
+from ..data.features import target_fingerprint, write_meta, write_shard
 from ..distributed import parallel
 from ..distributed.parallel import SplitWindow
 from ..distributed.sources import Wait
-from ..target.frozen import FrozenTarget
+from ..target.frozen import FrozenTarget, text_config
 from ..target.tensor_parallel import check_fits_before_loading, load_sharded_target
 from .compile_step import compile_cache_dir, compile_target_step
-from .evaluate import evaluate_saved
+from .evaluate import evaluate_saved, record_eval_prompts
 from .loading import (
     TargetFiles,
     attention_backend,
@@ -134,7 +134,8 @@ def _measure_tau(cfg: RunConfig, ctx: parallel.Context, target: FrozenTarget, to
     summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"],
                    tau_before_method=before.get("tau_method", "speculative decoding"),
                    target_ranks=ctx.roles.num_targets, target_tp=ctx.target_tp, target_busy_s=supply.busy_s,
-                   target_wait_s=supply.send_wait_s)
+                   target_wait_s=supply.send_wait_s, target_attention=target.attention,
+                   eval_prompts=str(record_eval_prompts(out, prompts)))  # what `dflash-eval --run` reads
     write_summary(out, summary)
     print_summary(summary)
     return summary
@@ -171,5 +172,6 @@ def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
         write_shard(root, i, {"features": feats, "input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
                               "attention_mask": batch.attention_mask})
     if rank == 0:
-        write_meta(root, cfg.target.path, layer_ids, count, cfg.train.micro_batch, cfg.target.quantization)
+        write_meta(root, cfg.target.path, layer_ids, count, cfg.train.micro_batch, cfg.target.quantization,
+                   target_fingerprint(text_config(target_config(cfg))))
     console.print(f"rank {rank}: features of {len(range(rank, count, world))} micro-batches in {root}")
