@@ -62,6 +62,24 @@ def test_status_shows_the_last_progress_line_of_a_training_log(trained):
     assert "progress:    train: step 6/6" in status.format_report(report)
 
 
+def test_status_of_a_run_started_directly_reads_its_directory(trained, tmp_path):
+    """dflash-train run by hand (no dflash-run, so no state and no log file in the run directory): status says
+    how it ended and shows the trainer's own latest progress line (OUTPUT/progress.txt)."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(trained[0], out, ignore=shutil.ignore_patterns("logs"))
+    report = status.report(out, None, job=TRAIN)
+    text = status.format_report(report)
+    assert report["state"] == "finished (started directly, not by dflash-run)", text
+    assert report["last_progress"].startswith("train: step 6/6") and "loss " in report["last_progress"], text
+    assert "log:         none here (a run started directly" in text
+    assert re.search(r"summary:     6 steps, final loss \d+\.\d{4}, tau \d+\.\d\d -> \d+\.\d\d, drafter", text), text
+    (out / "summary.json").unlink()  # stopped before its end
+    report = status.report(out, None, job=TRAIN)
+    assert report["state"].startswith("not running: started directly") and "--resume" in report["state"]
+
+
 @pytest.mark.slow  # loads the target and answers 12 prompts in a process of its own
 def test_regeneration_writes_plain_lines_and_status_shows_the_last(tmp_path_factory, tmp_path):
     target = build_chat_target(tmp_path_factory)["target"]

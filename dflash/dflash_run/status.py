@@ -10,6 +10,8 @@ from . import supervise
 from .jobs import EVAL, REGENERATE, TRAIN, Job
 from .procs import alive, job_processes, of_run
 
+PROGRESS_FILE = "progress.txt"  # dflash_trainer.run.run_dir.PROGRESS: the trainer's latest progress line
+
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 # The plain progress lines a job writes to its log (dflash_trainer.infra.metrics): "train: step 120/3000 | ...",
 # "regenerate: 40/9262 prompts | ...", "eval: gsm8k 12/32 prompts | ..." (after a "[rank0]:" tag, if any).
@@ -87,12 +89,27 @@ def report(run_dir: Path, unit: str | None, log_lines: int = 5, job: Job = TRAIN
         state = "running (foreground, unsupervised)"
     elif state == "never started" and not run_dir.is_dir():  # a mistyped directory reads as this too
         state = NO_SUCH_DIRECTORY
+    elif state == "never started" and job is TRAIN:
+        state = unsupervised_state(run_dir)
     log = Path(st.get("log") or run_dir / job.log)
+    # A run started directly (a terminal, a script) has no log here: the trainer's own latest line.
+    latest = last_progress(log) or (last_progress(run_dir / PROGRESS_FILE) if job is TRAIN else None)
     return {"job": job.name, "run_dir": str(run_dir), "state": state, "supervisor": st.get("supervisor", "none"),
             "systemd": unit_state, "restarts": int((unit_state or {}).get("NRestarts") or st.get("restarts") or 0),
-            "pids": [p.pid for p in found], **progress(job, run_dir), "last_progress": last_progress(log),
-            "log": str(log),
+            "pids": [p.pid for p in found], **progress(job, run_dir), "last_progress": latest,
+            "log": str(log), "log_found": log.is_file(),
             "log_tail": tail(log, log_lines)}
+
+
+def unsupervised_state(run_dir: Path) -> str:
+    """A training run no supervisor recorded (started with dflash-train directly) and no process of it alive:
+    what its directory says."""
+    if (run_dir / "summary.json").is_file():
+        return "finished (started directly, not by dflash-run)"
+    if (run_dir / "config.json").is_file():
+        return ("not running: started directly (not by dflash-run) and ended before its last step; "
+                "--resume continues it from its last checkpoint")
+    return "never started"
 
 
 NO_SUCH_DIRECTORY = "never started (no such directory: deploy creates it, or check the path)"
@@ -122,18 +139,23 @@ def progress_lines(r: dict) -> list[str]:
     lines = [f"checkpoint:  {'none yet' if ck is None else f'step {ck}'}"
              + (f" of {r['total_steps']}" if r["total_steps"] else "")]
     if s:
-        lines.append(f"summary:     {s['steps']} steps, final loss {s['final_loss']}, tau {s.get('tau_before')} -> "
-                     f"{s.get('tau_after')}, drafter {s['drafter_dir']}")
+        loss = f"{s['final_loss']:.4f}" if isinstance(s["final_loss"], (int, float)) else "n/a"
+        tau = (f", tau {s['tau_before']:.2f} -> {s['tau_after']:.2f}"
+               if isinstance(s.get("tau_before"), (int, float)) and isinstance(s.get("tau_after"), (int, float))
+               else ", tau n/a (no target in this run: dflash-eval --run measures it)")
+        lines.append(f"summary:     {s['steps']} steps, final loss {loss}{tau}, drafter {s['drafter_dir']}")
     return lines
 
 
 def format_report(r: dict) -> str:
+    log = r["log"] if r.get("log_found", True) or r["supervisor"] != "none" else \
+        "none here (a run started directly logs to its own terminal or file)"
     lines = [f"job:         {r['job']} in {r['run_dir']}",
              f"state:       {r['state']} (supervisor: {r['supervisor']}, restarts: {r['restarts']})",
              f"processes:   {', '.join(map(str, r['pids'])) or 'none'}",
              *progress_lines(r),
              *([f"progress:    {r['last_progress']}"] if r.get("last_progress") else []),
-             f"log:         {r['log']}"]
+             f"log:         {log}"]
     if r["log_tail"]:
         lines += ["last log lines:"] + ["  " + x for x in r["log_tail"]]
     return "\n".join(lines)

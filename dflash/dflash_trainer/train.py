@@ -341,8 +341,10 @@ class StepBook:
         self.clock = StepClock(device)
         self.bar = tqdm(range(run.start_step, train.steps), initial=run.start_step, total=train.steps, desc="train",
                         dynamic_ncols=True, disable=None if run.lead else True)
-        # A log (stderr not a terminal) has no bar: a plain line every train.log_every steps instead.
-        self.window = LogWindow(run.start_step) if run.lead and plain_progress() else None
+        # A log (stderr not a terminal) has no bar: a plain line every train.log_every steps instead. The lead
+        # also keeps the latest line in OUTPUT/progress.txt, which `dflash-run status` reads where no log is.
+        self.window = LogWindow(run.start_step) if run.lead else None
+        self.plain = plain_progress()
         self.advise = run.wait_kind == "transfer" and run.lead
         self.judged = range(run.start_step + 3, min(run.start_step + 12, train.steps) + 1)
         self.seen: list[tuple[float, float]] = []  # (step seconds, seconds waiting for features)
@@ -361,7 +363,10 @@ class StepBook:
         if run.lead and (done % train.log_every == 0 or done == train.steps):
             log_step(run, self.bar, self.metrics, done, figures, seconds, self.peak)
             if self.window is not None:
-                say_progress(self.window.line(run, self.history, done, figures, self.peak))
+                line = self.window.line(run, self.history, done, figures, self.peak)
+                if self.plain:
+                    say_progress(line)
+                run_dir.record_progress(run.out, line)
         if self.advise and done in self.judged:
             self.judge_split(done, seconds, figures.step_wait_s)
         return figures.stop_votes

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,8 @@ from . import checkpoint as ckpt
 RUN_CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
 # What a run writes (and --overwrite removes); embedded/ and compile-cache/ are caches and stay.
-RUN_OUTPUTS = (RUN_CONFIG, "summary.json", "eval_prompts.jsonl", "drafter", CHECKPOINTS, "tb")
+PROGRESS = "progress.txt"  # the latest progress line, for `dflash-run status` of a run with no log file
+RUN_OUTPUTS = (RUN_CONFIG, "summary.json", "eval_prompts.jsonl", "drafter", CHECKPOINTS, "tb", PROGRESS)
 # The drafter's published config -> the setting that decides it.
 DRAFTER_SHAPE = {
     "num_hidden_layers": "drafter.num_layers",
@@ -408,3 +410,15 @@ def commit(start: RunStart, cfg: RunConfig) -> None:
             for name in RUN_OUTPUTS:
                 storage.remove(start.out / name)
         storage.write_text_atomic(start.out / RUN_CONFIG, json.dumps(stored_config(cfg), indent=2))
+
+
+def record_progress(out: Path, line: str) -> None:
+    """The latest progress line into OUTPUT/progress.txt, replaced whole (a reader never sees half a line) and not
+    fsynced (it is rewritten every train.log_every steps, on the training loop's thread). A failed write costs
+    only this line: training goes on."""
+    tmp = out / f".{PROGRESS}.tmp"
+    try:
+        tmp.write_text(line + "\n")
+        os.replace(tmp, out / PROGRESS)
+    except OSError:
+        pass
