@@ -438,10 +438,17 @@ def load_config(source: str | None, overrides: list[str] = (), flags: dict[str, 
     run needs (a target, data); a command that reads a few keys (dflash-eval, the benches) leaves them out."""
     values, name = _read_values(source)
     flags = flags or {}
+    command_line: dict = {}
     for text in [*overrides, *flags.values()]:
         _apply_override(values, text)
+        _apply_override(command_line, text)
     problems: list[str] = []
     train = values.get("train")
+    given = command_line.get("train") if isinstance(command_line.get("train"), dict) else {}
+    if isinstance(train, dict):  # train.steps on the command line replaces the file's train.epochs, and vice versa
+        for chosen, other in (("steps", "epochs"), ("epochs", "steps")):
+            if given.get(chosen) is not None and other not in given:
+                train.pop(other, None)
     if isinstance(train, dict) and "steps" in train and train.get("epochs") is not None:
         problems.append(f"train.steps = {train['steps']} and train.epochs = {train['epochs']} are both given: keep one "
                         "(epochs derives the steps from the data)")

@@ -615,18 +615,28 @@ def _run_rank(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, st
 
 
 def steps_from_epochs(cfg: RunConfig, ctx: parallel.Context, tokenizer) -> None:
-    """train.epochs -> train.steps, from the usable rows of data.train (every rank derives the same)."""
-    from .config import ConfigError
+    """train.epochs -> train.steps, from the micro-batches one epoch holds (every rank derives the same): the
+    rows of data.train the run trains on (without the held-out prompts, where those come from data.train),
+    or the micro-batches of dumped features."""
+    from .data.features import FeatureShards
+    from .data.held_out import split_by_prompt
 
-    if cfg.data.features_dir or not cfg.data.train:
-        raise ConfigError("train.epochs needs data.train (the rows it counts): give train.steps instead")
-    rows = tokenize_dataset(load_rows(cfg.data.train), tokenizer, cfg.data.max_length, cfg.data.num_proc,
-                            cfg.data.reasoning, say=lambda _: None)  # the refusals are said when the data loads
-    per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.num_drafters
-    cfg.train.steps = max(1, math.ceil(cfg.train.epochs * len(rows) / per_step))
+    per_step = cfg.train.grad_accum * ctx.num_drafters
+    if cfg.data.features_dir:
+        count = FeatureShards(cfg.data.features_dir).count
+        what = f"{count} dumped micro-batches, {per_step} a step"
+    else:
+        rows = tokenize_dataset(load_rows(cfg.data.train), tokenizer, cfg.data.max_length, cfg.data.num_proc,
+                                cfg.data.reasoning, say=lambda _: None)  # the refusals are said when the data loads
+        held_out = ""
+        if not cfg.data.eval:  # load_data holds the same prompts out
+            rows, eval_rows, _, _ = split_by_prompt(rows, cfg.train.seed)
+            held_out = f" after {len(eval_rows)} held out for evaluation"
+        count = len(rows) // cfg.train.micro_batch  # whole micro-batches, as the stream takes them
+        what = f"{len(rows)} usable rows{held_out}, {per_step * cfg.train.micro_batch} a step"
+    cfg.train.steps = max(1, math.ceil(cfg.train.epochs * count / per_step))
     if ctx.rank == 0:
-        console.print(f"train.epochs = {cfg.train.epochs:g}: {cfg.train.steps} steps ({len(rows)} usable rows, "
-                      f"{per_step} a step)", soft_wrap=True)
+        console.print(f"train.epochs = {cfg.train.epochs:g}: {cfg.train.steps} steps ({what})", soft_wrap=True)
 
 
 # Exit 2: the input (config, data, run directory) needs a change; exit 1: a fault while running (cli_args).
