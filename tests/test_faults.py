@@ -683,3 +683,15 @@ def test_exit_codes_and_tracebacks_of_the_real_command(tiny_target, tmp_path):
     proc = subprocess.run(nan, capture_output=True, text=True, env=env, check=False)
     assert proc.returncode == 1 and "lower train.lr or check the data" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "--debug" in proc.stderr
+
+
+def test_resume_with_fewer_steps_than_the_last_checkpoint_is_refused(earlier_run, run_copy, capsys):
+    """Stopped at step 3 (no drafter published), resumed with train.steps = 2: nothing could train, and the
+    schedule would end before it started. Refused, naming the checkpoint's step, and nothing changes."""
+    stopped_at_step_3(run_copy)
+    before = snapshot(run_copy)
+    code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(run_copy), "--set", "train.steps=2")
+    assert code == 2, err
+    assert (f"the last checkpoint in {run_copy} is step 3, past train.steps = 2: give train.steps = 3 to publish "
+            "the drafter of that checkpoint, or more to train further") in err, err
+    assert snapshot(run_copy) == before

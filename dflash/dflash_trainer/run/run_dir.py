@@ -320,6 +320,10 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = F
             say(_finished_note(out, f"its last checkpoint is step {found.resume_step}, train.steps is "
                                     f"{cfg.train.steps}; "))
             return RunStart(out, False, False, found, finished=True)
+        if found.resume_step is not None and found.resume_step > cfg.train.steps:
+            raise RunDirError(f"--resume: the last checkpoint in {out} is step {found.resume_step}, past train.steps = "
+                              f"{cfg.train.steps}: give train.steps = {found.resume_step} to publish the drafter of that "
+                              f"checkpoint, or more to train further (--set train.steps=N)")
     return start
 
 
