@@ -695,3 +695,14 @@ def test_resume_with_fewer_steps_than_the_last_checkpoint_is_refused(earlier_run
     assert (f"the last checkpoint in {run_copy} is step 3, past train.steps = 2: give train.steps = 3 to publish "
             "the drafter of that checkpoint, or more to train further") in err, err
     assert snapshot(run_copy) == before
+
+
+@pytest.mark.parametrize("held", ["meta.json", "config.json"])
+def test_a_dump_into_a_directory_holding_a_dump_or_a_run_is_refused(held, tiny_target, tmp_path, capsys):
+    feats = tmp_path / "feats"
+    feats.mkdir()
+    (feats / held).write_text("{}")
+    before = snapshot(feats)
+    code, err = trainer(capsys, None, *sets(tiny_target), "--dump-features", str(feats))
+    assert code == 2 and f"--dump-features {feats} already holds" in err and "give a new directory" in err, err
+    assert snapshot(feats) == before

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from ..compile.guard import leave_run_phase
 from ..config import ConfigError, RunConfig
-from ..data.features import target_fingerprint, write_meta, write_shard
+from ..data.features import META, target_fingerprint, write_meta, write_shard
 from ..distributed import parallel
 from ..distributed.parallel import SplitWindow
 from ..distributed.sources import Wait
@@ -155,6 +155,10 @@ def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
     if cfg.parallel.target_tp > 1:
         raise ConfigError(f"--dump-features runs one whole target per process, and parallel.target_tp is "
                           f"{cfg.parallel.target_tp}: set parallel.target_tp = 1 (--set parallel.target_tp=1) to dump")
+    if (root / META).exists() or (root / "config.json").exists():
+        held = "dumped features (meta.json)" if (root / META).exists() else "a training run (config.json)"
+        raise ConfigError(f"--dump-features {root} already holds {held}: give a new directory (or remove this one "
+                          "to dump again); features written over others would mix two dumps")
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if world > 1:  # one GPU per process, chosen before the driver reads CUDA_VISIBLE_DEVICES
         from ..compile.guard import isolate_local_gpu
