@@ -54,6 +54,28 @@ def test_training_writes_a_plain_line_every_log_every_steps(trained):
     assert "\r" not in stderr  # no progress bar redrawn into the log
 
 
+def test_the_progress_line_shows_the_learning_rate_its_step_used(trained, tiny_target):
+    """Step k trains at the schedule's value after k - 1 scheduler steps (the loop reads a step's figures
+    after the scheduler has moved on: the line must not show the next step's)."""
+    import torch
+    from dflash_trainer.config import load_config
+    from dflash_trainer.model.optim import warmup_cosine
+
+    out, stderr = trained
+    cfg = load_config("embedded", [x for x in train_args(tiny_target, out)[4:] if x != "--set"])
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.train.lr)
+    schedule = warmup_cosine(opt, cfg.train.steps, int(cfg.train.warmup_ratio * cfg.train.steps), cfg.train.min_lr_ratio)
+    used = []
+    for _ in range(cfg.train.steps):
+        used.append(schedule.get_last_lr()[0])
+        opt.step()
+        schedule.step()
+    shown = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"train: step (\d+)/6 .*?\| lr ([\d.e+-]+) ", stderr)}
+    assert set(shown) == {2, 4, 6}
+    for step, lr in shown.items():
+        assert lr == pytest.approx(used[step - 1], rel=1e-2), (step, lr, used)
+
+
 def test_status_shows_the_last_progress_line_of_a_training_log(trained):
     out, stderr = trained
     into_job_log(out, TRAIN, stderr + "after training: something else\n")

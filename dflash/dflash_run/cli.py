@@ -38,9 +38,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub.add_parser("start", parents=[common], help="start the detached process supervisor (no systemd)")
     sp = sub.add_parser("stop", parents=[common], help="graceful stop")
     sp.add_argument("--timeout", type=float, default=600)
-    st = sub.add_parser("status", parents=[common])
+    st = sub.add_parser("status", parents=[common], help="the job's state, progress (checkpoint, the last progress "
+                        "line) and last log lines")
     st.add_argument("--json", action="store_true")
-    lg = sub.add_parser("logs", parents=[common])
+    lg = sub.add_parser("logs", parents=[common], help="the job's log (the supervisor's log file)")
     lg.add_argument("-n", "--lines", type=int, default=50)
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     return ap.parse_args(argv)

@@ -290,7 +290,7 @@ def log_step(run: DrafterRun, bar, metrics: Metrics, step: int, figures: StepFig
     bar.set_postfix(loss=f"{figures.loss:.3f}", acc=f"{acc:.2f}", tok_s=f"{tokens_per_s:,.0f}",
                     **({"mfu": f"{mfu:.1%}"} if mfu else {}))
     scalars = {"loss": figures.loss, "acc": acc, "grad_norm": figures.grad_norm,
-               "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s,
+               "lr": figures.lr, "tokens_per_s": tokens_per_s,
                f"{run.wait_kind}_s": figures.wait_s, "step_s": seconds}
     if mfu:
         scalars["mfu"] = mfu
@@ -321,7 +321,7 @@ class LogWindow:
         left = eta(steps, total - done + steps, train_s) if steps else "?"
         parts = [f"train: step {done}/{total} ({done / total:.0%})", f"loss {sum(losses) / len(losses):.3f}",
                  f"acc {slot_summary(figures.slot_accuracy)}", f"{tokens_per_s:,.0f} tok/s",
-                 *([f"MFU {mfu:.1%}"] if mfu else []), f"lr {run.scheduler.get_last_lr()[0]:.2e}",
+                 *([f"MFU {mfu:.1%}"] if mfu else []), f"lr {figures.lr:.2e}",
                  f"elapsed {duration(time.perf_counter() - self.started)}, ETA {left}",
                  f"{run.wait_kind} wait {wait_s:.1f}s ({wait_s / train_s if train_s > 0 else 0:.0%})"]
         self.step, self.losses, self.tokens = done, len(history.losses), history.tokens

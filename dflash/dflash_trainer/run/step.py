@@ -53,6 +53,7 @@ class StepFigures:
     slot_accuracy: list[float]  # slot k: the token k after the anchor (this rank's)
     wait_s: float  # producing or waiting for the features
     step_wait_s: float  # the part of wait_s inside the step's own wall time (sources.Wait.within_step)
+    lr: float = 0.0  # the learning rate this step used (the scheduler has moved on by the time it is read)
 
 
 class StepResult:
@@ -61,10 +62,10 @@ class StepResult:
     current stream would wait for everything queued before it)."""
 
     def __init__(self, values: list[torch.Tensor], slot_correct: torch.Tensor, slot_count: torch.Tensor,
-                 waits: list[Wait]):
+                 waits: list[Wait], lr: float = 0.0):
         packed = torch.cat([torch.stack([v.to(torch.float64) for v in values]), slot_correct.double(),
                             slot_count.double()])
-        self._waits, self._ready = waits, None
+        self._waits, self._ready, self._lr = waits, None, lr
         if packed.is_cuda:
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._host.copy_(packed, non_blocking=True)
@@ -82,7 +83,7 @@ class StepResult:
         waits = [(w.seconds(), w.within_step) for w in self._waits]
         return StepFigures(ce_sum / max(weight_sum, 1e-6), int(tokens), votes, flops, grad_norm,
                            [c / max(n, 1.0) for c, n in zip(correct, count)], sum(t for t, _ in waits),
-                           sum(t for t, within in waits if within))
+                           sum(t for t, within in waits if within), self._lr)
 
 
 class StepClock:
@@ -199,5 +200,6 @@ class DrafterStep:
         # torch.full, not torch.tensor: a copy from the host would wait for the GPU.
         votes = torch.full((), float(stop_vote), device=device)
         totals = all_reduce(torch.stack([ce_sum, weight_sum, tokens, votes]))
+        lr = self.optimizer.opt.param_groups[0]["lr"]  # a host float: before the scheduler moves it on
         grad_norm = self.optimizer_step(num_ranks / totals[1].clamp(min=1e-6))
-        return StepResult([*totals, flops, grad_norm.to(device)], correct, count, waits)
+        return StepResult([*totals, flops, grad_norm.to(device)], correct, count, waits, lr)
