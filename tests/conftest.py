@@ -6,6 +6,15 @@ from pathlib import Path
 
 import pytest
 
+
+def pytest_sessionstart(session):
+    """datasets' log handler binds to sys.stderr when it is first configured: configure it at session start,
+    not inside the first test that loads data, whose captured stream closes when that test ends (every later
+    datasets warning would then print "--- Logging error ---" with a traceback)."""
+    import datasets.utils.logging
+
+    datasets.utils.logging.get_logger()
+
 # One intra-op thread for torch, here and in every process a test starts (torchrun workers, the CLIs): the
 # tests' matrices are tiny, and two threads on a busy 2-core machine spin against each other. A linear layer
 # of the tiny target took 20 ms instead of 0.5 ms that way; a tiny training run 60 s instead of 5 s. An

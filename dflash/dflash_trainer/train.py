@@ -35,7 +35,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .compile.guard import CompileReport, leave_run_phase, prefetch_triton_key
     from .config import RunConfig, check_init_from
     from .data.features import FeatureShards
-    from .data.rows import MicroBatches, load_rows, tokenize_dataset
+    from .data.rows import MicroBatches
     from .distributed import parallel
     from .distributed.parallel import drafter_side_advice
     from .distributed.sharding import Replicated, Sharded, shard_drafter
@@ -64,6 +64,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
         load_target,
         new_drafter,
         read_target_files,
+        training_rows,
     )
     from .run.serve_check import check_published
     from .run.step import DrafterStep, StepClock, StepFigures
@@ -619,19 +620,14 @@ def steps_from_epochs(cfg: RunConfig, ctx: parallel.Context, tokenizer) -> None:
     rows of data.train the run trains on (without the held-out prompts, where those come from data.train),
     or the micro-batches of dumped features."""
     from .data.features import FeatureShards
-    from .data.held_out import split_by_prompt
 
     per_step = cfg.train.grad_accum * ctx.num_drafters
     if cfg.data.features_dir:
         count = FeatureShards(cfg.data.features_dir).count
         what = f"{count} dumped micro-batches, {per_step} a step"
     else:
-        rows = tokenize_dataset(load_rows(cfg.data.train), tokenizer, cfg.data.max_length, cfg.data.num_proc,
-                                cfg.data.reasoning, say=lambda _: None)  # the refusals are said when the data loads
-        held_out = ""
-        if not cfg.data.eval:  # load_data holds the same prompts out
-            rows, eval_rows, _, _ = split_by_prompt(rows, cfg.train.seed)
-            held_out = f" after {len(eval_rows)} held out for evaluation"
+        rows, eval_rows = training_rows(cfg, tokenizer, quiet=True)
+        held_out = f" after {len(eval_rows)} held out for evaluation" if eval_rows is not None else ""
         count = len(rows) // cfg.train.micro_batch  # whole micro-batches, as the stream takes them
         what = f"{len(rows)} usable rows{held_out}, {per_step * cfg.train.micro_batch} a step"
     cfg.train.steps = max(1, math.ceil(cfg.train.epochs * count / per_step))

@@ -185,20 +185,30 @@ def load_target(cfg: RunConfig, layer_ids: list[int], device, config=None) -> Fr
     return target
 
 
+def training_rows(cfg: RunConfig, tokenizer, quiet: bool = False):
+    """(the rows of data.train the run trains on, the rows held out of them for evaluation: None where data.eval
+    gives the evaluation set). One rule for load_data and for train.epochs' count; quiet: say nothing (the
+    refusals and the split are said when the data loads)."""
+    train_ds = tokenize_dataset(load_rows(cfg.data.train), tokenizer, cfg.data.max_length, cfg.data.num_proc,
+                                cfg.data.reasoning, **({"say": lambda _: None} if quiet else {}))
+    if cfg.data.eval:
+        return train_ds, None
+    train_ds, eval_ds, distinct, dropped = split_by_prompt(train_ds, cfg.train.seed)
+    if not quiet:
+        console.print(f"held out {len(eval_ds)} of {distinct} distinct training prompts for evaluation"
+                      + (f" (and {dropped} repeated rows of them)" if dropped else ""))
+    return train_ds, eval_ds
+
+
 def load_data(cfg: RunConfig, tokenizer) -> tuple[MicroBatches, MicroBatches | None, list[list[int]]]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_ds = tokenize_dataset(load_rows(cfg.data.train), tokenizer, cfg.data.max_length, cfg.data.num_proc,
-                                cfg.data.reasoning)
-    if cfg.data.eval:
+    train_ds, eval_ds = training_rows(cfg, tokenizer)
+    if eval_ds is None:
         eval_ds = tokenize_dataset(load_rows(cfg.data.eval), tokenizer, cfg.data.max_length, cfg.data.num_proc,
                                    cfg.data.reasoning)
         if shared := overlapping(train_ds, eval_ds):
             console.print(f"[yellow]warning:[/] {shared} of {len(eval_ds)} data.eval rows have a prompt that data.train "
                           "also has: tau on them is not held out. Remove them from one of the two")
-    else:  # hold out a few distinct prompts from the training data
-        train_ds, eval_ds, distinct, dropped = split_by_prompt(train_ds, cfg.train.seed)
-        console.print(f"held out {len(eval_ds)} of {distinct} distinct training prompts for evaluation"
-                      + (f" (and {dropped} repeated rows of them)" if dropped else ""))
     stream = MicroBatches(train_ds, cfg.train.micro_batch, cfg.data.context_buckets, pad, cfg.train.seed)
     eval_stream = MicroBatches(eval_ds, min(cfg.train.micro_batch, len(eval_ds)), cfg.data.context_buckets, pad,
                                cfg.train.seed)

@@ -33,6 +33,7 @@ from .loading import (
     load_tokenizer,
     target_config,
 )
+from .run_dir import RUN_CONFIG
 from .summary import print_summary, write_summary
 
 
@@ -155,7 +156,7 @@ def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
     if cfg.parallel.target_tp > 1:
         raise ConfigError(f"--dump-features runs one whole target per process, and parallel.target_tp is "
                           f"{cfg.parallel.target_tp}: set parallel.target_tp = 1 (--set parallel.target_tp=1) to dump")
-    if (root / META).exists() or (root / "config.json").exists():
+    if (root / META).exists() or (root / RUN_CONFIG).exists():
         held = "dumped features (meta.json)" if (root / META).exists() else "a training run (config.json)"
         raise ConfigError(f"--dump-features {root} already holds {held}: give a new directory (or remove this one "
                           "to dump again); features written over others would mix two dumps")
