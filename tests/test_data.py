@@ -135,6 +135,13 @@ def test_feature_buckets_come_from_the_dump_and_a_mismatch_is_refused(tmp_path, 
     assert feature_buckets(cfg, shards, llama, [1]) == [512, 1024]
     said = " ".join(capsys.readouterr().err.split())
     assert "compiling 512, 1024; no dumped micro-batch has 2048, 3072" in said
+    cfg.target.path = "elsewhere/llama"  # a same-shape target at another path: one note, from the lead rank only
+    assert feature_buckets(cfg, shards, llama, [1], lead=False) == [512, 1024]
+    assert capsys.readouterr().err == ""
+    feature_buckets(cfg, shards, llama, [1])
+    assert "was dumped from llama; this run reads the embedding and head of elsewhere/llama" in \
+        " ".join(capsys.readouterr().err.split())
+    cfg.target.path = "llama"
     with pytest.raises(ConfigError, match=r"holds features of another target \(llama: model_type llama; llama has "
                                           r"model_type mistral\): set target.path to the dumped target"):
         feature_buckets(cfg, shards, mistral, [1])

@@ -162,7 +162,7 @@ def colocated_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDra
     # The drafter's dtype (a no-op unless the target's differs, e.g. an fp32 target and a bf16 drafter).
     embed, head = (w.to(dtype) for w in (target.embed_weight, target.head_weight))
     stream, eval_stream, prompts = load_data(cfg, target_files.tokenizer)
-    buckets = compiled_buckets(cfg, stream, say=attention_backend(cfg, ctx.device) == "flex")
+    buckets = compiled_buckets(cfg, stream, say=ctx.leads_drafters and attention_backend(cfg, ctx.device) == "flex")
     startup.mark("data")
     return FeatureSide(local_source(stream, target, my_batches, dtype, ctx.device), "target", len(stream.dataset),
                        embed, head, target, eval_stream, prompts, buckets=buckets)
@@ -179,7 +179,7 @@ def borrowed_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDraf
     if ctx.roles.offline:
         shards = FeatureShards(cfg.data.features_dir)
         buckets = feature_buckets(cfg, shards, target_files.config, drafter.target_layer_ids,
-                                  say=attention_backend(cfg, device) == "flex")
+                                  lead=ctx.leads_drafters, compiles=attention_backend(cfg, device) == "flex")
         return FeatureSide(disk_source(shards, my_batches, dtype, device), "disk", shards.count,
                            borrowed.embed, borrowed.head, borrowed=borrowed, buckets=buckets)
     from .distributed.transport import FeatureReceiver

@@ -226,9 +226,9 @@ def compiled_buckets(cfg: RunConfig, stream: MicroBatches, say: bool = True) -> 
 
 
 def feature_buckets(cfg: RunConfig, shards: FeatureShards, target_config, layer_ids: list[int],
-                    say: bool = True) -> list[int]:
+                    lead: bool = True, compiles: bool = True) -> list[int]:
     """Check that dumped features fit this run, and return their context buckets (the lengths the micro-batches
-    were padded to). Features of another target would train the drafter against another model's embedding
+    were padded to). lead: this rank prints the notes (one drafter rank does); compiles: a compile step runs. Features of another target would train the drafter against another model's embedding
     and head; another micro-batch size or other buckets would take a shape the compile step never compiled
     and stop the run at that step: each is refused here, before anything is written."""
     tc = text_config(target_config)
@@ -243,7 +243,7 @@ def feature_buckets(cfg: RunConfig, shards: FeatureShards, target_config, layer_
         raise ConfigError(f"{shards.root} holds features of target layers {shards.meta['target_layer_ids']} but the "
                           f"drafter taps {list(layer_ids)}: set drafter.target_layer_ids = "
                           f"{shards.meta['target_layer_ids']} {fix}")
-    if Path(shards.meta["target"]).expanduser().resolve() != Path(cfg.target.path).expanduser().resolve():
+    if lead and Path(shards.meta["target"]).expanduser().resolve() != Path(cfg.target.path).expanduser().resolve():
         console.print(f"note: {shards.root} was dumped from {shards.meta['target']}; this run reads the embedding "
                       f"and head of {cfg.target.path}, a model of the same shape", markup=False, soft_wrap=True)
     shapes = shards.shapes()
@@ -261,7 +261,7 @@ def feature_buckets(cfg: RunConfig, shards: FeatureShards, target_config, layer_
         raise ConfigError(f"{shards.root} holds micro-batches of context length {', '.join(map(str, outside))}, "
                           f"which data.context_buckets {list(cfg.data.context_buckets)} lacks: set "
                           f"data.context_buckets = {lengths} {fix}")
-    return _say_skipped(cfg, lengths, "no dumped micro-batch has", say)
+    return _say_skipped(cfg, lengths, "no dumped micro-batch has", lead and compiles)
 
 
 def _say_skipped(cfg: RunConfig, used: list[int], why: str, say: bool) -> list[int]:
