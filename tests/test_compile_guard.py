@@ -255,3 +255,28 @@ def test_the_thread_hashes_with_a_short_switch_interval_where_triton_is_a_stand_
     thread.join(timeout=30)
     assert seen and seen[0] <= 2e-4 < interval  # the busy main thread hands the GIL over every 0.2 ms meanwhile
     assert triton_key.cache_info().currsize == 1 and sys.getswitchinterval() == interval
+
+
+def test_compile_workers_start_after_the_cache_variables_are_set(tmp_path, monkeypatch):
+    """Inductor's workers inherit the environment when they start: started before TRITON_CACHE_DIR pointed
+    at the shared cache, their kernels would land outside it and every later run would compile them again."""
+    import os
+
+    from dflash_trainer.compile.guard import start_compile_workers
+    from torch._inductor import async_compile
+
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.setenv(name, "")  # records the value to restore; the function sets its own
+        monkeypatch.delenv(name)
+    seen = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool",
+                        lambda: seen.append((os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.environ.get("TRITON_CACHE_DIR"))))
+    start_compile_workers(tmp_path / "cc")
+    root = (tmp_path / "cc").resolve()
+    assert seen == [(str(root / "inductor"), str(root / "triton"))]
+
+    def broken():
+        raise RuntimeError("no subprocesses here")
+
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", broken)
+    start_compile_workers(tmp_path / "cc")  # only a head start: a failure is left to the compile step

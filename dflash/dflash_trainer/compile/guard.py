@@ -42,6 +42,7 @@ __all__ = [
     "isolate_local_gpu",
     "leave_run_phase",
     "prefetch_triton_key",
+    "start_compile_workers",
 ]
 
 # Room for recompiles we do not count as variants (e.g. the first call after a grad-mode switch).
@@ -94,6 +95,20 @@ def isolate_local_gpu(local_rank: int, environ: dict | None = None) -> str:
     chosen = devices[local_rank] if devices is not None else str(local_rank)
     environ["CUDA_VISIBLE_DEVICES"] = chosen
     return chosen
+
+
+def start_compile_workers(cache_dir: str | os.PathLike) -> None:
+    """Start Inductor's Triton compile workers now, beside the setup, rather than at the first compile.
+
+    Inductor starts its worker processes when the first graph reaches it, and each worker imports torch
+    before it compiles a kernel, so a cold compile step began with seconds of waiting on them. The
+    workers inherit the environment at start: the cache variables are set first, or their kernels would
+    land outside the shared cache. Honours TORCH_WARM_POOL=0 and TORCHINDUCTOR_COMPILE_THREADS=1.
+    """
+    compile_cache_env(cache_dir)
+    with suppress(Exception):  # only a head start: the compile step starts them itself and says what failed
+        from torch._inductor.async_compile import maybe_warm_pool
+        maybe_warm_pool()
 
 
 def prefetch_triton_key(device: torch.device) -> threading.Thread | None:
