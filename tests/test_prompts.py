@@ -2,6 +2,7 @@
 
 import pytest
 from dflash_trainer.data.prompts import (
+    NoPromptField,
     check_chat_template,
     prompt_messages,
     render_prompt,
@@ -53,3 +54,15 @@ def test_prompt_sources_are_classified_as_data_py_does_and_errors_name_the_flag(
         load_source("../gsm8k")  # a path, not a hub name: no hub is asked
     with pytest.raises(DataError, match=r"hub is switched off .*fix the path in --prompts / --name"):
         load_source("owner/missing@test")
+
+
+def test_a_chat_row_without_turns_says_so_and_tool_turns_are_kept():
+    with pytest.raises(DataError, match=r"^'messages' holds no turns \(an empty list\)$") as caught:
+        row_messages({"messages": [], "text": "x"})
+    assert not isinstance(caught.value, NoPromptField)  # a chat row, not a row of another kind
+    assert row_messages({"messages": [], "question": "2+2?"}) == [{"role": "user", "content": "2+2?"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    turns = row_messages({"messages": [{"role": "user", "content": "2+2?"},
+                                       {"role": "assistant", "content": None, "tool_calls": [call]},
+                                       {"role": "tool", "tool_call_id": "c1", "content": "4"}]})
+    assert turns[1] == {"role": "assistant", "content": "", "tool_calls": [call]} and turns[2]["role"] == "tool"

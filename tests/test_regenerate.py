@@ -85,6 +85,8 @@ def directory_totals(rows: list[dict]) -> dict:
         "roundtrip_mismatches": sum(not ok for r in rows for ok in r["regen"]["roundtrip"]),
         "prompt_mismatches": sum(not r["regen"]["prompt_matches"] for r in rows),
         "rows_with_unsupervised_earlier_turns": sum(not r["regen"]["all_turns_supervised"] for r in rows),
+        "answer_ids": {source: sum(s == source for r in rows for s in r["regen"].get("answer_ids", []))
+                       for source in ("generated", "retokenized")},
     }
 
 
@@ -170,6 +172,7 @@ def test_figures_add_up_to_the_figures_of_all_rows():
                                                                 for _ in range(turns)],
                                "truncated": [rng.random() < 0.2 for _ in range(turns)],
                                "roundtrip": [rng.random() < 0.9 for _ in range(turns)],
+                               "answer_ids": [rng.choice(["generated", "retokenized"]) for _ in range(turns)],
                                "prompt_matches": rng.random() < 0.9, "all_turns_supervised": rng.random() < 0.7}})
     parts = [Figures(), Figures(), Figures()]
     for n, row in enumerate(rows):
@@ -260,6 +263,9 @@ def test_answers_equal_greedy_generate_of_each_prompt_alone(chat_target, greedy_
     summary = json.loads((greedy_run / "summary.json").read_text())
     assert summary["prompts"] == len(rows) == len({r["regen"]["key"] for r in rows})
     assert summary["skipped_rows"][NO_USER_TURN] == 1 and summary["skipped_rows"][NO_CHAT] == 1
+    assert summary["skipped_row_numbers"][NO_USER_TURN] == [25] and summary["skipped_row_numbers"][NO_CHAT] == [26]
+    assert all(r["regen"]["answer_ids"] == ["generated"] for r in rows)
+    assert summary["answer_ids"] == {"generated": summary["answers"], "retokenized": 0}
     assert summary["source_rows"] == 26 and summary["shards"] == len(list(greedy_run.glob("part-*.jsonl"))) >= 3
     source = corpus_rows(24)
     stopped = 0
@@ -350,6 +356,8 @@ def test_two_torchrun_processes_split_the_prompts_into_the_same_shards(chat_targ
     two = regenerate_cli(args(chat_target["target"], source, tmp_path / "two", *common), torchrun=2)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "over 2 processes" in two.stderr
+    # the setting to train on them is one line a log keeps whole, however long the path (pytest's tmp paths are)
+    assert f'data.train = ["{tmp_path / "two"}/part-*.jsonl"]' in two.stderr.splitlines()[-1]
     assert shard_files(tmp_path / "two") == shard_files(tmp_path / "one")
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["this_run"]["processes"] == 2 and summary["prompts"] == len(shard_rows(tmp_path / "one"))

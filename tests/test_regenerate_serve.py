@@ -78,26 +78,41 @@ def args(target, data, out, *extra):
             "--shard-size", "4", *extra]
 
 
-def test_greedy_answers_through_the_server_equal_the_hf_engine(chat_target, server, source, tmp_path):
-    assert main(args(chat_target["target"], source, tmp_path / "hf", "--batch-size", "8")) == 0
+def test_greedy_answers_through_the_server_equal_the_hf_engine(chat_target, server, source, tmp_path, capsys):
+    stop = ["--stop-token", "<|im_end|>"]  # sent as the request's `stop` (transformers serve: stop_strings)
+    assert main(args(chat_target["target"], source, tmp_path / "hf", "--batch-size", "8", *stop)) == 0
+    capsys.readouterr()
     assert main(args(chat_target["target"], source, tmp_path / "openai", "--engine", "openai",
-                     "--endpoint", server.url, "--concurrency", "4")) == 0
+                     "--endpoint", server.url, "--concurrency", "4", *stop)) == 0
+    said = " ".join(capsys.readouterr().err.split())
+    # transformers serve answers 422 to fields it does not know: the answers' text is re-tokenized, said once
+    assert said.count("does not send the generated token ids: it refuses return_token_ids (HTTP 422") == 1, said
     hf, served = shard_rows(tmp_path / "hf"), shard_rows(tmp_path / "openai")
     assert len(served) == len(hf) >= 10
-    retokenized = 0
-    for a, b in zip(hf, served):
-        # The same answer text always; the same ids unless the target generated a token sequence that is not
-        # how its tokenizer spells that text (one path keeps generated ids, the other re-tokenizes the text).
-        assert (b["id"], b["messages"]) == (a["id"], a["messages"])
-        if b["input_ids"] != a["input_ids"]:
-            retokenized += 1
-        else:
-            assert b["loss_mask"] == a["loss_mask"]
-    assert retokenized <= len(hf) // 4
     assert shard_files(tmp_path / "openai").keys() == shard_files(tmp_path / "hf").keys()
+    assert [a["id"] for a in hf] == [b["id"] for b in served]
+    assert all(a["regen"]["answer_ids"] == ["generated"] for a in hf)
+    assert all(b["regen"]["answer_ids"] == ["retokenized"] for b in served)
+    # The same answer text always. The server's "length" alone marks an answer cut: transformers serve says
+    # "length" also when the stop token is the last one allowed, where engine hf keeps the stop token.
+    at_limit = {a["id"] for a in hf if a["regen"]["answer_tokens"] == [MAX_NEW] and a["regen"]["truncated"] == [False]}
+    for a, b in zip(hf, served):
+        assert b["messages"] == a["messages"]
+        assert b["regen"]["truncated"] == ([True] if a["id"] in at_limit else a["regen"]["truncated"])
+    # The same ids exactly where engine hf found that its generated ids are how the tokenizer spells their text
+    # (roundtrip), the stop token kept: the re-tokenized text gives them back.
+    differ = {a["id"] for a, b in zip(hf, served) if (a["input_ids"], a["loss_mask"]) != (b["input_ids"], b["loss_mask"])}
+    spelled_otherwise = {a["id"] for a in hf if a["regen"]["roundtrip"] != [True]}
+    assert differ == spelled_otherwise | at_limit
+    # Engine openai flags an answer whose re-tokenized ids are not as many as the server generated: never one whose
+    # ids are those engine hf generated, and every one whose stop token the server's "length" dropped.
+    flagged = {b["id"] for b in served if b["regen"]["roundtrip"] != [True]}
+    assert at_limit <= flagged <= differ
     summary = json.loads((tmp_path / "openai" / "summary.json").read_text())
     assert summary["engine"] == "openai" and summary["model"] == chat_target["target"]
-    assert summary["roundtrip_mismatches"] == 0
+    assert summary["roundtrip_mismatches"] == len(flagged)
+    assert summary["answer_ids"] == {"generated": 0, "retokenized": len(served)}
+    assert json.loads((tmp_path / "hf" / "summary.json").read_text())["roundtrip_mismatches"] == len(spelled_otherwise)
 
 
 def test_a_model_the_server_does_not_serve_and_a_refused_endpoint(chat_target, server, source, tmp_path, capsys):

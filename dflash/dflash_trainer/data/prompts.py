@@ -5,7 +5,8 @@ A source row is a chat (`messages` / `conversations`, as data.train takes them) 
 a chat is the conversation up to its last user turn; `user_turns` lists every user turn, for
 regenerating multi-turn data turn by turn. Prompts are rendered with the target tokenizer's own chat
 template and a generation prompt, exactly as a serving engine renders them. `answer_slots` marks the
-assistant turns regeneration writes: the final answer, or with turns="all" every assistant turn in order.
+assistant turns regeneration writes: the final answer, or with turns="all" every assistant answer in order;
+assistant tool calls and tool results stay in the conversation as context (never rewritten).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from .rows import DataError, normalise_messages
 
 PROMPT_FIELDS = ("prompt", "question")
+CHAT_FIELDS = ("messages", "conversations")
 
 
 class NoPromptField(DataError):
@@ -20,15 +22,19 @@ class NoPromptField(DataError):
 
 
 def row_messages(row: dict) -> list[dict]:
-    """A source row as [{role, content}]: its chat, or its prompt field as one user turn."""
+    """A source row as [{role, content, ...}]: its chat (data/rows.py's normalise_messages: the trainer's
+    rules and refusals), or its prompt field as one user turn."""
     if row.get("messages") or row.get("conversations"):
         return normalise_messages(row)
     for name in PROMPT_FIELDS:
         value = row.get(name)
         if isinstance(value, str) and value.strip():
             return [{"role": "user", "content": value}]
+    empty = [name for name in CHAT_FIELDS if row.get(name) is not None]
+    if empty:  # `"messages": []`: a chat row without turns, not a row of another kind
+        raise DataError(f"'{empty[0]}' holds no turns (an empty list)")
     raise NoPromptField(f"row has none of 'messages', 'conversations', {', '.join(map(repr, PROMPT_FIELDS))}: "
-                    f"keys {sorted(row)}")
+                        f"keys {sorted(row)}")
 
 
 def user_turns(messages: list[dict]) -> list[int]:
@@ -42,25 +48,53 @@ def prompt_messages(messages: list[dict]) -> list[dict] | None:
     return messages[: turns[-1] + 1] if turns else None
 
 
+def is_tool_call(message: dict) -> bool:
+    """An assistant turn that calls tools (OpenAI `tool_calls`; its content may be empty)."""
+    return message["role"] == "assistant" and bool(message.get("tool_calls"))
+
+
+def is_answer(message: dict) -> bool:
+    """An assistant turn of text only: what regeneration rewrites."""
+    return message["role"] == "assistant" and not message.get("tool_calls")
+
+
+ENDS_WITH_TOOL_CALL = ("an assistant tool call after the last user or tool turn, with no tool result to answer: tool "
+                       "calls are kept as context, never regenerated")
+
+
+class EndsWithToolCall(DataError):
+    """The conversation's last answer is a tool call: no slot for the target's answer."""
+
+
 def answer_slots(messages: list[dict], turns: str = "last") -> list[dict] | None:
     """The conversation the target answers, with the turns to write as assistant turns whose content is None.
 
-    It runs up to the last user turn, then one slot for the answer (turns after it are dropped: they
-    answered the source's own last answer). With turns="all" every assistant turn between the first and
-    the last user turn is a slot too; they are answered in order, each prompt holding the target's own
-    earlier answers. None when there is no user turn.
+    It runs up to its last user or tool turn (everything before it, assistant tool calls and tool results
+    included, is the prompt), then one slot for the answer: the turns after it were the source's own
+    answer. With turns="all" every assistant answer (text, not a tool call) between the first user turn and
+    there is a slot too; they are answered in order, each prompt holding the target's own earlier answers.
+    Assistant tool-call turns are context, never slots. None when there is no user turn; EndsWithToolCall
+    when a tool call follows the last user or tool turn (the source's answer is a call, not text).
     """
     if turns not in ("last", "all"):
         raise ValueError(f"turns={turns!r}: use 'last' or 'all'")
     users = user_turns(messages)
     if not users:
         return None
-    head = [dict(m) for m in messages[: users[-1] + 1]]
+    end = max(i for i, m in enumerate(messages) if m["role"] in ("user", "tool")) + 1
+    if any(is_tool_call(m) for m in messages[end:]):
+        raise EndsWithToolCall(ENDS_WITH_TOOL_CALL)
+    head = [dict(m) for m in messages[:end]]
     if turns == "all":
         for i in range(users[0] + 1, len(head)):
-            if head[i]["role"] == "assistant":
+            if is_answer(head[i]):
                 head[i]["content"] = None
     return head + [{"role": "assistant", "content": None}]
+
+
+def tool_call_turns(conversation: list[dict]) -> int:
+    """Assistant tool-call turns in a conversation: context the target does not rewrite."""
+    return sum(is_tool_call(m) for m in conversation)
 
 
 def slot_indices(conversation: list[dict]) -> list[int]:

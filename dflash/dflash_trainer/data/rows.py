@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -137,7 +139,26 @@ def _unreadable(name: str, builder: str, exc: BaseException) -> DataError:
                      "value types in every row")
 
 
+@contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """datasets' own log quiet while it loads for us: its builders log a failure ("Failed to load JSON from file
+    ...") before they raise, and the DataError made from that failure is the one message the user should see."""
+    from datasets.utils import logging as datasets_logging
+
+    level = datasets_logging.get_verbosity()
+    datasets_logging.set_verbosity(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets_logging.set_verbosity(level)
+
+
 def _load_one_format(files: list[str], builder: str, split: str):
+    with _quiet_datasets():
+        return _load_quietly(files, builder, split)
+
+
+def _load_quietly(files: list[str], builder: str, split: str):
     from glob import escape
 
     import datasets
@@ -179,7 +200,8 @@ def _load_hub(name: str, split: str):
     import datasets
 
     try:
-        return datasets.load_dataset(name, split=split)
+        with _quiet_datasets():
+            return datasets.load_dataset(name, split=split)
     except Exception as exc:  # unknown name, no such split: say both
         raise DataError(
             f"could not load dataset {name!r} ({exc.__class__.__name__}: {exc}); "
@@ -312,6 +334,11 @@ def has_anchor(loss_mask: Sequence[int]) -> bool:
     return any(a and b for a, b in pairwise(loss_mask))
 
 
+def pretokenized(rows) -> bool:
+    """The rows carry their token ids and loss mask (regenerated answers): no chat template renders them."""
+    return {"input_ids", "loss_mask"} <= set(rows.column_names)
+
+
 def _check_columns(rows) -> None:
     names = set(rows.column_names)
     if not ({"messages", "conversations"} & names or {"input_ids", "loss_mask"} <= names):
@@ -383,7 +410,7 @@ def tokenize_dataset(rows, tokenizer, max_length: int, num_proc: int | None = No
     with each reason and the first row numbers."""
     _check_columns(rows)
     source = rows.info.description or "the data"
-    if "input_ids" in rows.column_names and "loss_mask" in rows.column_names:
+    if pretokenized(rows):
         ds = rows.map(lambda r: _pretokenized(r, max_length), num_proc=num_proc)
     else:
         ds = rows.map(lambda r: _conversation(tokenizer, r, max_length, reasoning), remove_columns=rows.column_names,

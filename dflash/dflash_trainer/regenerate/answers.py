@@ -3,7 +3,8 @@
 A row is exactly what data.train takes: `input_ids` (prompt rendered by the chat template + the answer
 tokens the target produced, its stop token included), `loss_mask` (1 on the answer tokens), plus the
 conversation with the new answers (`messages`), the source row's `id`, and `regen` (resume key and
-per-answer statistics for the summary).
+per-answer statistics for the summary: length, truncated, roundtrip, and `answer_ids`: "generated" when
+the ids are the tokens the target generated, "retokenized" when a server sent text only).
 """
 
 from __future__ import annotations
@@ -22,17 +23,23 @@ class Request:
     seed: int
 
 
+GENERATED = "generated"  # the answer's ids are the tokens the target generated
+RETOKENIZED = "retokenized"  # the server sent text only: its ids are the text re-tokenized (+ the stop token)
+
+
 @dataclass
 class Answer:
     ids: list[int]  # the answer's token ids, its stop token included when it stopped
     text: str  # the answer as text (the assistant turn's content)
     truncated: bool  # ended at --max-new-tokens without a stop token
-    roundtrip: bool  # the target tokenizer turns `text` back into `ids` (stop token aside)
+    roundtrip: bool  # the ids agree with the text (see answer_from_ids / answer_from_text)
     prompt_matches: bool = True  # False: the server says it rendered other prompt tokens than ours
+    ids_source: str = GENERATED  # GENERATED or RETOKENIZED
 
 
 def answer_from_ids(tokenizer, ids: list[int], stop_ids: list[int]) -> Answer:
-    """An answer generated in-process: the ids are the truth, the text is their decoding."""
+    """An answer generated in-process: the ids are the truth, the text is their decoding; roundtrip: the
+    tokenizer turns the text back into the same ids (stop token aside)."""
     stopped = bool(ids) and ids[-1] in stop_ids
     body = ids[:-1] if stopped else ids
     text = tokenizer.decode(body, skip_special_tokens=False)
@@ -42,25 +49,31 @@ def answer_from_ids(tokenizer, ids: list[int], stop_ids: list[int]) -> Answer:
 
 def answer_from_text(tokenizer, text: str, finish_reason: str | None, stop_ids: list[int],
                      server_ids: list[int] | None = None, prompt_matches: bool = True,
-                     completion_tokens: int | None = None) -> Answer:
-    """An answer a server returned: its token ids when it sent them, else the text re-tokenized (+ stop token).
+                     completion_tokens: int | None = None, stop_reason=None) -> Answer:
+    """An answer a server returned: its token ids when it sent them, else the text re-tokenized (+ the stop token).
 
-    A server that reaches max_tokens on the stop token itself may call it "length" (transformers serve
-    does); its usage count, one more than the text's tokens, shows the stop token was generated.
+    Truncated exactly when the server says so (finish_reason "length"); the text's length in tokens decides
+    nothing. The stop token appended to a stopped answer is the one the server names as its stop_reason
+    (vLLM) when that is one of `stop_ids`, else the first of them. Re-tokenized ids round-trip when they are
+    as many as the server generated (its usage.completion_tokens, the stop token included), or when it does
+    not say.
     """
     stopped = finish_reason != "length"
+    stop = next((t for t in stop_ids if stop_reason in (t, tokenizer.convert_ids_to_tokens(t))), None) \
+        if stop_reason is not None else None
+    stop = stop if stop is not None else (stop_ids[0] if stop_ids else None)
     if server_ids is not None:
         ids = list(server_ids)
-        if stopped and stop_ids and (not ids or ids[-1] not in stop_ids):
-            ids.append(stop_ids[0])
-        body = ids[:-1] if stopped and ids else ids
+        if stopped and stop is not None and (not ids or ids[-1] not in stop_ids):
+            ids.append(stop)
+        body = ids[:-1] if stopped and ids and ids[-1] in stop_ids else ids
         roundtrip = tokenizer.decode(body, skip_special_tokens=False) == text
-    else:
-        body = tokenizer(text, add_special_tokens=False)["input_ids"]
-        stopped = stopped or completion_tokens == len(body) + 1
-        roundtrip = tokenizer.decode(body, skip_special_tokens=False) == text
-        ids = body + ([stop_ids[0]] if stopped and stop_ids else [])
-    return Answer(ids, text, truncated=not stopped, roundtrip=roundtrip, prompt_matches=prompt_matches)
+        return Answer(ids, text, truncated=not stopped, roundtrip=roundtrip, prompt_matches=prompt_matches)
+    body = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = body + ([stop] if stopped and stop is not None else [])
+    roundtrip = completion_tokens is None or completion_tokens == len(ids)
+    return Answer(ids, text, truncated=not stopped, roundtrip=roundtrip, prompt_matches=prompt_matches,
+                  ids_source=RETOKENIZED)
 
 
 def assemble_row(job: Job, conversation: list[dict], slots: list[int], prompts: list[list[int]],
@@ -95,6 +108,7 @@ def assemble_row(job: Job, conversation: list[dict], slots: list[int], prompts: 
             "answer_tokens": [len(a.ids) for a in answers],
             "truncated": [a.truncated for a in answers],
             "roundtrip": [a.roundtrip for a in answers],
+            "answer_ids": [a.ids_source for a in answers],
             "prompt_matches": all(a.prompt_matches for a in answers),
             "all_turns_supervised": all_supervised,
         },

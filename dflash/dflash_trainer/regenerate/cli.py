@@ -31,9 +31,10 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..infra.hub import remote_code_hint
     from ..infra.storage import StorageError
     from ..run.loading import check_target
-    from .driver import Stopped, World, run_chunks
+    from ..target.frozen import check_supported_target
+    from .driver import Stopped, StopSignal, World, run_chunks
     from .engine_openai import EndpointError
-    from .plan import check_plan, make_plan
+    from .plan import TOOL_CALLS_KEPT, check_plan, describe_skips, make_plan
     from .sampling import Sampling
     from .shards import OutputDir
     from .summary import collect, print_table
@@ -77,7 +78,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--chat-template-kwargs", type=json_object, default={}, metavar="JSON",
                    help='passed to the chat template, e.g. \'{"enable_thinking": false}\' for Qwen3 without thinking')
     g.add_argument("--stop-token", action="append", metavar="TOKEN",
-                   help="a token that ends an answer (repeatable; default: the target's EOS tokens)")
+                   help="a token that ends an answer (repeatable; default: the target's EOS tokens); engine openai "
+                        "sends it as the request's `stop`")
     d = p.add_argument_group("input and output")
     d.add_argument("--limit", type=cli_args.PROMPTS, help="only the first N source rows")
     d.add_argument("--split", default="train", help="dataset split (hub datasets)")
@@ -103,7 +105,8 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--retry-backoff", type=cli_args.number(ge=0, le=3600), default=1.0,
                    help="first retry delay in s, doubling")
     o.add_argument("--extra-body", type=json_object, default={}, metavar="JSON",
-                   help='extra request fields, e.g. \'{"return_token_ids": true}\' for vLLM')
+                   help='extra request fields, e.g. \'{"stop_token_ids": [151645]}\' for vLLM (return_token_ids '
+                        'is asked for by itself where the server gives it; naming it here decides it)')
     return p
 
 
@@ -156,16 +159,35 @@ def load_tokenizer(target: str, trust_remote_code: bool = False):
                         "(config.json, tokenizer files)") from exc
 
 
-def max_context(target: str, trust_remote_code: bool = False) -> int | None:
+def target_config(target: str, trust_remote_code: bool = False):
+    """The target's config.json (no weights); None where there is none to read (engine openai: the server
+    knows its own model)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code).get_text_config(decoder=True)
+        return AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        if hint := remote_code_hint(exc, "--trust-remote-code"):  # not "no limit": code not allowed to run
+        if hint := remote_code_hint(exc, "--trust-remote-code"):  # not "no config": code not allowed to run
             raise DataError(f"--target {target}: cannot read its config ({exc}){hint}") from exc
-        return None  # a tokenizer-only directory (engine openai): the server knows its own limit
-    return getattr(config, "max_position_embeddings", None)
+        return None
+
+
+def context_of(config) -> int | None:
+    """The target's context in tokens (max_position_embeddings of its text config); None: no limit known."""
+    if config is None:
+        return None
+    return getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
+def max_context(target: str, trust_remote_code: bool = False) -> int | None:
+    return context_of(target_config(target, trust_remote_code))
+
+
+def check_family(config, target: str, trust_remote_code: bool) -> None:
+    """The trainer's one check of the target's family (a decoder-only causal LM it can draft for), before
+    anything is written: answers a drafter could not train on are not worth generating."""
+    if config is not None:
+        check_supported_target(config, f"--target {target}", trust_remote_code)
 
 
 def make_engine(args, tokenizer, sampling: Sampling, device, log):
@@ -175,8 +197,12 @@ def make_engine(args, tokenizer, sampling: Sampling, device, log):
         stop = stop_token_ids(_generation_config(args.target), tokenizer, args.stop_token)
         engine = OpenAIEngine(args.endpoint, args.model, tokenizer, sampling, stop, args.concurrency,
                               args.request_timeout, args.retries, args.retry_backoff, args.api_key, args.extra_body,
-                              args.chat_template_kwargs)
+                              args.chat_template_kwargs, args.stop_token)
         log(f"engine openai: {engine.url}, model {engine.check()!r}, {args.concurrency} requests in flight")
+        if why := engine.probe_token_ids():
+            log(f"[yellow]warning:[/] {engine.url} does not send the generated token ids: {escape(why)}. Each "
+                "answer's ids are its text re-tokenized, which may differ from the tokens the target generated "
+                "(rows record regen.answer_ids = retokenized; the summary counts them)")
         return engine
     from .engine_hf import HFEngine, load_target
 
@@ -199,7 +225,33 @@ def _generation_config(target: str):
         return None
 
 
+def read_plan(args, tokenizer, sampling: Sampling):
+    """(rows, plan, the target's context): the target's family checked, the source rows planned, before
+    anything is written."""
+    config = target_config(args.target, args.trust_remote_code)
+    check_family(config, args.target, args.trust_remote_code)
+    rows = load_rows(args.data, split=args.split, flags="--data")
+    context = context_of(config)
+    plan = make_plan(rows, tokenizer, sampling, args.chat_template_kwargs, args.limit, context)
+    check_plan(plan, args.data, f"--target {args.target}")
+    return rows, plan, context
+
+
+def say_plan(plan, log) -> None:
+    """The rows skipped and the turns kept as they were, with their first row numbers."""
+    if plan.skipped:
+        log(f"skipped rows: {escape(describe_skips(plan))}")
+    if plan.kept.rows:
+        log(f"{plan.kept.turns[TOOL_CALLS_KEPT]:,} {TOOL_CALLS_KEPT} in {plan.kept.rows[TOOL_CALLS_KEPT]:,} rows "
+            f"({plan.kept.rows_named(TOOL_CALLS_KEPT)})")
+
+
 def run(args) -> dict | None:
+    with StopSignal() as stop:
+        return _run(args, stop)
+
+
+def _run(args, stop: StopSignal) -> dict | None:
     problems = check_args(args)
     if problems:
         raise DataError("invalid arguments:\n  - " + "\n  - ".join(problems))
@@ -217,10 +269,7 @@ def run(args) -> dict | None:
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.turns)
     tokenizer = load_tokenizer(args.target, args.trust_remote_code)
     check_chat_template(tokenizer, args.target)
-    rows = load_rows(args.data, split=args.split, flags="--data")
-    context = max_context(args.target, args.trust_remote_code)
-    plan = make_plan(rows, tokenizer, sampling, args.chat_template_kwargs, args.limit, context)
-    check_plan(plan, args.data)
+    rows, plan, context = read_plan(args, tokenizer, sampling)
     out = OutputDir(args.out, world.rank)
     out.check_writable()  # before the weights load, which takes minutes for a large target
     engine = make_engine(args, tokenizer, sampling, device, log)
@@ -238,23 +287,41 @@ def run(args) -> dict | None:
     log(f"{len(plan.jobs):,} prompts from {plan.rows_read:,} rows ({sum(plan.skipped.values()):,} skipped); "
         f"{answered:,} already answered in {args.out}, {len(plan.jobs) - answered:,} to go"
         + (f" over {world.size} processes" if world.size > 1 else ""))
-    stats = run_chunks(engine, rows, tokenizer, plan, out, world, sampling, args.chat_template_kwargs, context,
-                       args.shard_size, done, log)
-    # One collective, which waits for every process: what each did and the rows it wrote (the summary
-    # reads no shard again).
-    gathered = world.gather((stats, out.added))
-    runs, added = [s for s, _ in gathered], [a for _, a in gathered]
-    summary = None
-    if lead:
-        summary = collect(sum(added, out.found), shards=len(out.shards()), engine=args.engine, target=target_id,
-                          model=getattr(engine, "model", None) if args.engine == "openai" else None,
-                          sampling=sampling.as_dict(),
-                          chat_kwargs=args.chat_template_kwargs, plan_skipped=plan.skipped,
-                          rows_read=plan.rows_read, runs=runs, world=world.size)
-        out.write_summary(summary)
-        print_table(summary, args.out)
+    say_plan(plan, log)
+    stats = None
+    try:
+        stats = run_chunks(engine, rows, tokenizer, plan, out, world, sampling, args.chat_template_kwargs, context,
+                           args.shard_size, done, log, stop)
+        # a signal here (waiting on the other processes) stops this one; the summary is the next run's
+        summary = summarize(args, world, engine, plan, out, stats, sampling, target_id)
+    except Stopped as exc:
+        if s := exc.stats or stats:
+            where = f" (rank {world.rank} of {world.size})" if world.size > 1 else ""
+            now = f"; {answered + s.rows:,} of {len(plan.jobs):,} prompts are answered in {args.out}" \
+                if world.size == 1 else ""
+            exc.note = f"this run{where} answered {s.rows:,} prompts and wrote {s.shards} shard(s){now}"
+        world.stop()
+        raise
+    stop.interruptible = False  # the run is done: a signal now changes nothing
     world.barrier()
     world.stop()
+    return summary
+
+
+def summarize(args, world: World, engine, plan, out: OutputDir, stats, sampling: Sampling, target_id: str):
+    """summary.json and the table (lead process; None elsewhere). One collective, which waits for every
+    process: what each did and the rows it wrote (the summary reads no shard again)."""
+    gathered = world.gather((stats, out.added))
+    if world.rank != 0:
+        return None
+    runs, added = [s for s, _ in gathered], [a for _, a in gathered]
+    summary = collect(sum(added, out.found), shards=len(out.shards()), engine=args.engine, target=target_id,
+                      model=getattr(engine, "model", None) if args.engine == "openai" else None,
+                      sampling=sampling.as_dict(), chat_kwargs=args.chat_template_kwargs, plan_skipped=plan.skipped,
+                      rows_read=plan.rows_read, runs=runs, world=world.size,
+                      skipped_rows=plan.skips.first_rows, not_regenerated=plan.kept.as_dict(with_turns=True))
+    out.write_summary(summary)
+    print_table(summary, args.out)
     return summary
 
 
@@ -271,9 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, EndpointError, StorageError, ConfigError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         return cli_args.exit_code(exc, EndpointError)  # a full disk is a fault at run time (1), as in train and eval
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (driver.Stopped)
-        console.print("stopped: the answered shards are kept; run the same command to resume")
-        return 143 if isinstance(exc, Stopped) else 130
+    except Stopped as exc:  # SIGTERM or Ctrl-C: a clean stop, what is answered written (driver.StopSignal)
+        done = exc.note or "before answering: nothing was written in this run"
+        console.print(f"stopped by {exc.signal_name}: {done}. Run the same command to resume")
+        return 0
+    except KeyboardInterrupt as exc:  # a second signal: at once
+        console.print("stopped at once: the shards written are kept (a shard being written is not); run the same "
+                      "command to resume")
+        return 143 if "SIGTERM" in str(exc) else 130
     return 0
 
 

@@ -4,15 +4,24 @@ Every rank plans the same sorted jobs, skips the chunks already answered (by key
 disk) and answers chunk i when i mod world == rank. A chunk's answers become its shard once every job
 in it is done; on an error or a stop the answered jobs of the chunk in progress are written first, so
 only work still in flight is lost.
+
+SIGTERM and SIGINT (Ctrl-C) stop cleanly (`StopSignal`): before the answering starts, at once (nothing is
+written yet); while it runs, the engine hands back what is done (engine hf drops the batch it is decoding,
+engine openai sends no new request and finishes those in flight), the answered jobs of the chunk in progress
+are written as a shard, and the run ends with `Stopped`; running the same command again resumes. A second
+signal stops at once.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Self
 
 import torch
 from tqdm import tqdm
@@ -125,8 +134,11 @@ class _JobState:
 
 
 def answer_chunk(engine, rows, tokenizer, jobs: list[Job], sampling: Sampling, chat_kwargs: dict,
-                 max_context: int | None, progress: Progress | None, stats: RunStats, finished: list[dict]) -> None:
-    """Answer every slot of every job, turn by turn; appends each job's row to `finished` once complete."""
+                 max_context: int | None, progress: Progress | None, stats: RunStats, finished: list[dict],
+                 should_stop: Callable[[], bool] | None = None) -> None:
+    """Answer every slot of every job, turn by turn; appends each job's row to `finished` once complete.
+    When `should_stop()` turns true the engine hands back what it has and the jobs not complete are left
+    out (a later run answers them)."""
     states = []
     for job in jobs:
         conversation = conversation_of(rows[job.index], sampling.turns)
@@ -136,20 +148,14 @@ def answer_chunk(engine, rows, tokenizer, jobs: list[Job], sampling: Sampling, c
         requests = []
         for st in active:
             messages = _filled(st, st.slots[turn])
-            if turn > 0:
-                try:
-                    prompt = render_prompt(tokenizer, messages, **chat_kwargs)
-                except TEMPLATE_ERRORS:  # the template refuses this turn: keep the answers so far
-                    prompt = None
-                if prompt is None or (max_context and len(prompt) + sampling.max_new_tokens > max_context):
-                    stats.cut_short += 1
-                    _finish(st, finished, progress, stats)
-                    continue
-                st.prompts.append(prompt)
+            if turn > 0 and not _next_prompt(st, messages, tokenizer, sampling, chat_kwargs, max_context):
+                stats.cut_short += 1
+                _finish(st, finished, progress, stats)
+                continue
             requests.append(Request(st.job, turn, messages, st.prompts[turn], row_seed(sampling.seed, st.job.key, turn)))
         by_key = {st.job.key: st for st in active}
         still = []
-        for request, answer in engine.answer(requests):
+        for request, answer in engine.answer(requests, should_stop):
             st = by_key[request.job.key]
             st.answers.append(answer)
             stats.answers += 1
@@ -160,7 +166,22 @@ def answer_chunk(engine, rows, tokenizer, jobs: list[Job], sampling: Sampling, c
                 _finish(st, finished, progress, stats)
             else:
                 still.append(st)
+        if should_stop is not None and should_stop():
+            return
         active, turn = still, turn + 1
+
+
+def _next_prompt(st: _JobState, messages: list[dict], tokenizer, sampling: Sampling, chat_kwargs: dict,
+                 max_context: int | None) -> bool:
+    """A later turn's prompt appended to st.prompts; False when the template refuses it or it does not fit."""
+    try:
+        prompt = render_prompt(tokenizer, messages, **chat_kwargs)
+    except TEMPLATE_ERRORS:  # the template refuses this turn: keep the answers so far
+        return False
+    if max_context and len(prompt) + sampling.max_new_tokens > max_context:
+        return False
+    st.prompts.append(prompt)
+    return True
 
 
 def _filled(st: _JobState, upto: int) -> list[dict]:
@@ -180,42 +201,88 @@ def _finish(st: _JobState, finished: list[dict], progress: Progress | None, stat
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGTERM: stop like Ctrl-C (the answered part of the chunk in progress is written first)."""
+    """A clean stop on SIGTERM / SIGINT: what is answered is written; `stats` is what this process did (None:
+    stopped before answering), `note` what the command line says about it."""
+
+    def __init__(self, signal_name: str, stats: RunStats | None = None):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+        self.stats = stats
+        self.note = ""
 
 
-def _on_sigterm(signum, frame):
-    raise Stopped()
+class StopSignal:
+    """SIGTERM and SIGINT, from `with StopSignal() as stop:` on (main thread only). While `interruptible`
+    (before the answering starts) the first signal raises Stopped where the program is; while answering
+    (run_chunks) it only sets `requested`, which the engines poll, so that shards are never cut. A second
+    signal raises KeyboardInterrupt at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self.interruptible = True
+        self._previous: dict = {}
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def __call__(self) -> bool:
+        """A stop was asked for (the engines' `should_stop`)."""
+        return self.requested is not None
+
+    def _on_signal(self, signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None:
+            raise KeyboardInterrupt(f"second {name}")
+        self.requested = name
+        if self.interruptible:
+            raise Stopped(name)
+        # Nothing printed here: a handler writing to stderr while the program does raises "reentrant call"
 
 
 def run_chunks(engine, rows, tokenizer, plan: Plan, out: OutputDir, world: World, sampling: Sampling,
-               chat_kwargs: dict, max_context: int | None, shard_size: int, done: set[str], log) -> RunStats:
-    """This rank's share of the plan; returns what it did."""
+               chat_kwargs: dict, max_context: int | None, shard_size: int, done: set[str], log,
+               stop: StopSignal | None = None) -> RunStats:
+    """This rank's share of the plan; returns what it did, or raises Stopped (carrying it) once a stop signal's
+    answered jobs are written."""
     stats = RunStats()
+    stop = stop if stop is not None else StopSignal()
     mine = [(i, [j for j in chunk if j.key not in done]) for i, chunk in enumerate(chunks(plan.jobs, shard_size))
             if i % world.size == world.rank]
     mine = [(i, jobs) for i, jobs in mine if jobs]
     label = "regenerating" if world.size == 1 else f"regenerating (rank 0 of {world.size})"
     progress = Progress(sum(len(jobs) for _, jobs in mine), show=world.rank == 0, label=label)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if _main_thread() else None
+    interruptible, stop.interruptible = stop.interruptible, False  # from here a signal waits for the shard
     try:
         for index, jobs in mine:
+            if stop():
+                break
             finished: list[dict] = []
             try:
                 answer_chunk(engine, rows, tokenizer, jobs, sampling, chat_kwargs, max_context, progress, stats,
-                             finished)
+                             finished, stop)
             except BaseException:
                 if finished:  # keep what is answered: the next run skips it
                     out.write_shard(index, _in_order(finished, jobs))
                     stats.shards += 1
                     log(f"wrote the {len(finished)} answered rows of the interrupted chunk {index}")
                 raise
-            out.write_shard(index, _in_order(finished, jobs))
-            stats.shards += 1
+            if finished:  # all of the chunk, or what a stop left of it
+                out.write_shard(index, _in_order(finished, jobs))
+                stats.shards += 1
     finally:
         progress.close()
         stats.seconds = time.perf_counter() - stats.started
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        stop.interruptible = interruptible
+    if stop():
+        raise Stopped(stop.requested, stats)
     return stats
 
 
@@ -223,12 +290,6 @@ def _in_order(finished: list[dict], jobs: list[Job]) -> list[dict]:
     """Rows in the chunk's job order, whatever order the engine answered in (shards are reproducible)."""
     position = {j.key: n for n, j in enumerate(jobs)}
     return sorted(finished, key=lambda r: position[r["regen"]["key"]])
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def regenerate_rows(engine, rows, tokenizer, sampling: Sampling, chat_kwargs: dict | None = None) -> list[dict]:

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StaticCache
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    StaticCache,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from ..data.rows import DataError
 from ..decoding.buckets import bucket
@@ -28,6 +34,16 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+class StopAsked(StoppingCriteria):
+    """Ends `generate` at the next decode step once `should_stop()` is true (its answers are then dropped)."""
+
+    def __init__(self, should_stop: Callable[[], bool]):
+        self.should_stop = should_stop
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.should_stop(), dtype=torch.bool, device=input_ids.device)
 
 
 class HFEngine:
@@ -96,8 +112,10 @@ class HFEngine:
         return self._cache[1]
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], seeds: list[int] | None = None) -> list[list[int]]:
-        """Answer token ids for one batch of prompts (cut after the first stop token)."""
+    def generate(self, prompts: list[list[int]], seeds: list[int] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> list[list[int]]:
+        """Answer token ids for one batch of prompts (cut after the first stop token). Once `should_stop()` is
+        true the decoding ends at the next step: the answers are then cut short, for the caller to drop."""
         s = self.sampling
         width = bucket(max(map(len, prompts)))
         real = len(prompts)
@@ -124,6 +142,7 @@ class HFEngine:
                 do_sample=False, eos_token_id=self.stop_ids or None, pad_token_id=self.pad,
                 disable_compile=not self.compiled),
             logits_processor=processors, **{self._cache_arg: self._static_cache(rows, width + s.max_new_tokens)},
+            **({"stopping_criteria": StoppingCriteriaList([StopAsked(should_stop)])} if should_stop else {}),
         )
         answers = []
         for row in out[:real, width:].tolist():
@@ -131,10 +150,17 @@ class HFEngine:
             answers.append(row if cut is None or s.ignore_eos else row[: cut + 1])
         return answers
 
-    def answer(self, requests: list[Request]) -> Iterator[tuple[Request, Answer]]:
+    def answer(self, requests: list[Request], should_stop: Callable[[], bool] | None = None
+               ) -> Iterator[tuple[Request, Answer]]:
+        """Answers batch by batch; once `should_stop()` is true, the batch being decoded is dropped and no
+        other starts."""
         prompts = [r.prompt for r in requests]
         for batch in self.batches(prompts):
-            got = self.generate([prompts[i] for i in batch], [requests[i].seed for i in batch])
+            if should_stop is not None and should_stop():
+                return
+            got = self.generate([prompts[i] for i in batch], [requests[i].seed for i in batch], should_stop)
+            if should_stop is not None and should_stop():  # cut short: not the answers the target would give
+                return
             for i, ids in zip(batch, got):
                 yield requests[i], answer_from_ids(self.tokenizer, ids, self.stop_ids)
 

@@ -3,20 +3,24 @@ in flight.
 
 The server runs in its own container or environment, never in the frozen training environment (README
 "DFlash recipe end to end"). Requests go to /v1/chat/completions with the conversation, so the server
-renders the prompt with its own copy of the chat template; a server that also returns token ids (vLLM with
---extra-body '{"return_token_ids": true}') lets the rows keep exactly the tokens it generated. The
-stdlib's HTTP client is enough for JSON over keep-alive-less POSTs and adds no package to that environment.
+renders the prompt with its own copy of the chat template. `check` asks the server once whether it returns
+the generated token ids (`return_token_ids`, vLLM): when it does, every request asks for them and the rows
+keep exactly the tokens it generated; a server that refuses the field (transformers serve answers 422 to
+fields it does not know) or ignores it gets requests without it, and the answers' text is re-tokenized
+(said once at the start; each row records which in regen.answer_ids). The stdlib's HTTP client is enough
+for JSON over keep-alive-less POSTs and adds no package to that environment.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from .answers import Answer, Request, answer_from_text
@@ -27,6 +31,18 @@ RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 class EndpointError(RuntimeError):
     """The server cannot be used: unreachable after the retries, refusing the request, or not serving --model."""
+
+
+class Refused(EndpointError):
+    """The server answered the request with an HTTP error that a retry does not change (4xx but 408 / 429)."""
+
+    def __init__(self, message: str, status: int, detail: str):
+        super().__init__(message)
+        self.status = status
+        self.detail = detail
+
+
+TOKEN_IDS = "return_token_ids"  # vLLM: choices[0].token_ids (the generated ids) and prompt_token_ids
 
 
 def base_url(endpoint: str) -> str:
@@ -43,7 +59,8 @@ class OpenAIEngine:
 
     def __init__(self, endpoint: str, model: str | None, tokenizer, sampling: Sampling, stop_ids: list[int],
                  concurrency: int = 64, timeout: float = 600.0, retries: int = 5, backoff: float = 1.0,
-                 api_key: str | None = None, extra_body: dict | None = None, chat_template_kwargs: dict | None = None):
+                 api_key: str | None = None, extra_body: dict | None = None, chat_template_kwargs: dict | None = None,
+                 stop_tokens: list[str] | None = None):
         if sampling.ignore_eos:
             raise EndpointError("ignore_eos is not an OpenAI request field; it is for the hf engine's benchmark")
         self.url = base_url(endpoint)
@@ -60,6 +77,9 @@ class OpenAIEngine:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.extra_body = extra_body or {}
         self.chat_template_kwargs = chat_template_kwargs or {}
+        self.stop_tokens = list(stop_tokens or [])  # --stop-token: sent as the request's `stop`
+        # Ask for the generated ids: decided by check() (probe_token_ids), or by --extra-body when it names the field
+        self.token_ids = bool(self.extra_body.get(TOKEN_IDS)) if TOKEN_IDS in self.extra_body else None
 
     # -- HTTP ------------------------------------------------------------------------------------
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -77,7 +97,7 @@ class OpenAIEngine:
             except urllib.error.HTTPError as exc:
                 detail = exc.read().decode(errors="replace")[:500]
                 if exc.code not in RETRY_STATUS:
-                    raise EndpointError(f"{url} refused the request: HTTP {exc.code}: {detail}") from None
+                    raise Refused(f"{url} refused the request: HTTP {exc.code}: {detail}", exc.code, detail) from None
                 last = f"HTTP {exc.code}: {detail}"
             except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
                 reason = getattr(exc, "reason", exc)
@@ -103,6 +123,26 @@ class OpenAIEngine:
                                 "those, or start the server with that model")
         return self.model
 
+    def probe_token_ids(self) -> str | None:
+        """Whether requests ask for the generated token ids: one request of one token with `return_token_ids`.
+        None when they do (the server sent choices[0].token_ids) or --extra-body decided; otherwise why not
+        (the answers' text is then re-tokenized)."""
+        if self.token_ids is not None:
+            return None if self.token_ids else f"--extra-body sets {TOKEN_IDS} false"
+        body = {"model": self.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                "temperature": 0.0, "stream": False, TOKEN_IDS: True}
+        try:
+            got = self._call("POST", "/chat/completions", body)
+        except Refused as exc:
+            if exc.status not in (400, 422):  # not about the field: authentication, no such endpoint, ...
+                raise
+            self.token_ids = False
+            return f"it refuses {TOKEN_IDS} (HTTP {exc.status}: {' '.join(exc.detail.split())[:200]})"
+        choices = got.get("choices") if isinstance(got, dict) else None
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        self.token_ids = isinstance(choice.get("token_ids"), list)
+        return None if self.token_ids else f"it ignores {TOKEN_IDS} (no choices[0].token_ids in its answer)"
+
     # -- answers ---------------------------------------------------------------------------------
     def request_body(self, request: Request) -> dict:
         s = self.sampling
@@ -112,8 +152,12 @@ class OpenAIEngine:
             body["seed"] = request.seed
             if s.top_p < 1:
                 body["top_p"] = s.top_p
+        if self.stop_tokens:
+            body["stop"] = list(self.stop_tokens)
         if self.chat_template_kwargs:
             body["chat_template_kwargs"] = self.chat_template_kwargs
+        if self.token_ids:
+            body[TOKEN_IDS] = True
         return {**body, **self.extra_body}
 
     def answer_one(self, request: Request) -> Answer:
@@ -130,24 +174,32 @@ class OpenAIEngine:
         usage = got.get("usage") or {}
         return answer_from_text(self.tokenizer, text, choice.get("finish_reason"), self.stop_ids,
                                 server_ids if isinstance(server_ids, list) else None, matches,
-                                usage.get("completion_tokens"))
+                                usage.get("completion_tokens"), choice.get("stop_reason"))
 
-    def answer(self, requests: list[Request]) -> Iterator[tuple[Request, Answer]]:
-        """Answers as they complete, `concurrency` requests in flight; the first failure cancels the rest."""
+    def answer(self, requests: list[Request], should_stop: Callable[[], bool] | None = None
+               ) -> Iterator[tuple[Request, Answer]]:
+        """Answers as they complete, `concurrency` requests in flight; the first failure cancels the rest. Once
+        `should_stop()` is true no request is sent, and those in flight are finished (a request cannot be
+        called back; its answer is kept)."""
         pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="regen-http")
         pending = {}
         todo = iter(requests)
+        stopping = False
         try:
             for request in todo:
                 pending[pool.submit(self.answer_one, request)] = request
                 if len(pending) >= self.concurrency:
                     break
             while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                if not stopping and should_stop is not None and should_stop():
+                    stopping = True
+                    print(f"stopping: finishing the {len(pending)} requests in flight, sending no more",
+                          file=sys.stderr, flush=True)
                 for future in done:
                     request = pending.pop(future)
                     yield request, future.result()
-                    nxt = next(todo, None)
+                    nxt = None if stopping else next(todo, None)
                     if nxt is not None:
                         pending[pool.submit(self.answer_one, nxt)] = nxt
         finally:

@@ -25,24 +25,27 @@ class Figures:
     roundtrip_mismatches: int = 0
     prompt_mismatches: int = 0
     partly_supervised: int = 0
+    ids: Counter = field(default_factory=Counter)  # "generated" / "retokenized" -> answers (regen.answer_ids)
 
     def add(self, regen: dict) -> None:
         """One row's `regen`; KeyError or TypeError (nothing counted) when it lacks the statistics."""
         lengths = Counter(regen["answer_tokens"])
         truncated, roundtrip = sum(regen["truncated"]), sum(not ok for ok in regen["roundtrip"])
         mismatch, partly = not regen["prompt_matches"], not regen["all_turns_supervised"]
+        ids = Counter(regen.get("answer_ids") or [])  # rows written before it was recorded have none
         self.rows += 1
         self.lengths += lengths
         self.truncated += truncated
         self.roundtrip_mismatches += roundtrip
         self.prompt_mismatches += mismatch
         self.partly_supervised += partly
+        self.ids += ids
 
     def __add__(self, other: Figures) -> Figures:
         return Figures(self.rows + other.rows, self.lengths + other.lengths, self.truncated + other.truncated,
                        self.roundtrip_mismatches + other.roundtrip_mismatches,
                        self.prompt_mismatches + other.prompt_mismatches,
-                       self.partly_supervised + other.partly_supervised)
+                       self.partly_supervised + other.partly_supervised, self.ids + other.ids)
 
     @property
     def answers(self) -> int:
@@ -63,9 +66,12 @@ class Figures:
 
 
 def collect(figures: Figures, *, shards: int, engine: str, target: str, model: str | None, sampling: dict,
-            chat_kwargs: dict, plan_skipped: dict, rows_read: int, runs: list, world: int) -> dict:
+            chat_kwargs: dict, plan_skipped: dict, rows_read: int, runs: list, world: int,
+            skipped_rows: dict | None = None, not_regenerated: dict | None = None) -> dict:
     """The directory's totals (`figures` of all its rows, earlier runs' included; `shards` there) and what
-    this run did (`runs`: one per rank)."""
+    this run did (`runs`: one per rank). From the plan of the source rows: `plan_skipped` (reason -> rows),
+    `skipped_rows` (reason -> their first row numbers), `not_regenerated` (reason -> {rows, turns,
+    first_rows}: turns of answered rows kept as they were, such as assistant tool calls)."""
     answers = figures.answers
     tokens = sum(r.answer_tokens for r in runs)
     seconds = max((r.seconds for r in runs), default=0.0)
@@ -79,6 +85,7 @@ def collect(figures: Figures, *, shards: int, engine: str, target: str, model: s
         "roundtrip_mismatches": figures.roundtrip_mismatches,
         "prompt_mismatches": figures.prompt_mismatches,
         "rows_with_unsupervised_earlier_turns": figures.partly_supervised,
+        "answer_ids": {"generated": figures.ids["generated"], "retokenized": figures.ids["retokenized"]},
         "shards": shards,
         "engine": engine,
         "target": target,
@@ -87,6 +94,8 @@ def collect(figures: Figures, *, shards: int, engine: str, target: str, model: s
         "chat_template_kwargs": chat_kwargs,
         "source_rows": rows_read,
         "skipped_rows": dict(plan_skipped),
+        "skipped_row_numbers": dict(skipped_rows or {}),
+        "not_regenerated": dict(not_regenerated or {}),
         "this_run": {
             "prompts": sum(r.rows for r in runs),
             "answers": sum(r.answers for r in runs),
@@ -104,7 +113,7 @@ def print_table(summary: dict, where: str) -> None:
     run = summary["this_run"]
     table = Table(title=f"regenerated answers in {where}", show_header=False)
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(overflow="fold")  # long paths fold rather than end in "..." in an 80-column log
     table.add_row("prompts answered", f"{summary['prompts']:,} ({run['prompts']:,} in this run)")
     table.add_row("answer tokens", f"{summary['answer_tokens']:,} ({run['answer_tokens']:,} in this run)")
     table.add_row("tokens/s (this run)", f"{run['tokens_per_s']:,.0f} over {run['seconds']:.1f} s, "
@@ -119,10 +128,26 @@ def print_table(summary: dict, where: str) -> None:
                        ("rows with earlier turns as context only", "rows_with_unsupervised_earlier_turns")):
         if summary[key]:
             table.add_row(label, f"{summary[key]:,}")
+    if summary["answer_ids"]["retokenized"]:
+        table.add_row("answers whose ids are their text re-tokenized",
+                      f"{summary['answer_ids']['retokenized']:,} of {summary['answers']:,}")
     if run["cut_short"]:
         table.add_row("conversations cut short (context or template)", f"{run['cut_short']:,}")
     for reason, n in summary["skipped_rows"].items():
-        table.add_row("skipped rows", f"{n:,}: {reason}")
-    table.add_row("shards", f"{summary['shards']} ({run['shards_written']} written now): data.train = "
-                  f"[\"{where}/part-*.jsonl\"]")
-    Console(stderr=True).print(table)
+        table.add_row("skipped rows", f"{n:,}: {reason}{rows_named(n, summary['skipped_row_numbers'].get(reason))}")
+    for reason, kept in summary["not_regenerated"].items():
+        table.add_row("not regenerated", f"{kept['turns']:,} {reason} in {kept['rows']:,} rows"
+                      f"{rows_named(kept['rows'], kept['first_rows'])}")
+    table.add_row("shards", f"{summary['shards']} ({run['shards_written']} written now)")
+    console = Console(stderr=True)
+    console.print(table)
+    # A plain line, never wrapped or cut, so it can be copied into the training config as it stands.
+    console.print(f'train on them with: data.train = ["{where}/part-*.jsonl"]', soft_wrap=True, markup=False,
+                  highlight=False)
+
+
+def rows_named(n: int, first: list[int] | None) -> str:
+    """' (rows 2, 5, 9, ...)': the first row numbers of n rows; nothing when none are known."""
+    if not first:
+        return ""
+    return f" (row{'s' if n > 1 else ''} {', '.join(map(str, first))}{', ...' if n > len(first) else ''})"
