@@ -73,7 +73,8 @@ def test_provision_deploy_train_stop_drift_rebuild_resume(site):
     busy = site.make("train")  # a second start: the preflight finds the running trainer
     assert busy.returncode != 0 and "is still running" in out(busy) and "make train-stop INVENTORY=" in out(busy)
     logs = site.make("train-logs")
-    assert logs.returncode == 0 and "dflash_trainer.train" in logs.stdout and "--resume" in logs.stdout
+    # the first start of a deployment is a new run: --resume comes once the directory holds one
+    assert logs.returncode == 0 and "dflash_trainer.train" in logs.stdout and "--resume" not in logs.stdout
 
     # ---- graceful stop: the checkpoint in progress is finished, the trainer is gone
     proc = site.make("train-stop")
@@ -112,6 +113,7 @@ def test_provision_deploy_train_stop_drift_rebuild_resume(site):
     log = (site.run_dir / "logs" / "train.log").read_text()
     assert log.count("] start: ") == 2
     first, resumed = log.split("] start: ")[1:]
-    assert "no checkpoint under" in first and "no checkpoint under" not in resumed  # resumed, not restarted
+    assert "--resume" not in first.splitlines()[0] and "--resume" in resumed.splitlines()[0]
+    assert "resumed from" not in first and "resumed from" in resumed  # resumed, not restarted
     status = site.make("train-status")
     assert "state:       finished" in status.stdout and f"summary:     {STEPS} steps" in status.stdout

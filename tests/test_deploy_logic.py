@@ -275,6 +275,7 @@ FLAKY = textwrap.dedent("""\
     run = pathlib.Path.cwd()
     n = len(list(run.glob("attempt-*")))
     (run / f"attempt-{n}").write_text(" ".join(sys.argv[1:]))
+    (run / "config.json").write_text("{}")  # as the trainer writes it once it has loaded: a run to resume
     print(f"attempt {n} args {sys.argv[1:]}", flush=True)
     sys.exit(3 if n == 0 else 0)
     """)
@@ -317,7 +318,8 @@ def test_restart_after_failure_resumes(tmp_path):
     run = tmp_path / "run"
     launch(run, FLAKY)
     assert supervise.run(run, restart=True) == 0
-    assert (run / "attempt-0").read_text() == "--resume" and (run / "attempt-1").read_text() == "--resume"
+    # the first start finds no run (the trainer's --resume would refuse it); the restart continues the run
+    assert (run / "attempt-0").read_text() == "" and (run / "attempt-1").read_text() == "--resume"
     st = supervise.read_state(run)
     assert st["state"] == "finished" and st["restarts"] == 1
     log = (run / supervise.LOG).read_text()
@@ -571,7 +573,8 @@ def test_status_reports_each_jobs_progress(tmp_path):
     (regen / "summary.json").write_text(json.dumps({"prompts": 96, "answer_tokens": 4608,
                                                     "this_run": {"tokens_per_s": 812.5}}))
     text = status.format_report(status.report(regen, None, job=REGENERATE))
-    assert f"job:         regenerate in {regen}" in text and "state:       never started" in text
+    assert f"job:         regenerate in {regen}" in text  # run directly (no supervisor): its summary says it ended
+    assert "state:       finished (started directly, not by dflash-run)" in text, text
     assert f"shards:      3 (data.train takes {regen}/part-*.jsonl)" in text
     assert "summary:     96 prompts answered, 4608 answer tokens, 812.5 tok/s in the last run" in text
     ev = tmp_path / "eval"

@@ -20,8 +20,9 @@ def test_epochs_derive_the_steps_from_the_usable_rows(tiny_target, tmp_path, cap
                       "[train]\nepochs = 0.25\nmicro_batch = 4\nnum_anchors = 8\ndtype = \"float32\"\n"
                       "checkpoint_every = 0\n[eval]\nprompts = 1\nmax_new_tokens = 4\n")
     summary = run(load_config(str(config), [f"output_dir={out}"]))
-    assert summary["steps"] == 6  # ceil(0.25 x 96 rows / 4 a step)
-    assert "train.epochs = 0.25: 6 steps (96 usable rows, 4 a step)" in " ".join(capsys.readouterr().err.split())
+    assert summary["steps"] == 6  # ceil(0.25 x floor(96 rows / 4) micro-batches / 1 a step)
+    said = " ".join(capsys.readouterr().err.split())
+    assert "train.epochs = 0.25: 6 steps (96 usable rows: 24 micro-batches of 4; 1 a step)" in said, said
     assert json.loads((out / "config.json").read_text())["train"]["steps"] == 6
 
 
@@ -41,7 +42,8 @@ def test_epochs_count_the_rows_left_after_the_held_out_prompts(tiny_target, tmp_
     said = " ".join(capsys.readouterr().err.split())
     stream, eval_stream, _ = load_data(cfg, tokenizer)
     assert cfg.train.steps == math.ceil(0.5 * stream.per_epoch / 2)
-    assert f"after {len(eval_stream.dataset)} held out for evaluation, 8 a step" in said, said
+    assert f"after {len(eval_stream.dataset)} held out for evaluation: {stream.per_epoch} micro-batches of 4" in said
+    assert "; 2 a step)" in said, said
 
 
 def test_steps_and_epochs_together_are_refused_naming_both(tmp_path):

@@ -91,11 +91,15 @@ def test_bad_group_settings_are_refused_by_the_config(settings, expected):
     assert expected in " ".join(str(err.value).split())
 
 
-def test_a_split_that_is_not_whole_groups_exits_2_naming_the_fix(capsys):
-    code = main(["--config", "embedded", "--set", "parallel.target_tp=2", "--target-gpus", "3",
-                 "--drafter-gpus", "1", "--print-config"])
-    assert code == 2
+def test_a_split_that_is_not_whole_groups_exits_2_naming_the_fix(capsys, tmp_path):
+    flags = ["--config", "embedded", "--set", "parallel.target_tp=2", "--target-gpus", "3", "--drafter-gpus", "1"]
+    assert main([*flags, "--output-dir", str(tmp_path / "run")]) == 2
     assert "give --target-gpus 2 or 4" in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    # --print-config still prints the merged config, and says beside it why it cannot start a run
+    assert main([*flags, "--print-config"]) == 0
+    out, err = capsys.readouterr()
+    assert "target_tp = 2" in out and "give --target-gpus 2 or 4" in " ".join(err.split())
 
 
 def test_a_group_size_that_splits_no_heads_evenly_names_the_sizes_that_do(tmp_path, capsys):

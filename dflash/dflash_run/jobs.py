@@ -8,6 +8,7 @@ another one.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -23,6 +24,11 @@ class Job:
     resume_args: tuple[str, ...]  # what a restart adds (regeneration resumes by itself when rerun)
     noun: str  # in the log: "trainer failed (exit 1)"
     again: str  # what starting it again does, said when it stopped
+
+    def start_args(self, job_dir: Path) -> tuple[str, ...]:
+        """What a start adds to the deployed command line: resume_args once job_dir holds what they resume (the
+        trainer's --resume refuses a directory without a run, so the first start of a deployment is a new run)."""
+        return self.resume_args if self.resume_args and holds_run(job_dir) else ()
 
     @property
     def log(self) -> str:
@@ -45,6 +51,20 @@ REGENERATE = Job("regenerate", "regeneration", ("dflash_trainer.regenerate",), (
 EVAL = Job("eval", "evaluation", ("dflash_trainer.eval",), ("dflash-eval",), "--out", (),
            "evaluation", "`make eval` evaluates again")
 JOBS = {job.name: job for job in (TRAIN, REGENERATE, EVAL)}
+
+
+# What a training run leaves in its directory (dflash_trainer.run.run_dir.RUN_MARKS): --resume continues it.
+RUN_FILES = ("config.json", "summary.json", "drafter")
+STEP_DIR = re.compile(r"^step-(\d{8,})$")  # dflash_trainer.run.checkpoint's step directories
+
+
+def holds_run(run_dir: Path) -> bool:
+    """run_dir holds a training run to resume: its config, summary or drafter, or a step directory under
+    checkpoints/ (as the trainer's run_dir.prepare counts them)."""
+    checkpoints = run_dir / "checkpoints"
+    return (any((run_dir / name).exists() for name in RUN_FILES)
+            or (checkpoints.is_dir() and any(e.is_dir() and not e.is_symlink() and STEP_DIR.match(e.name)
+                                             for e in checkpoints.iterdir())))
 
 
 def job_of(argv: list[str]) -> Job | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 from . import supervise
@@ -85,31 +86,49 @@ def report(run_dir: Path, unit: str | None, log_lines: int = 5, job: Job = TRAIN
     elif state in ("running", "restarting", "starting") and not alive(int(st.get("pid") or 0)):
         state = "dead"  # the supervisor went away without recording why (container restart, SIGKILL)
     found = of_run(run_dir, job_processes(), job)
-    if found and state in ("never started", "finished", "stopped", "failed", "dead"):
-        state = "running (foreground, unsupervised)"
+    # How the job last ended: the supervisor's record (its exit code, when), or for a job started directly the
+    # time of the result it wrote.
+    ended = {"rc": st.get("rc"), "at": st.get("updated")} if state in ENDED and "rc" in st else None
+    if found and state in ("never started", *ENDED, "dead"):
+        state, ended = "running (foreground, unsupervised)", None
     elif state == "never started" and not run_dir.is_dir():  # a mistyped directory reads as this too
         state = NO_SUCH_DIRECTORY
-    elif state == "never started" and job is TRAIN:
-        state = unsupervised_state(run_dir)
+    elif state == "never started":
+        state, at = unsupervised_state(run_dir, job)
+        ended = {"rc": None, "at": at} if at else None
     log = Path(st.get("log") or run_dir / job.log)
     # A run started directly (a terminal, a script) has no log here: the trainer's own latest line.
     latest = last_progress(log) or (last_progress(run_dir / PROGRESS_FILE) if job is TRAIN else None)
     return {"job": job.name, "run_dir": str(run_dir), "state": state, "supervisor": st.get("supervisor", "none"),
             "systemd": unit_state, "restarts": int((unit_state or {}).get("NRestarts") or st.get("restarts") or 0),
-            "pids": [p.pid for p in found], **progress(job, run_dir), "last_progress": latest,
+            "pids": [p.pid for p in found], "ended": ended, **progress(job, run_dir), "last_progress": latest,
             "log": str(log), "log_found": log.is_file(),
             "log_tail": tail(log, log_lines)}
 
 
-def unsupervised_state(run_dir: Path) -> str:
-    """A training run no supervisor recorded (started with dflash-train directly) and no process of it alive:
-    what its directory says."""
-    if (run_dir / "summary.json").is_file():
-        return "finished (started directly, not by dflash-run)"
-    if (run_dir / "config.json").is_file():
-        return ("not running: started directly (not by dflash-run) and ended before its last step; "
-                "--resume continues it from its last checkpoint")
-    return "never started"
+ENDED = ("finished", "stopped", "failed")  # supervisor states that record the job's exit code (rc)
+DIRECTLY = "started directly, not by dflash-run"
+# What each job writes when it completes (a job started directly has no supervisor record: this says it ended).
+RESULT = {TRAIN.name: "summary.json", REGENERATE.name: "summary.json", EVAL.name: "eval.json"}
+
+
+def _mtime(path: Path) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(path.stat().st_mtime))
+
+
+def unsupervised_state(run_dir: Path, job: Job = TRAIN) -> tuple[str, str | None]:
+    """A job no supervisor recorded (dflash-train, dflash-regenerate or dflash-eval run directly) and no process of
+    it alive: what its directory says, and when its result was written (None: no result)."""
+    result = run_dir / RESULT[job.name]
+    if result.is_file():
+        return f"finished ({DIRECTLY})", _mtime(result)
+    if job is TRAIN and (run_dir / "config.json").is_file():
+        return (f"not running: {DIRECTLY}, and ended before its last step; --resume continues it from its last "
+                "checkpoint"), None
+    if job is REGENERATE and any(run_dir.glob("part-*.jsonl")):
+        return (f"not running: {DIRECTLY}, and ended before it answered every prompt (no summary.json); the same "
+                "command again answers the rest"), None
+    return "never started", None
 
 
 NO_SUCH_DIRECTORY = "never started (no such directory: deploy creates it, or check the path)"
@@ -150,8 +169,11 @@ def progress_lines(r: dict) -> list[str]:
 def format_report(r: dict) -> str:
     log = r["log"] if r.get("log_found", True) or r["supervisor"] != "none" else \
         "none here (a run started directly logs to its own terminal or file)"
+    ended = r.get("ended")
     lines = [f"job:         {r['job']} in {r['run_dir']}",
              f"state:       {r['state']} (supervisor: {r['supervisor']}, restarts: {r['restarts']})",
+             *(["ended:       " + (f"exit {ended['rc']}" if ended["rc"] is not None else "its result written")
+                + (f" at {ended['at']}" if ended.get("at") else "")] if ended else []),
              f"processes:   {', '.join(map(str, r['pids'])) or 'none'}",
              *progress_lines(r),
              *([f"progress:    {r['last_progress']}"] if r.get("last_progress") else []),

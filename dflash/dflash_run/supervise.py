@@ -3,9 +3,9 @@
 Two supervisors share this code. Production: a systemd unit inside the container runs `dflash-run run`
 (systemd restarts it, journald keeps its output). Containers without systemd (busybox init, the test
 host's CTs): `dflash-run start` detaches a process supervisor that does the same restarts itself.
-Either way the trainer always starts with --resume, so a restart continues from the last checkpoint
-(regeneration skips what it answered by itself), and the job's output goes to stdout (journald) and to
-its log file.
+Either way the trainer starts with --resume once its directory holds a run (the first start is a new run), so
+a restart continues from the last checkpoint (regeneration skips what it answered by itself), and the job's
+output goes to stdout (journald) and to its log file.
 
 Graceful stop: SIGTERM to the supervisor waits until no checkpoint is being written (the trainer's
 checkpoints appear atomically from a .tmp-step-* directory), then sends SIGTERM to the trainer's
@@ -193,7 +193,7 @@ class Supervisor:
         sys.stdout.flush()
 
     def run_job(self) -> int:
-        argv = list(self.launch["argv"]) + list(self.job.resume_args)
+        argv = list(self.launch["argv"]) + list(self.job.start_args(self.run_dir))
         env = dict(os.environ, **self.launch.get("env", {}), PYTHONUNBUFFERED="1")
         self.note("start: " + " ".join(argv))
         self.child_started = time.time()

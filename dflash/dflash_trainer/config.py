@@ -126,8 +126,9 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     steps: Annotated[int, STEPS] = 1000  # optimizer steps of the run
-    # passes over data.train instead of train.steps (not both): steps = ceil(epochs x usable rows /
-    # (micro_batch x grad_accum x drafter ranks)), printed at the start and recorded as train.steps
+    # passes over data.train instead of train.steps (not both): steps = ceil(epochs x floor(usable rows /
+    # micro_batch) / (grad_accum x drafter ranks)): an epoch is the whole micro-batches its rows fill (the
+    # last partial one is left out, a new shuffle each epoch), printed at the start and recorded as train.steps
     epochs: Annotated[float | None, POSITIVE] = None
     micro_batch: Annotated[int, ROWS] = 1  # rows per micro-batch on each drafter rank
     grad_accum: Annotated[int, ROWS] = 1  # micro-batches per optimizer step on each drafter rank
@@ -271,15 +272,32 @@ def _range_problem(value, rule: Rule) -> str | None:
 
 def check_value(value, hint, rule: Rule) -> tuple[object, str | None]:
     """(value as its declared type, None), or (None, what is wrong with it): the one check every config key and
-    every numeric command-line flag goes through (a finite number of the right type, within the rule's range)."""
+    every numeric command-line flag goes through (a finite number of the right type, within the rule's range; a
+    path that is there: neither null where one is required nor an empty string)."""
+    nullable = _optional(hint)[1]
+    if value is None and not nullable:  # `--set key=null` on a key that must have a value
+        return None, f"cannot be unset: give {'a path' if rule.path else describe_rule(hint, rule)}"
     try:
         typed = _coerce(value, hint)
     except _Mismatch:
         finite = " (finite)" if isinstance(value, float) and not math.isfinite(value) else ""
         return None, f"must be {_describe(hint)}{finite}"
+    if rule.path and (problem := _path_problem(typed, nullable)) is not None:
+        return None, problem
     if (problem := _range_problem(typed, rule)) is not None:
         return None, problem
     return typed, None
+
+
+def _path_problem(value, nullable: bool) -> str | None:
+    """An empty path: "" would name the working directory (an output_dir) or nothing at all (a data file)."""
+    if isinstance(value, list):
+        if any(not v.strip() for v in value):
+            return "holds an empty path: give a file, glob or dataset name in each element (or leave it out)"
+        return None
+    if isinstance(value, str) and not value.strip():
+        return "is empty: give a path" + (", or null (leave the key out) for none" if nullable else "")
+    return None
 
 
 def describe_rule(hint, rule: Rule) -> str:
@@ -358,8 +376,8 @@ def _hint_for(keys: list[str]):
 
 def _parse_value(raw: str, hint):
     """A --set value as its field expects it: strings need no quotes; numbers and lists are JSON."""
-    inner, nullable = _optional(hint)
-    if raw == "null" and nullable:
+    inner, _ = _optional(hint)
+    if raw == "null":  # unset: refused by name where the key must have a value (check_value)
         return None
     try:
         value = json.loads(raw)

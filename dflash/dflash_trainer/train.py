@@ -32,8 +32,8 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from tqdm import tqdm
 
     from . import cli_args
-    from .compile.guard import CompileReport, leave_run_phase, prefetch_triton_key
-    from .config import RunConfig, check_init_from
+    from .compile.guard import CompileReport, leave_run_phase, prefetch_triton_key, start_compile_workers
+    from .config import RunConfig, check_init_from, semantic_problems
     from .data.features import FeatureShards
     from .data.rows import MicroBatches
     from .distributed import parallel
@@ -568,6 +568,8 @@ def _start(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool, sta
                         isolate_gpus=p.isolate_gpus, target_tp=p.target_tp)
     startup.mark("run directory, process group and GPU")
     prefetch_triton_key(ctx.device)  # the compile step's first cache lookup needs it: hashed beside the setup
+    if ctx.device.type == "cuda":  # Triton's compile workers start beside the setup, not at the first compile
+        start_compile_workers(compile_cache_dir(cfg.train.compile_cache_dir))
     # After a failure, no graceful teardown: destroy_process_group can wait forever on a peer still
     # blocked in a send to this rank (NCCL), and the traceback would only print after it. The error
     # propagates at once; torchrun sees the failed rank and stops the others (torchtitan does the same).
@@ -628,8 +630,14 @@ def steps_from_epochs(cfg: RunConfig, ctx: parallel.Context, tokenizer) -> None:
     else:
         rows, eval_rows = training_rows(cfg, tokenizer, quiet=True)
         held_out = f" after {len(eval_rows)} held out for evaluation" if eval_rows is not None else ""
-        count = len(rows) // cfg.train.micro_batch  # whole micro-batches, as the stream takes them
-        what = f"{len(rows)} usable rows{held_out}, {per_step * cfg.train.micro_batch} a step"
+        # Whole micro-batches, as the stream takes them (MicroBatches.per_epoch): every micro-batch has the
+        # one shape the compile step compiled, so an epoch's last partial one is left out (rows drawn anew each
+        # epoch). steps = ceil(epochs x floor(rows / micro_batch) / per_step), as docs/configuration.md says.
+        count = len(rows) // cfg.train.micro_batch
+        partial = len(rows) - count * cfg.train.micro_batch
+        what = (f"{len(rows)} usable rows{held_out}: {count} micro-batches of {cfg.train.micro_batch}"
+                + (f", the last {partial} rows of each epoch's shuffle left out" if partial else "")
+                + f"; {per_step} a step")
     cfg.train.steps = max(1, math.ceil(cfg.train.epochs * count / per_step))
     if ctx.rank == 0:
         console.print(f"train.epochs = {cfg.train.epochs:g}: {cfg.train.steps} steps ({what})", soft_wrap=True)
@@ -680,9 +688,14 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(args, int):  # a bad flag, said by argparse (2), or --help (0)
         return args
     try:
-        cfg = cli_args.run_config(args, KEY_FLAGS)
+        # --print-config prints any config that parses (types, ranges, known keys); what a run needs besides
+        # (a target, data) is said beside it, not refused: printing is how an incomplete config gets completed.
+        cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=not args.print_config)
         if args.print_config:
             cli_args.print_config(cfg)
+            if problems := semantic_problems(cfg):
+                console.print("note: this config cannot start a run yet:\n  - " + escape("\n  - ".join(problems)),
+                              soft_wrap=True)
             return 0
         if args.dump_features:
             check_inputs(cfg)

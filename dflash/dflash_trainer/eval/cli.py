@@ -38,7 +38,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..run import checkpoint as ckpt
     from ..run import run_dir as run_dir_lib
     from ..run.evaluate import EVAL_PROMPTS_FILE
-    from ..run.loading import check_target
+    from ..run.loading import check_target, check_tokenizer_files, family_problem
     from ..target.fp8 import check_fp8_device, check_not_prequantized
     from ..target.frozen import FrozenTarget, attention_implementation, check_supported_target, meta_skeleton
     from .report import SetResult, build_report, plot, table, write_json, write_requests
@@ -358,6 +358,7 @@ def load_target_files(target: str, trust: bool):
 
     try:  # a missing directory, or a hub id while the hub is unreachable: refused in seconds, not after retries
         check_target(target)
+        check_tokenizer_files(target, "--target")  # transformers would build an empty tokenizer instead
     except ConfigError as exc:
         raise EvalError(str(exc).replace("target.path", "--target", 1)) from None
     try:
@@ -377,6 +378,9 @@ def load_target_files(target: str, trust: bool):
 def check_target_fits(s: Settings, raw: dict, drafter_dir: Path, target_config) -> int:
     """The drafter fits the target, an fp8 target is no prequantized one; the target's context, in tokens."""
     check_fits(raw, drafter_dir, target_config, s.target)
+    if problem := family_problem(raw, target_config, s.trust_remote_code):  # shapes can match across families
+        raise EvalError(f"drafter {drafter_dir} does not fit target {s.target}: {problem}. Evaluate it against a "
+                        f"target of the family it was trained for (see {drafter_dir / 'config.json'})")
     if s.quantization == "fp8":
         try:
             check_not_prequantized(target_config, f"--target {s.target}", setting=EVAL_FP8_SETTING)
@@ -589,11 +593,38 @@ def write_results(p: Plan, report: dict, requests: list[dict]) -> int:
     return 0
 
 
+def print_settings(args, cfg: RunConfig) -> None:
+    """--print-config: the run config as this evaluation would use it (the flags, --config / --set, then --run's
+    recorded settings, then dflash-eval's defaults, a dtype resolved by the device), as TOML on stdout, with
+    dflash-eval's own inputs (the drafter, prompt sets, --out) as comments after it."""
+    s = settings(args, cfg)
+    target_dtype = s.target_dtype or str(_dtype("auto", pick_device(args.device))).removeprefix("torch.")
+    # Only the keys an evaluation reads (the drafter's shape is its config.json's): a run config of its own.
+    values = {"target": {"path": s.target, "dtype": target_dtype, "quantization": s.quantization,
+                         "trust_remote_code": s.trust_remote_code},
+              "train": {"dtype": s.drafter_dtype or target_dtype}, "eval": {"max_new_tokens": s.max_new_tokens}}
+    sets = name_sources(args.prompts, s.names) if args.prompts or s.names else []
+    own = {"--drafter": s.drafter, "--prompts": " ".join(f"{name}={source}" for name, source in sets) or None,
+           "--out": s.out, "--limit": s.limit, "--batch-size": args.batch_size}
+    lines = [f"# {flag} {value}" if value is not None else f"# {flag} is unset" for flag, value in own.items()]
+    read = f" and --run {args.run}" if args.run else ""
+    print(f"# The run-config keys dflash-eval reads, merged: flags, --config / --set{read}, its defaults "
+          "(train.dtype: the drafter's)\n" + cli_args.config_toml(values).lstrip("\n")
+          + f"\n# dflash-eval's own inputs (its flags{read}):\n" + "\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parsed = cli_args.parse_with_config(parser(), argv, KEY_FLAGS, console)
-    if isinstance(parsed, int):
-        return parsed
-    args, cfg = parsed
+    args = cli_args.parse(parser(), argv)
+    if isinstance(args, int):  # a bad flag, said by argparse (2), or --help (0)
+        return args
+    try:
+        cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=False)
+        if args.print_config:  # what this evaluation would use, --run's recorded settings included
+            print_settings(args, cfg)
+            return 0
+    except cli_args.bad_input_errors(EvalError) as exc:
+        cli_args.say_error(console, str(exc))
+        return cli_args.BAD_INPUT
     if args.bench:
         return bench(args, cfg)
     try:

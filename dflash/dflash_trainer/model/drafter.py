@@ -105,6 +105,7 @@ def drafter_config(target_config, shape: DrafterShape, borrowed: dict | None = N
         architectures=[ARCHITECTURE],
         block_size=shape.block_size,
         num_target_layers=num_target_layers,
+        target_model_type=tc.model_type,  # the family it drafts for: dflash-eval refuses a target of another
         dflash_config={"mask_token_id": shape.mask_token_id, "target_layer_ids": layer_ids,
                        **{k: v for k, v in borrowed.items() if v != IDENTITY_SCALES[k]}},
     )

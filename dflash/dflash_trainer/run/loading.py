@@ -8,15 +8,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import ConfigError, RunConfig
+from ..config import ConfigError, RunConfig, read_drafter_file
 from ..data.features import FeatureShards, target_fingerprint
 from ..data.held_out import overlapping, split_by_prompt
-from ..data.rows import MicroBatches, check_sources, load_rows, tokenize_dataset
+from ..data.prompts import check_chat_template
+from ..data.rows import DataError, MicroBatches, check_sources, load_rows, pretokenized, tokenize_dataset
 from ..distributed import parallel
 from ..infra.console import console
 from ..infra.dtypes import DTYPES
 from ..infra.hub import remote_code_hint
-from ..model.drafter import DFlashDrafter, DrafterShape, drafter_config
+from ..model.drafter import IDENTITY_SCALES, DFlashDrafter, DrafterShape, drafter_config
 from ..target.fp8 import check_fp8_device, check_not_prequantized
 from ..target.frozen import (
     FrozenTarget,
@@ -68,6 +69,10 @@ def check_inputs(cfg: RunConfig) -> None:
         config = target_config(cfg)
         check_supported_target(config, f"target.path {cfg.target.path}", cfg.target.trust_remote_code)
         check_tp_shape(config, cfg.parallel.target_tp, cfg.target.path)  # N splits the heads evenly
+        if init and (problem := family_problem(read_drafter_file(Path(init), "drafter.init_from"), config,
+                                               cfg.target.trust_remote_code)):
+            raise ConfigError(f"drafter.init_from {init} drafts for another target family: {problem}. Continue a "
+                              f"drafter of this target's family, or leave drafter.init_from out to build a new one")
         _CHECKED_CONFIGS[(cfg.target.path, cfg.target.trust_remote_code)] = config  # read_target_files takes it
     if not features:
         check_sources(cfg.data.train)
@@ -87,10 +92,46 @@ def target_config(cfg: RunConfig):
     return _from_target_dir(cfg, AutoConfig, "read the model config")
 
 
+# The files a Hugging Face tokenizer is saved as (fast, SentencePiece, BPE and WordPiece vocabularies, Mistral's):
+# a model directory with none of them holds no tokenizer, and transformers would build an empty one from its
+# config.json (one token, no chat template, no mask token) rather than refuse.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+
+
+def check_tokenizer_files(path: str, where: str) -> None:
+    """A local target directory holds its tokenizer (`where`: the setting or flag that gave it, for the message)."""
+    local = Path(path)
+    if local.is_dir() and not any((local / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{where} {path}: the directory has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), "
+                          "and the target's own tokenizer renders the data and names the mask token. Save it "
+                          "there (AutoTokenizer.from_pretrained(MODEL_ID).save_pretrained(DIR)), or copy the "
+                          "tokenizer files from where the model came from")
+
+
 def load_tokenizer(cfg: RunConfig):
+    """The target's tokenizer, refused when the directory has none or when it cannot render the run's chat data."""
     from transformers import AutoTokenizer
 
-    return _from_target_dir(cfg, AutoTokenizer, "load its tokenizer")
+    check_tokenizer_files(cfg.target.path, "target.path")
+    tokenizer = _from_target_dir(cfg, AutoTokenizer, "load its tokenizer")
+    check_chat_data(cfg, tokenizer)
+    return tokenizer
+
+
+def check_chat_data(cfg: RunConfig, tokenizer) -> None:
+    """Chat rows are rendered with the target's chat template: a tokenizer without one is refused (DataError, as
+    dflash-regenerate and dflash-eval refuse it) before the target loads, unless every data source is
+    pre-tokenized (input_ids + loss_mask, e.g. regenerated answers) or the features were dumped already."""
+    if getattr(tokenizer, "chat_template", None) or cfg.data.features_dir:
+        return
+    for key, sources in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+        if sources and not pretokenized(load_rows(sources)):
+            try:
+                check_chat_template(tokenizer, cfg.target.path)
+            except DataError as exc:
+                raise DataError(f"{exc}; or give {key} as pre-tokenized rows (input_ids + loss_mask, as "
+                                "dflash-regenerate writes them), which need no chat template") from None
 
 
 def _from_target_dir(cfg: RunConfig, auto_class, what: str):
@@ -135,6 +176,7 @@ def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
         from transformers import Qwen3Config
 
         return Qwen3Config.from_pretrained(d.init_from)
+    check_tap_points(cfg, target_config)
     borrowed = borrowed_scales(target_config, trust_remote_code=cfg.target.trust_remote_code)
     try:
         return drafter_config(target_config, DrafterShape(
@@ -144,6 +186,60 @@ def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
         ), borrowed)
     except ValueError as exc:  # layer ids or mask token outside the target
         raise ConfigError(f"drafter: {exc}") from exc
+
+
+def family_problem(drafter: dict, target_config, trust_remote_code: bool = False) -> str | None:
+    """Why a drafter (its config.json) was trained for another target family than target_config's, or None.
+
+    The family its config records (target_model_type, the target's text model_type); a drafter that records
+    none (older ones, other trainers') still carries the scales its target applied to the embedding and logits
+    it borrows (dflash_config: Gemma's sqrt(hidden) embedding scale, soft-capped logits, ...): one the target
+    does not apply is another family's. Shapes can match across families; these cannot be served together."""
+    family = getattr(text_config(target_config), "model_type", None)
+    recorded = drafter.get("target_model_type")
+    if isinstance(recorded, str) and family and recorded != family:
+        return (f"it was trained for a {recorded} target (target_model_type in its config.json), and this target "
+                f"is {family}")
+    if recorded:
+        return None
+    dflash = drafter.get("dflash_config") if isinstance(drafter.get("dflash_config"), dict) else {}
+    scales = borrowed_scales(target_config, trust_remote_code=trust_remote_code)
+    differ = [f"{key} = {dflash[key]} (this target: {scales[key]})" for key, identity in IDENTITY_SCALES.items()
+              if dflash.get(key, identity) != identity and dflash[key] != scales[key]]
+    if differ:
+        return (f"its dflash_config applies {', '.join(differ)}: the embedding and logit scales of the target family "
+                f"it was trained for, which this {family} target does not apply")
+    return None
+
+
+def tap_example(num_target_layers: int, num_ids: int) -> list[int]:
+    """Distinct layers of a target with `num_target_layers` layers, at most `num_ids` of them, evenly spaced over
+    layers 1..T-1 (the first layer's output is close to the embedding, as the published rule skips it): a
+    drafter.target_layer_ids a small target can give."""
+    layers = list(range(1, num_target_layers)) or [0]
+    count = max(1, min(num_ids, len(layers)))
+    if count == 1:
+        return [layers[len(layers) // 2]]
+    return sorted({layers[round(i * (len(layers) - 1) / (count - 1))] for i in range(count)})
+
+
+def check_tap_points(cfg: RunConfig, target_config) -> None:
+    """The layers the drafter taps lie in the target: the published rule (drafter.num_layers ids spaced over
+    layers 1..T-3) needs a target of 4 layers or more for two ids, and explicit ids must be layers of it. Refused
+    with a drafter.target_layer_ids the target can give."""
+    layers = text_config(target_config).num_hidden_layers
+    d = cfg.drafter
+    example = tap_example(layers, d.num_layers if d.target_layer_ids is None else len(d.target_layer_ids))
+    fix = (f"set drafter.target_layer_ids to layers of the target (0..{layers - 1}), e.g. --set "
+           f"drafter.target_layer_ids=[{','.join(map(str, example))}] (as many as you like: drafter.num_layers "
+           "need not match)")
+    if d.target_layer_ids is None and d.num_layers > 1 and layers < 4:
+        raise ConfigError(f"drafter.num_layers = {d.num_layers}: the drafter taps {d.num_layers} target layers by the "
+                          f"published rule (spaced over layers 1..T-3, which needs a target of 4 layers or more), and "
+                          f"target {cfg.target.path} has {layers}: {fix}")
+    if d.target_layer_ids is not None and (outside := [i for i in d.target_layer_ids if i >= layers]):
+        raise ConfigError(f"drafter.target_layer_ids = {list(d.target_layer_ids)}: {outside} are not layers of target "
+                          f"{cfg.target.path}, which has {layers}: {fix}")
 
 
 def new_drafter(cfg: RunConfig, target_config, tokenizer, device="cpu", initialise: bool = True,

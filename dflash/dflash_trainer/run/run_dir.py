@@ -157,6 +157,10 @@ def resolve_stored(value, out: Path):
 
 # ---- prepare: before anything loads ------------------------------------------------------------
 
+# What makes a directory hold a run (besides step directories under checkpoints/): --resume needs one of them.
+RUN_MARKS = (RUN_CONFIG, "summary.json", "drafter/", f"{CHECKPOINTS}/step-*")
+
+
 def _held(out: Path, found: ckpt.Inspection) -> list[str]:
     held = [name for name in (RUN_CONFIG, "summary.json", "drafter") if (out / name).exists()]
     return held + ([f"{CHECKPOINTS}/"] if found.anything else [])
@@ -299,9 +303,7 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = F
         resume = _auto_choice(cfg, out, found, held, say)
         if resume is None:
             return RunStart(out, False, False, found, finished=True)
-    if held and not resume and not overwrite:
-        raise RunDirError(f"{out} already holds a run ({', '.join(held)}): continue it with --resume, start a new "
-                          "run with another --output-dir, or replace this one with --overwrite")
+    _check_held(out, held, resume, overwrite)
     storage.check_writable(out)
     start = RunStart(out, resume, overwrite, found)
     if resume:
@@ -325,6 +327,19 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = F
                               f"{cfg.train.steps}: give train.steps = {found.resume_step} to publish the drafter of that "
                               f"checkpoint, or more to train further (--set train.steps=N)")
     return start
+
+
+def _check_held(out: Path, held: list[str], resume: bool, overwrite: bool) -> None:
+    """A new run never lands on an earlier one; --resume needs a run to continue (a mistyped --output-dir is not
+    a new run: --auto-resume is the flag that decides that by itself)."""
+    if held and not resume and not overwrite:
+        raise RunDirError(f"{out} already holds a run ({', '.join(held)}): continue it with --resume, start a new "
+                          "run with another --output-dir, or replace this one with --overwrite")
+    if resume and not held:
+        why = "it does not exist" if not out.exists() else f"it holds none of {', '.join(RUN_MARKS)}"
+        raise RunDirError(f"--resume: there is no run to resume in {out} ({why}): give the --output-dir of the run "
+                          "to continue (check the path), or leave --resume out to start a new run there; "
+                          "--auto-resume continues a run where there is one and starts a new one where there is none")
 
 
 def _refuse_other_drafter(cfg: RunConfig, recorded: dict | None, out: Path) -> None:

@@ -20,6 +20,8 @@ def write_summary(out: Path, summary: dict) -> None:
 
 def print_summary(summary: dict) -> None:
     table = Table(title="DFlash training summary", show_header=False)
+    table.add_column()
+    table.add_column(overflow="fold")  # a path longer than a log's 80 columns wraps whole, never cut with "…"
     fmt = lambda v, f: "n/a" if v is None else format(v, f)
     table.add_row("steps", f"{summary['steps']} ({len(summary['losses'])} in this run)")
     table.add_row("loss", f"{fmt(summary['first_loss'], '.3f')} -> {fmt(summary['final_loss'], '.3f')}")
