@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -277,6 +278,8 @@ FLAKY = textwrap.dedent("""\
     (run / f"attempt-{n}").write_text(" ".join(sys.argv[1:]))
     (run / "config.json").write_text("{}")  # as the trainer writes it once it has loaded: a run to resume
     print(f"attempt {n} args {sys.argv[1:]}", flush=True)
+    if n:  # the second attempt does all its work: its result, as the trainer and regeneration write it
+        (run / "summary.json").write_text("{}")
     sys.exit(3 if n == 0 else 0)
     """)
 
@@ -551,6 +554,45 @@ def test_stale_processes_of_any_job_block_a_start(tmp_path):
     (p,) = preflight.check_stale(tmp_path, [regen], "make {job}-stop INVENTORY=inv.yml")
     assert "regeneration process 41 of another job (/srv/regen) is still running" in p.detail
     assert p.fix.startswith("make regenerate-stop INVENTORY=inv.yml, or `kill 41`")
+
+
+# A job that stops cleanly on SIGTERM: what it answered is kept, it exits 0, and writes no summary.json.
+STOPS_CLEANLY = textwrap.dedent("""\
+    import os, pathlib, signal, sys, time
+    run = pathlib.Path.cwd()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    (run / "job-pid").write_text(str(os.getpid()))
+    print("answering", flush=True)
+    time.sleep(60)
+    (run / "summary.json").write_text("{}")
+    """)
+
+
+@pytest.mark.parametrize("job", [REGENERATE, TRAIN])
+def test_a_job_signalled_directly_is_stopped_not_finished(job, tmp_path):
+    """`kill <pid of the job>` (not of dflash-run): the job stops cleanly with exit 0 and without its result;
+    the supervisor records a stop that `make <job>` continues, not a finished job, and does not restart it."""
+    run = tmp_path / job.name
+    launch(run, STOPS_CLEANLY, job=job.name)
+    (run / job.result).parent.mkdir(parents=True, exist_ok=True)
+    (run / job.result).write_text("{}")  # an earlier, finished run's result: older than this start
+    old = time.time() - 3600
+    os.utime(run / job.result, (old, old))
+
+
+    def kill_the_job() -> None:
+        if wait_for(lambda: (run / "job-pid").exists() and (run / "job-pid").read_text()):
+            os.kill(int((run / "job-pid").read_text()), signal.SIGTERM)
+
+    killer = threading.Thread(target=kill_the_job)
+    killer.start()
+    assert supervise.run(run, restart=True, job=job) == 0  # the supervisor installs signal handlers: main thread
+    killer.join()
+    st = supervise.read_state(run)
+    assert st["state"] == "stopped" and st["rc"] == 0 and st["restarts"] == 0, st
+    log = (run / job.log).read_text()
+    assert f"exited 0 before it finished (no new {job.result}" in log and job.again in log, log
+    assert "finished" not in log.replace("before it finished", "")
 
 
 def test_a_regeneration_job_is_supervised_without_resume_flags(tmp_path):

@@ -24,6 +24,7 @@ class Job:
     resume_args: tuple[str, ...]  # what a restart adds (regeneration resumes by itself when rerun)
     noun: str  # in the log: "trainer failed (exit 1)"
     again: str  # what starting it again does, said when it stopped
+    result: str  # the file it writes once it has done all its work (not when a signal stopped it early)
 
     def start_args(self, job_dir: Path) -> tuple[str, ...]:
         """What a start adds to the deployed command line: resume_args once job_dir holds what they resume (the
@@ -45,11 +46,11 @@ class Job:
 
 
 TRAIN = Job("train", "training", ("dflash_trainer.train",), ("dflash-train",), "--output-dir", ("--resume",),
-            "trainer", "`make train` resumes from the last checkpoint")
+            "trainer", "`make train` resumes from the last checkpoint", "summary.json")
 REGENERATE = Job("regenerate", "regeneration", ("dflash_trainer.regenerate",), ("dflash-regenerate",), "--out", (),
-                 "regeneration", "`make regenerate` answers the rest (the shards written are kept)")
+                 "regeneration", "`make regenerate` answers the rest (the shards written are kept)", "summary.json")
 EVAL = Job("eval", "evaluation", ("dflash_trainer.eval",), ("dflash-eval",), "--out", (),
-           "evaluation", "`make eval` evaluates again")
+           "evaluation", "`make eval` evaluates again", "eval.json")
 JOBS = {job.name: job for job in (TRAIN, REGENERATE, EVAL)}
 
 

@@ -108,8 +108,6 @@ def report(run_dir: Path, unit: str | None, log_lines: int = 5, job: Job = TRAIN
 
 ENDED = ("finished", "stopped", "failed")  # supervisor states that record the job's exit code (rc)
 DIRECTLY = "started directly, not by dflash-run"
-# What each job writes when it completes (a job started directly has no supervisor record: this says it ended).
-RESULT = {TRAIN.name: "summary.json", REGENERATE.name: "summary.json", EVAL.name: "eval.json"}
 
 
 def _mtime(path: Path) -> str:
@@ -119,7 +117,7 @@ def _mtime(path: Path) -> str:
 def unsupervised_state(run_dir: Path, job: Job = TRAIN) -> tuple[str, str | None]:
     """A job no supervisor recorded (dflash-train, dflash-regenerate or dflash-eval run directly) and no process of
     it alive: what its directory says, and when its result was written (None: no result)."""
-    result = run_dir / RESULT[job.name]
+    result = run_dir / job.result  # a job started directly has no supervisor record: its result says it ended
     if result.is_file():
         return f"finished ({DIRECTLY})", _mtime(result)
     if job is TRAIN and (run_dir / "config.json").is_file():

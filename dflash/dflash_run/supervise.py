@@ -206,6 +206,14 @@ class Supervisor:
             self.emit(line)
         return self.child.wait()
 
+    def wrote_result(self) -> bool:
+        """The job's result file (summary.json, eval.json) was written since this start of it."""
+        try:
+            # A second's slack for file systems whose timestamps are coarser than time.time().
+            return (self.run_dir / self.job.result).stat().st_mtime >= self.child_started - 1
+        except FileNotFoundError:
+            return False
+
     def state(self, state: str, **extra) -> None:
         write_state(self.run_dir, state=state, job=self.job.name, pid=os.getpid(), restarts=self.restarts,
                     log=str(self.log_path), supervisor=self.launch.get("supervisor", "process"), **extra)
@@ -220,6 +228,13 @@ class Supervisor:
             if self.stopping.is_set():
                 self.note(f"stopped ({noun} exit {rc}); {self.job.again}")
                 self.state("stopped", rc=rc)
+                return 0
+            if rc == 0 and not self.wrote_result():
+                # The job stops cleanly on SIGTERM / SIGINT too (exit 0, its work kept): a signal sent to it, not
+                # to this supervisor (a `kill` of its pid), is a stop, not the end of the work.
+                self.note(f"stopped: the {noun} exited 0 before it finished (no new {self.job.result}; a signal "
+                          f"sent to it, not to dflash-run); {self.job.again}")
+                self.state("stopped", rc=0)
                 return 0
             if rc == 0:
                 self.note("finished")
