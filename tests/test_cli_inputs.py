@@ -347,6 +347,30 @@ def test_a_small_target_gets_a_target_layer_ids_that_works(tiny_target, tmp_path
                                    AutoConfig.from_pretrained(target), AutoTokenizer.from_pretrained(target))
 
 
+@pytest.mark.parametrize(("family", "layers", "num_layers", "repeated", "distinct"), [
+    ("llama", 4, 2, [1, 1], [1, 3]), ("mistral", 6, 5, [1, 2, 2, 2, 3], [1, 2, 3, 4, 5]),
+    ("gemma2", 7, 5, [1, 2, 2, 3, 4], [1, 2, 3, 5, 6]),
+])
+def test_a_target_the_published_rule_taps_twice_gets_a_note_with_distinct_layers(family, layers, num_layers,
+                                                                                  repeated, distinct):
+    """The rule spaces num_layers ids over layers 1..T-3; below num_layers + 3 layers some repeat. The run goes on
+    (the rule is z-lab's), and the note names distinct layers that the drafter config then takes."""
+    from transformers import AutoConfig
+
+    target = AutoConfig.for_model(family, num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    cfg = load_config("embedded", [f"drafter.num_layers={num_layers}"], whole_run=False)
+    (note,) = loading.repeated_taps_note(cfg, target)
+    assert f"taps target layers {repeated} by the published rule" in note, note
+    suggested = re.search(r"--set drafter\.target_layer_ids=\[([\d,]+)\]", note)
+    assert suggested and [int(i) for i in suggested.group(1).split(",")] == distinct, note
+    ids = load_config("embedded", [f"drafter.num_layers={num_layers}", f"drafter.target_layer_ids=[{suggested.group(1)}]"],
+                      whole_run=False)
+    assert loading.repeated_taps_note(ids, target) == []  # explicit ids: the user chose them
+    many = AutoConfig.for_model(family, num_hidden_layers=num_layers + 3)
+    assert loading.repeated_taps_note(cfg, many) == []  # enough layers: distinct by the rule
+
+
 # ---- 10. a bad data file: our message alone --------------------------------------------------------------
 
 def test_a_bad_data_file_is_said_once_without_datasets_own_log_line(tmp_path):

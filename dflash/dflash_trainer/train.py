@@ -64,6 +64,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
         load_target,
         new_drafter,
         read_target_files,
+        repeated_taps_note,
         training_rows,
     )
     from .run.serve_check import check_published
@@ -588,7 +589,7 @@ def _accept(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart,
         checked = drafter_config_for(cfg, target_files.config, target_files.tokenizer)
         run_dir.check_model(start, cfg, checked)
     if ctx.rank == 0:
-        for note in start.notes + run_dir.clean(start):
+        for note in start.notes + run_dir.clean(start) + repeated_taps_note(cfg, target_files.config):
             console.print(escape(note), soft_wrap=True)
     ctx.barrier()  # the others read the checkpoints once they are clean
     return checked

@@ -17,7 +17,13 @@ from ..distributed import parallel
 from ..infra.console import console
 from ..infra.dtypes import DTYPES
 from ..infra.hub import remote_code_hint
-from ..model.drafter import IDENTITY_SCALES, DFlashDrafter, DrafterShape, drafter_config
+from ..model.drafter import (
+    IDENTITY_SCALES,
+    DFlashDrafter,
+    DrafterShape,
+    build_target_layer_ids,
+    drafter_config,
+)
 from ..target.fp8 import check_fp8_device, check_not_prequantized
 from ..target.frozen import (
     FrozenTarget,
@@ -240,6 +246,23 @@ def check_tap_points(cfg: RunConfig, target_config) -> None:
     if d.target_layer_ids is not None and (outside := [i for i in d.target_layer_ids if i >= layers]):
         raise ConfigError(f"drafter.target_layer_ids = {list(d.target_layer_ids)}: {outside} are not layers of target "
                           f"{cfg.target.path}, which has {layers}: {fix}")
+
+
+def repeated_taps_note(cfg: RunConfig, target_config) -> list[str]:
+    """A note where the published rule taps a layer more than once: drafter.num_layers ids spaced over layers
+    1..T-3 of a target with fewer than num_layers + 3 layers repeat some (T = 6, 5 ids: 1, 2, 2, 2, 3). It
+    trains, as z-lab's rule gives it, but a repeated layer adds no information: distinct ids are said."""
+    d = cfg.drafter
+    layers = text_config(target_config).num_hidden_layers
+    if d.init_from or d.target_layer_ids is not None or d.num_layers < 2 or layers < 4:
+        return []
+    ids = build_target_layer_ids(layers, d.num_layers)
+    if len(set(ids)) == len(ids):
+        return []
+    distinct = tap_example(layers, d.num_layers)
+    return [(f"note: drafter.num_layers = {d.num_layers} taps target layers {ids} by the published rule (spaced over "
+             f"layers 1..{layers - 3} of this {layers}-layer target): a repeated layer adds nothing. Distinct ones: "
+             f"--set drafter.target_layer_ids=[{','.join(map(str, distinct))}]")]
 
 
 def new_drafter(cfg: RunConfig, target_config, tokenizer, device="cpu", initialise: bool = True,
