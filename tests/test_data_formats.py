@@ -1,5 +1,6 @@
 """The data people have: JSON arrays, JSON lines, parquet, Arrow and CSV files; OpenAI content parts, tool
-calls and tool turns, reasoning fields; refused rows counted with their row numbers; unreadable files named."""
+calls and tool turns, a row's tool definitions, LLaMA-Factory's ShareGPT function_call and observation turns,
+reasoning fields; refused rows counted with their row numbers; unreadable files named."""
 
 from __future__ import annotations
 
@@ -10,20 +11,40 @@ from pathlib import Path
 import datasets
 import pytest
 from dflash_trainer.data.prompt_sets import load_prompt_set
-from dflash_trainer.data.rows import DataError, load_rows, normalise_messages, tokenize_dataset
+from dflash_trainer.data.rows import (
+    BAD_FUNCTION_CALL,
+    BAD_TOOLS,
+    DataError,
+    load_rows,
+    normalise_messages,
+    tokenize_dataset,
+)
 from dflash_trainer.train import main
 from transformers import AutoTokenizer
 
 CHATS = [[{"role": "user", "content": f"What is {n} plus {n}?"},
           {"role": "assistant", "content": f"{n} plus {n} is {2 * n}, as adding {n} twice gives {2 * n}."}]
          for n in range(1, 9)]
-# A chat template that renders tool calls, tool turns and reasoning (as Qwen3's and DeepSeek-R1's do).
+# A chat template that renders the tools it is given, tool calls (arguments as text or an object, as Qwen3's),
+# tool turns and reasoning (as Qwen3's and DeepSeek-R1's do).
 TOOL_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
     "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}({{ c.function.arguments }})</tool_call>"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}({{ c.function.arguments if "
+    "c.function.arguments is string else c.function.arguments | tojson }})</tool_call>"
     "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+ADD = {"name": "add", "description": "Add two numbers",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}
+MUL = {"name": "mul", "description": "Multiply two numbers", "parameters": {"type": "object", "properties": {}}}
+# LLaMA-Factory's ShareGPT with tools: the definitions as JSON text of bare function schemas, the call as JSON
+SHAREGPT_TOOLS = {"conversations": [{"from": "human", "value": "What is 2 plus 2?"},
+                                    {"from": "function_call", "value": json.dumps({"name": "add",
+                                                                                   "arguments": {"a": 2, "b": 2}})},
+                                    {"from": "observation", "value": "4"},
+                                    {"from": "gpt", "value": "2 plus 2 is 4."}],
+                  "tools": json.dumps([ADD, MUL])}
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +178,63 @@ def test_a_source_of_refused_rows_only_names_the_reasons(tokenizer, tmp_path):
     rows = [{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}] * 3
     with pytest.raises(DataError, match=r"all 3 refused: 3 x content part of type 'input_audio'.*\(rows 1, 2, 3\)"):
         tokenize_dataset(load_rows([write(tmp_path / "audio.jsonl", rows)]), tokenizer, 128)
+
+
+def trained_text(tokenizer, row: dict) -> str:
+    return tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+
+
+def test_a_rows_tools_go_to_every_rendering_and_rows_without_render_as_before(tool_tokenizer, tmp_path):
+    chat = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "2 plus 2 is 4."},
+            {"role": "user", "content": "And 3 times 3?"}, {"role": "assistant", "content": "3 times 3 is 9."}]
+    tools = [{"type": "function", "function": ADD}, {"type": "function", "function": MUL}]
+    rows = [{"messages": chat, "tools": tools}, {"messages": chat, "tools": []}, {"messages": chat}]
+    ds = tokenize_dataset(load_rows([write(tmp_path / "tools.jsonl", rows)]), tool_tokenizer, 256)
+    with_tools, empty, without = (tool_tokenizer.decode(r["input_ids"]) for r in ds)
+    assert with_tools == "<|im_start|>system\nTools: add mul<|im_end|>\n" + without
+    assert empty == without and "Tools:" not in without
+    for row in ds:  # every rendering has the tools, so both answers (and only they) are found and trained on
+        assert trained_text(tool_tokenizer, row) == "2 plus 2 is 4.<|im_end|>\n3 times 3 is 9.<|im_end|>\n"
+
+
+def test_llama_factory_function_call_and_observation_turns_and_tools_as_json_text(tool_tokenizer, tmp_path):
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+    assert normalise_messages(SHAREGPT_TOOLS) == [
+        {"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "4"}, {"role": "assistant", "content": "2 plus 2 is 4."}]
+    parallel = json.dumps([{"name": "add", "arguments": {"a": 1, "b": 1}}, {"name": "mul", "arguments": {}}])
+    turn = normalise_messages({"conversations": [{"from": "function_call", "value": parallel}]})[0]
+    assert [c["function"]["name"] for c in turn["tool_calls"]] == ["add", "mul"] and turn["role"] == "assistant"
+
+    ds = tokenize_dataset(load_rows([write(tmp_path / "sharegpt.jsonl", [SHAREGPT_TOOLS] * 2)]), tool_tokenizer, 256)
+    assert tool_tokenizer.decode(ds[0]["input_ids"]) == (
+        "<|im_start|>system\nTools: add mul<|im_end|>\n<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>add({"a": 2, "b": 2})</tool_call><|im_end|>\n'
+        "<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n2 plus 2 is 4.<|im_end|>\n")
+    assert trained_text(tool_tokenizer, ds[0]) == \
+        '<tool_call>add({"a": 2, "b": 2})</tool_call><|im_end|>\n2 plus 2 is 4.<|im_end|>\n'  # the tool's reply is input
+
+
+def test_bad_tools_and_bad_function_calls_are_refused_by_row_with_the_fix(tool_tokenizer, tmp_path, capfd):
+    good = {"messages": CHATS[0]}
+    bad_call = {"conversations": [{"from": "human", "value": "What is 2 plus 2?"},
+                                  {"from": "function_call", "value": "add(2, 2)"}, {"from": "gpt", "value": "4."}]}
+    rows = [good, {**good, "tools": {"name": "add"}}, {**good, "tools": "add, mul"}, good, bad_call,
+            {**good, "tools": ["add"]}, {**good, "tools": [{"description": "a tool without a name"}]}]
+    ds = tokenize_dataset(load_rows([write(tmp_path / "bad.jsonl", rows)]), tool_tokenizer, 256)
+    assert len(ds) == 2
+    said = capfd.readouterr().err
+    assert f"2 of 7 rows used, 5 refused: 4 x {BAD_TOOLS} (rows 2, 3, 6, 7); 1 x {BAD_FUNCTION_CALL} (row 5)" in said
+
+
+def test_prompt_sets_render_a_rows_tools(tool_tokenizer, tmp_path):
+    rows = [SHAREGPT_TOOLS, {"messages": CHATS[0], "tools": [{"type": "function", "function": MUL}]},
+            {"messages": CHATS[1], "tools": "not JSON"}, {"messages": CHATS[2]}]
+    found = load_prompt_set("tools", write(tmp_path / "p.jsonl", rows), tool_tokenizer, "tiny", None, 400,
+                            len(tool_tokenizer))
+    first, second, plain = (tool_tokenizer.decode(p) for p in found.prompts)
+    assert first == ("<|im_start|>system\nTools: add mul<|im_end|>\n<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n"
+                     "<|im_start|>assistant\n")
+    assert second.startswith("<|im_start|>system\nTools: mul<|im_end|>\n<|im_start|>user\nWhat is 1 plus 1?")
+    assert plain.startswith("<|im_start|>user\nWhat is 3 plus 3?")
+    assert found.skipped == {BAD_TOOLS: [3]}

@@ -1,4 +1,7 @@
-"""Prompts from chat rows and prompt/question rows, rendered with the target's chat template."""
+"""Prompts from chat rows and prompt/question rows, rendered with the target's chat template and the row's
+tool definitions."""
+
+import json
 
 import pytest
 from dflash_trainer.data.prompts import (
@@ -10,7 +13,7 @@ from dflash_trainer.data.prompts import (
     row_messages,
     user_turns,
 )
-from dflash_trainer.data.rows import DataError
+from dflash_trainer.data.rows import BAD_TOOLS, DataError, row_tools
 from transformers import AutoTokenizer
 
 
@@ -66,3 +69,35 @@ def test_a_chat_row_without_turns_says_so_and_tool_turns_are_kept():
                                        {"role": "assistant", "content": None, "tool_calls": [call]},
                                        {"role": "tool", "tool_call_id": "c1", "content": "4"}]})
     assert turns[1] == {"role": "assistant", "content": "", "tool_calls": [call]} and turns[2]["role"] == "tool"
+
+
+ADD = {"name": "add", "description": "Add two numbers", "parameters": {"type": "object", "properties": {}}}
+
+
+def test_a_rows_tools_in_every_form_people_give_them():
+    openai = [{"type": "function", "function": ADD}]
+    assert row_tools({"tools": openai}) == openai
+    assert row_tools({"tools": json.dumps([ADD])}) == openai  # LLaMA-Factory: JSON text of bare function schemas
+    assert row_tools({"tools": [ADD]}) == openai
+    # `datasets` fills the keys other rows of the file have with None: the row's own definition is what it set
+    padded = [{"type": "function", "function": {**ADD, "strict": None}, "extra": None}]
+    assert row_tools({"tools": padded}) == openai
+    for none in (None, "", "  ", [], "[]", "null"):
+        assert row_tools({"tools": none}) is None and row_tools({}) is None
+    for bad in ("add, mul", {"name": "add"}, json.dumps({"name": "add"}), ["add"], [{"description": "no name"}],
+                [{"type": "function", "function": "add"}], 3):
+        with pytest.raises(DataError) as caught:
+            row_tools({"tools": bad})
+        assert str(caught.value) == BAD_TOOLS
+    assert "drop the row's tools" in BAD_TOOLS and '{"type": "function", "function": {name,' in BAD_TOOLS
+
+
+def test_render_prompt_gives_the_template_the_rows_tools(tiny_target):
+    tok = AutoTokenizer.from_pretrained(tiny_target["target"])
+    plain = render_prompt(tok, [{"role": "user", "content": "What is 2 plus 3?"}])
+    tok.chat_template = ("{% if tools %}[tools:{% for t in tools %} {{ t.function.name }}{% endfor %}]{% endif %}"
+                         + tok.chat_template)
+    messages = [{"role": "user", "content": "What is 2 plus 3?"}]
+    assert tok.decode(render_prompt(tok, messages, row_tools({"tools": json.dumps([ADD])}))) == \
+        "[tools: add]<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
+    assert render_prompt(tok, messages, None) == render_prompt(tok, messages, []) == plain

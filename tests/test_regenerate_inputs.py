@@ -1,9 +1,11 @@
 """dflash-regenerate's inputs and stops: a target the trainer cannot draft for is refused before anything is
-written; tool calls and tool results are the prompt's context (never rewritten, counted); every skipped
-row has its true reason and row numbers; prompts too long name the --max-new-tokens that fits; SIGTERM and
-Ctrl-C stop cleanly (exit 0, what is answered written, resumable); engine openai sends --stop-token, takes
-"length" as the one sign of a cut answer, and asks the server for the generated ids when it gives them
-(a fake OpenAI-compatible server here; tests/test_regenerate_serve.py runs a real one)."""
+written; tool calls and tool results are the prompt's context (never rewritten, counted), a row's tool
+definitions are rendered into its prompts and sent to a server, LLaMA-Factory's ShareGPT function_call and
+observation turns are read as tool calls and results; every skipped row has its true reason and row
+numbers; prompts too long name the --max-new-tokens that fits; SIGTERM and Ctrl-C stop cleanly (exit 0,
+what is answered written, resumable); engine openai sends --stop-token and the row's tools, takes "length"
+as the one sign of a cut answer, and asks the server for the generated ids when it gives them (a fake
+OpenAI-compatible server here; tests/test_regenerate_serve.py runs a real one)."""
 
 from __future__ import annotations
 
@@ -27,10 +29,10 @@ from dflash_trainer.data.prompts import (
     row_messages,
     slot_indices,
 )
-from dflash_trainer.data.rows import DataError
+from dflash_trainer.data.rows import BAD_FUNCTION_CALL, BAD_TOOLS, DataError
 from dflash_trainer.regenerate.answers import GENERATED, RETOKENIZED, Request, answer_from_text
 from dflash_trainer.regenerate.cli import main
-from dflash_trainer.regenerate.engine_openai import OpenAIEngine
+from dflash_trainer.regenerate.engine_openai import EndpointError, OpenAIEngine, Refused
 from dflash_trainer.regenerate.plan import (
     NO_CHAT,
     NO_USER_TURN,
@@ -45,10 +47,13 @@ from transformers import AutoTokenizer
 
 from tests.helpers.regenerate import corpus_rows, free_port, shard_rows, write_jsonl
 
-# A chat template that renders tool calls and tool turns (tests/test_data_formats.py's, as Qwen3's does)
+# A chat template that renders the tools it is given, tool calls (arguments as text or an object) and tool turns
+# (tests/test_data_formats.py's, as Qwen3's does)
 TOOL_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}({{ c.function.arguments }})</tool_call>"
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}({{ c.function.arguments if "
+    "c.function.arguments is string else c.function.arguments | tojson }})</tool_call>"
     "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CALL = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}
@@ -59,6 +64,14 @@ TOOL_CHAT = [{"role": "system", "content": "You can add."},
              {"role": "assistant", "content": "2 plus 2 is 4."}]
 IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
          {"role": "assistant", "content": "A cat."}]
+ADD = {"name": "add", "description": "Add two numbers", "parameters": {"type": "object", "properties": {}}}
+TOOLS = [{"type": "function", "function": ADD}]
+# LLaMA-Factory's ShareGPT: tools as JSON text of bare function schemas, the call as JSON, its result an observation
+SHAREGPT_TOOLS = {"conversations": [{"from": "human", "value": "What is 2 plus 2?"},
+                                    {"from": "function_call", "value": '{"name": "add", "arguments": {"a": 2, "b": 2}}'},
+                                    {"from": "observation", "value": "4"},
+                                    {"from": "gpt", "value": "2 plus 2 is 4."}],
+                  "tools": json.dumps([ADD])}
 
 
 def args(target, data, out, *extra):
@@ -148,6 +161,26 @@ def test_rows_with_tool_calls_are_answered_after_them_and_what_is_kept_is_counte
     assert summary["skipped_row_numbers"] == {ENDS_WITH_TOOL_CALL: [2]}
 
 
+def test_a_rows_tools_are_in_its_prompts_and_sharegpt_calls_stay_as_context(tool_target, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tool_target)
+    data = write_jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_CHAT, "tools": TOOLS}, SHAREGPT_TOOLS,
+                                                  *corpus_rows(2)])
+    out = tmp_path / "out"
+    assert main(args(tool_target, data, out)) == 0
+    rows = {r["id"]: r for r in shard_rows(out)}
+    assert sorted(rows) == ["0", "1", "2", "3"]
+    for key in ("0", "1"):
+        row = rows[key]
+        prompt = tok.decode(row["input_ids"][: row["loss_mask"].index(1)])
+        assert prompt.startswith("<|im_start|>system\nTools: add<|im_end|>\n") and row["tools"] == TOOLS
+        assert prompt == tok.decode(render_prompt(tok, row["messages"][:-1], row["tools"]))
+        assert '<tool_call>add({"a": 2, "b": 2})</tool_call>' in prompt and "<|im_start|>tool\n4<|im_end|>" in prompt
+    assert rows["1"]["messages"][1]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 2}}
+    assert "tools" not in rows["2"] and "Tools:" not in tok.decode(rows["2"]["input_ids"])  # no tools: as before
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["not_regenerated"] == {TOOL_CALLS_KEPT: {"rows": 2, "turns": 2, "first_rows": [1, 2]}}
+
+
 # ---- 3. each skipped row's reason, with its row numbers -----------------------------------------------------
 
 def test_skipped_rows_get_their_true_reason_and_row_numbers(tiny_target, tokenizer, tmp_path, capsys):
@@ -174,6 +207,21 @@ def test_skipped_rows_get_their_true_reason_and_row_numbers(tiny_target, tokeniz
     assert main(args(tiny_target["target"], only_bad, tmp_path / "o2")) == 2
     assert f"can be answered: 7 x {image} (rows 1, 2, 3, 4, 5, ...)" in said(capsys)
     assert not (tmp_path / "o2").exists()
+
+
+def test_rows_with_bad_tools_or_a_bad_function_call_are_skipped_with_the_reason(tool_target, tmp_path):
+    from dflash_trainer.data.rows import load_rows
+
+    bad_call = {"conversations": [{"from": "human", "value": "What is 2 plus 2?"},
+                                  {"from": "function_call", "value": "add(2, 2)"}, {"from": "observation", "value": "4"},
+                                  {"from": "gpt", "value": "4."}]}
+    good = corpus_rows(1)[0]
+    rows = [good, {**good, "tools": "add"}, bad_call, {**good, "tools": {"name": "add"}}, SHAREGPT_TOOLS]
+    tok = AutoTokenizer.from_pretrained(tool_target)
+    plan = make_plan(load_rows([str(write_jsonl(tmp_path / "bad.jsonl", rows))]), tok, Sampling(max_new_tokens=12), {})
+    assert dict(plan.skipped) == {BAD_TOOLS: 2, BAD_FUNCTION_CALL: 1}
+    assert plan.skips.first_rows == {BAD_TOOLS: [2, 4], BAD_FUNCTION_CALL: [3]}
+    assert [j.index for j in sorted(plan.jobs, key=lambda j: j.index)] == [0, 4]
 
 
 # ---- 4. prompts too long: the --max-new-tokens that fits -----------------------------------------------------
@@ -328,3 +376,42 @@ def test_the_server_is_asked_for_generated_ids_and_refusing_them_means_retokeniz
     assert summary["answer_ids"] == {GENERATED: 3 * token_ids, RETOKENIZED: 3 * (not token_ids)}
     warning = "does not send the generated token ids: it refuses return_token_ids (HTTP 422"
     assert (err.count(warning) == 1) is (not token_ids), err
+
+
+def test_the_request_carries_the_rows_tools_and_tool_call_arguments_as_json_text(tool_target, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tool_target)
+    server = FakeServer(tok, "The red fox runs every day.", token_ids=True)
+    try:
+        data = write_jsonl(tmp_path / "tools.jsonl", [SHAREGPT_TOOLS, {"messages": TOOL_CHAT, "tools": TOOLS},
+                                                      *corpus_rows(1)])
+        out = tmp_path / "out"
+        assert main(args(tool_target, data, out, "--engine", "openai", "--endpoint", server.url)) == 0
+    finally:
+        server.close()
+    _, *answered = server.bodies
+    with_tools = [b for b in answered if "tools" in b]
+    assert len(answered) == 3 and len(with_tools) == 2  # the row without tools sends none
+    assert all(b["tools"] == TOOLS for b in with_tools)  # the OpenAI form: LLaMA-Factory's bare schemas wrapped
+    sharegpt = next(b for b in with_tools if b["messages"][0]["role"] == "user")  # TOOL_CHAT opens with a system turn
+    assert sharegpt["messages"][1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}]  # the API's form: text
+    rows = shard_rows(out)
+    assert sum(tok.decode(r["input_ids"]).startswith("<|im_start|>system\nTools: add") for r in rows) == 2
+
+
+def test_a_server_that_parses_out_tool_calls_or_refuses_the_tools_is_told_the_fix(tokenizer, monkeypatch):
+    engine = OpenAIEngine("http://127.0.0.1:1/v1", "tiny", tokenizer, Sampling(max_new_tokens=8), [5], 1)
+    request = Request(Job("k", 0, "0", []), 0, [{"role": "user", "content": "2+2?"}], [], 0, TOOLS)
+    parsed = {"choices": [{"message": {"content": None, "tool_calls": [CALL]}, "finish_reason": "tool_calls"}]}
+    monkeypatch.setattr(engine, "_call", lambda *a: parsed)
+    with pytest.raises(EndpointError, match=r"parsed a tool call out of an answer .*: pass --extra-body "
+                                            r"'\{\"tool_choice\": \"none\"\}'"):
+        engine.answer_one(request)
+
+    def refuse(*a):
+        raise Refused("http://x/v1 refused the request: HTTP 400: auto tool choice requires --enable-auto-tool-choice",
+                      400, "auto tool choice requires --enable-auto-tool-choice")
+
+    monkeypatch.setattr(engine, "_call", refuse)
+    with pytest.raises(Refused, match=r"HTTP 400: auto tool choice .*\. The request carried the row's tools: pass "):
+        engine.answer_one(request)

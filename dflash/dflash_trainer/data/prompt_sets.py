@@ -3,10 +3,10 @@
 A source is a JSONL file (or glob) or a hub dataset (`owner/name`, `owner/name:config`, either with
 `@split`, default `test`). Its rows may be chats (`messages` / `conversations`: the conversation up
 to its last user turn), single prompts (`prompt` / `question`), both rendered with the target's chat
-template (data/prompts.py), or token ids already rendered for this target: `prompt_ids` (what a training
-run records in OUTPUT/eval_prompts.jsonl), or `input_ids` + `loss_mask` rows (training data: the
-tokens before the first supervised one). Rows without a prompt are skipped and counted; a source
-with no usable prompt is an error.
+template and the row's `tools` (data/prompts.py), or token ids already rendered for this target:
+`prompt_ids` (what a training run records in OUTPUT/eval_prompts.jsonl), or `input_ids` + `loss_mask`
+rows (training data: the tokens before the first supervised one). Rows without a prompt are skipped and
+counted; a source with no usable prompt is an error.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .prompts import NoPromptField, check_chat_template, prompt_messages, render_prompt, row_id, row_messages
-from .rows import DATA_SUFFIXES, DataError, describe_refusals, is_local_source, load_rows
+from .rows import DATA_SUFFIXES, DataError, describe_refusals, is_local_source, load_rows, row_tools
 
 FLAGS = "--prompts / --name"
 
@@ -94,6 +94,7 @@ def row_prompt(row: dict, tokenizer, target: str) -> tuple[list[int] | None, str
         return (list(row["input_ids"])[: mask.index(1)], None) if 1 in mask else (None, "no supervised token")
     try:
         messages = prompt_messages(row_messages(row))
+        tools = row_tools(row)
     except NoPromptField:
         return None, "no prompt field"
     except DataError as exc:  # a turn that is not a chat turn, a content part that is not text: counted by reason
@@ -101,7 +102,7 @@ def row_prompt(row: dict, tokenizer, target: str) -> tuple[list[int] | None, str
     if messages is None:
         return None, "no user turn"
     check_chat_template(tokenizer, target)
-    return render_prompt(tokenizer, messages), None
+    return render_prompt(tokenizer, messages, tools), None
 
 
 def load_prompt_set(name: str, source: str, tokenizer, target: str, limit: int | None,

@@ -4,9 +4,10 @@ A source row is a chat (`messages` / `conversations`, as data.train takes them) 
 `prompt` or `question` field, as benchmark sets such as GSM8K or MT-Bench exports carry). The prompt of
 a chat is the conversation up to its last user turn; `user_turns` lists every user turn, for
 regenerating multi-turn data turn by turn. Prompts are rendered with the target tokenizer's own chat
-template and a generation prompt, exactly as a serving engine renders them. `answer_slots` marks the
-assistant turns regeneration writes: the final answer, or with turns="all" every assistant answer in order;
-assistant tool calls and tool results stay in the conversation as context (never rewritten).
+template, the row's `tools` and a generation prompt, exactly as a serving engine renders them.
+`answer_slots` marks the assistant turns regeneration writes: the final answer, or with turns="all" every
+assistant answer in order; assistant tool calls and tool results stay in the conversation as context
+(never rewritten).
 """
 
 from __future__ import annotations
@@ -117,7 +118,10 @@ def check_chat_template(tokenizer, target: str) -> None:
                         "chat_template to its tokenizer_config.json")
 
 
-def render_prompt(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
-    """Token ids of the conversation with the assistant's generation prompt appended."""
+def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> list[int]:
+    """Token ids of the conversation with the assistant's generation prompt appended; `tools`: the row's tool
+    definitions (data/rows.py's row_tools), which the template renders as a server renders a request's."""
+    if tools:
+        template_kwargs["tools"] = tools
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -2,9 +2,10 @@
 
 A row is exactly what data.train takes: `input_ids` (prompt rendered by the chat template + the answer
 tokens the target produced, its stop token included), `loss_mask` (1 on the answer tokens), plus the
-conversation with the new answers (`messages`), the source row's `id`, and `regen` (resume key and
-per-answer statistics for the summary: length, truncated, roundtrip, and `answer_ids`: "generated" when
-the ids are the tokens the target generated, "retokenized" when a server sent text only).
+conversation with the new answers (`messages`, and `tools` where the source row has them), the source
+row's `id`, and `regen` (resume key and per-answer statistics for the summary: length, truncated,
+roundtrip, and `answer_ids`: "generated" when the ids are the tokens the target generated, "retokenized"
+when a server sent text only).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class Request:
     messages: list[dict]  # the conversation up to this answer (what an OpenAI server renders)
     prompt: list[int]  # the same rendered locally with the target's chat template
     seed: int
+    tools: list[dict] | None = None  # the row's tool definitions, rendered into `prompt` (an OpenAI server: sent)
 
 
 GENERATED = "generated"  # the answer's ids are the tokens the target generated
@@ -77,8 +79,9 @@ def answer_from_text(tokenizer, text: str, finish_reason: str | None, stop_ids: 
 
 
 def assemble_row(job: Job, conversation: list[dict], slots: list[int], prompts: list[list[int]],
-                 answers: list[Answer]) -> dict:
-    """The training row of a job whose first len(answers) slots are answered.
+                 answers: list[Answer], tools: list[dict] | None = None) -> dict:
+    """The training row of a job whose first len(answers) slots are answered; the row's `tools` are kept
+    beside its messages (the prompts were rendered with them).
 
     Earlier answers stay supervised when each later prompt starts with the tokens so far (the template
     renders earlier turns as they were generated); otherwise the row restarts at that prompt, and the
@@ -101,6 +104,7 @@ def assemble_row(job: Job, conversation: list[dict], slots: list[int], prompts: 
     return {
         "id": job.source_id,
         "messages": messages,
+        **({"tools": tools} if tools else {}),
         "input_ids": ids,
         "loss_mask": mask,
         "regen": {

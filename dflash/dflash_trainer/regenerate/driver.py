@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from ..data.prompts import render_prompt, slot_indices
+from ..data.rows import row_tools
 from ..infra.metrics import PlainProgress, plain_progress, say_progress
 from .answers import Request, assemble_row
 from .plan import TEMPLATE_ERRORS, Job, Plan, chunks, conversation_of
@@ -130,6 +131,7 @@ class _JobState:
     conversation: list[dict]
     slots: list[int]
     prompts: list[list[int]]
+    tools: list[dict] | None  # the row's tool definitions: every prompt renders them, engine openai sends them
     answers: list = field(default_factory=list)
 
 
@@ -141,8 +143,10 @@ def answer_chunk(engine, rows, tokenizer, jobs: list[Job], sampling: Sampling, c
     out (a later run answers them)."""
     states = []
     for job in jobs:
-        conversation = conversation_of(rows[job.index], sampling.turns)
-        states.append(_JobState(job, conversation, slot_indices(conversation), [list(job.first_prompt)]))
+        row = rows[job.index]
+        conversation = conversation_of(row, sampling.turns)
+        states.append(_JobState(job, conversation, slot_indices(conversation), [list(job.first_prompt)],
+                                row_tools(row)))
     active, turn = states, 0
     while active:
         requests = []
@@ -152,7 +156,8 @@ def answer_chunk(engine, rows, tokenizer, jobs: list[Job], sampling: Sampling, c
                 stats.cut_short += 1
                 _finish(st, finished, progress, stats)
                 continue
-            requests.append(Request(st.job, turn, messages, st.prompts[turn], row_seed(sampling.seed, st.job.key, turn)))
+            seed = row_seed(sampling.seed, st.job.key, turn)
+            requests.append(Request(st.job, turn, messages, st.prompts[turn], seed, st.tools))
         by_key = {st.job.key: st for st in active}
         still = []
         for request, answer in engine.answer(requests, should_stop):
@@ -175,7 +180,7 @@ def _next_prompt(st: _JobState, messages: list[dict], tokenizer, sampling: Sampl
                  max_context: int | None) -> bool:
     """A later turn's prompt appended to st.prompts; False when the template refuses it or it does not fit."""
     try:
-        prompt = render_prompt(tokenizer, messages, **chat_kwargs)
+        prompt = render_prompt(tokenizer, messages, st.tools, **chat_kwargs)
     except TEMPLATE_ERRORS:  # the template refuses this turn: keep the answers so far
         return False
     if max_context and len(prompt) + sampling.max_new_tokens > max_context:
@@ -194,7 +199,7 @@ def _filled(st: _JobState, upto: int) -> list[dict]:
 
 
 def _finish(st: _JobState, finished: list[dict], progress: Progress | None, stats: RunStats) -> None:
-    finished.append(assemble_row(st.job, st.conversation, st.slots, st.prompts, st.answers))
+    finished.append(assemble_row(st.job, st.conversation, st.slots, st.prompts, st.answers, st.tools))
     stats.rows += 1
     if progress:
         progress.row_done()

@@ -2,13 +2,15 @@
 in flight.
 
 The server runs in its own container or environment, never in the frozen training environment (README
-"DFlash recipe end to end"). Requests go to /v1/chat/completions with the conversation, so the server
-renders the prompt with its own copy of the chat template. `check` asks the server once whether it returns
-the generated token ids (`return_token_ids`, vLLM): when it does, every request asks for them and the rows
-keep exactly the tokens it generated; a server that refuses the field (transformers serve answers 422 to
-fields it does not know) or ignores it gets requests without it, and the answers' text is re-tokenized
-(said once at the start; each row records which in regen.answer_ids). The stdlib's HTTP client is enough
-for JSON over keep-alive-less POSTs and adds no package to that environment.
+"DFlash recipe end to end"). Requests go to /v1/chat/completions with the conversation and the row's
+`tools`, so the server renders the prompt with its own copy of the chat template; an answer the server
+parsed a tool call out of is refused (its text is no longer what the target generated). `check` asks the
+server once whether it returns the generated token ids (`return_token_ids`, vLLM): when it does, every
+request asks for them and the rows keep exactly the tokens it generated; a server that refuses the field
+(transformers serve answers 422 to fields it does not know) or ignores it gets requests without it, and
+the answers' text is re-tokenized (said once at the start; each row records which in regen.answer_ids).
+The stdlib's HTTP client is enough for JSON over keep-alive-less POSTs and adds no package to that
+environment.
 """
 
 from __future__ import annotations
@@ -43,6 +45,21 @@ class Refused(EndpointError):
 
 
 TOKEN_IDS = "return_token_ids"  # vLLM: choices[0].token_ids (the generated ids) and prompt_token_ids
+# What makes a server render a row's tools and still return the generated text as it is
+TOOL_CHOICE_FIX = ("pass --extra-body '{\"tool_choice\": \"none\"}' (vLLM still renders the tools into the prompt "
+                   "then, and parses no tool call out of the answer), or serve the target without a tool-call parser")
+
+
+def wire_messages(messages: list[dict]) -> list[dict]:
+    """The messages as the chat-completions API takes them: a tool call's arguments as JSON text (rows of
+    LLaMA-Factory's ShareGPT carry an object; servers parse the text back into the object templates read)."""
+    def call(c: dict) -> dict:
+        f = c.get("function")
+        if not isinstance(f, dict) or isinstance(f.get("arguments"), str) or "arguments" not in f:
+            return c
+        return {**c, "function": {**f, "arguments": json.dumps(f["arguments"], ensure_ascii=False)}}
+
+    return [{**m, "tool_calls": [call(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
 
 
 def base_url(endpoint: str) -> str:
@@ -146,8 +163,10 @@ class OpenAIEngine:
     # -- answers ---------------------------------------------------------------------------------
     def request_body(self, request: Request) -> dict:
         s = self.sampling
-        body = {"model": self.model, "messages": request.messages, "max_tokens": s.max_new_tokens,
+        body = {"model": self.model, "messages": wire_messages(request.messages), "max_tokens": s.max_new_tokens,
                 "temperature": s.temperature, "stream": False}
+        if request.tools:  # the server renders them into the prompt, as the local prompt has them
+            body["tools"] = request.tools
         if not s.greedy:
             body["seed"] = request.seed
             if s.top_p < 1:
@@ -161,13 +180,23 @@ class OpenAIEngine:
         return {**body, **self.extra_body}
 
     def answer_one(self, request: Request) -> Answer:
-        got = self._call("POST", "/chat/completions", self.request_body(request))
+        try:
+            got = self._call("POST", "/chat/completions", self.request_body(request))
+        except Refused as exc:
+            if not request.tools or "tool_choice" in self.extra_body:
+                raise
+            raise Refused(f"{exc}. The request carried the row's tools: {TOOL_CHOICE_FIX}", exc.status,
+                          exc.detail) from None
         try:
             choice = got["choices"][0]
             text = choice["message"]["content"] or ""
         except (KeyError, IndexError, TypeError):
             raise EndpointError(f"{self.url}/chat/completions answered without choices[0].message.content: "
                                 f"{json.dumps(got)[:300]}") from None
+        if choice["message"].get("tool_calls"):  # the text the target generated is no longer all in `content`
+            raise EndpointError(f"{self.url} parsed a tool call out of an answer (message.tool_calls), so its text "
+                                f"is not what the target generated: {TOOL_CHOICE_FIX}; the shards already written "
+                                "are kept, run the same command to resume")
         server_ids = choice.get("token_ids")
         prompt_ids = got.get("prompt_token_ids") or choice.get("prompt_token_ids")
         matches = prompt_ids is None or list(prompt_ids) == list(request.prompt)

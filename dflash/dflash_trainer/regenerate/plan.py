@@ -28,7 +28,7 @@ from ..data.prompts import (
     slot_indices,
     tool_call_turns,
 )
-from ..data.rows import SHOWN_ROWS, DataError
+from ..data.rows import SHOWN_ROWS, DataError, row_tools
 from .sampling import Sampling
 from .summary import rows_named
 
@@ -120,6 +120,7 @@ def _first_prompt(row: dict, tokenizer, sampling: Sampling, chat_kwargs: dict,
     """The row's conversation with its slots and its first prompt's ids; _Skip says why there are none."""
     try:
         conversation = conversation_of(row, sampling.turns)
+        tools = row_tools(row)
     except NoPromptField as exc:
         raise _Skip(NO_CHAT, str(exc).removeprefix("row has ")) from None
     except DataError as exc:  # the trainer's refusal of the row (a non-text content part, ...), as it words it
@@ -128,7 +129,7 @@ def _first_prompt(row: dict, tokenizer, sampling: Sampling, chat_kwargs: dict,
         raise _Skip(NO_USER_TURN)
     first = slot_indices(conversation)[0]
     try:
-        prompt = render_prompt(tokenizer, conversation[:first], **chat_kwargs)
+        prompt = render_prompt(tokenizer, conversation[:first], tools, **chat_kwargs)
     except TEMPLATE_ERRORS as exc:
         raise _Skip(TEMPLATE_REFUSED, f"{exc.__class__.__name__}: {exc}") from None
     if max_context is not None and len(prompt) + sampling.max_new_tokens > max_context:
