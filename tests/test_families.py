@@ -45,7 +45,7 @@ BLOCK, NEW = 4, 16
 # window); the others take their own forward, hooked.
 TAPPED = {"llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2"}
 EAGER = {"gemma2", "gpt_oss"}  # attention SDPA cannot express: soft-capped scores, attention sinks
-SCALED_EMBEDDINGS = {"gemma2", "gemma3", "gemma3_multimodal"}
+SCALED_EMBEDDINGS = {"gemma2", "gemma3", "gemma3_multimodal", "granite"}
 family_names = pytest.mark.parametrize("family", list(FAMILIES))
 # A drafter trained per family: test-fast trains Gemma 3's (sliding and full layers, the cache rolled back past
 # the window), the slow tests every other family's.

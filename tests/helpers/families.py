@@ -55,6 +55,16 @@ FAMILIES = {
                                             sliding_window=WINDOW, layer_types=ALTERNATING),
                 "attention sinks, mixture of experts, YaRN RoPE, eager attention"),
     "gemma3_multimodal": (_llava_style_gemma3, "a vision-language wrapper whose text tower is the target"),
+    # Granite 3's multipliers: embeddings scaled up, logits divided, residual and attention scaled.
+    "granite": (lambda **c: hf.GraniteConfig(**SHAPE, **c, embedding_multiplier=12.0, logits_scaling=8.0,
+                                             residual_multiplier=0.22, attention_multiplier=0.0078125),
+                "multiplied embeddings, divided logits, scaled residuals and attention"),
+    "cohere": (lambda **c: hf.CohereConfig(**SHAPE, **c, logit_scale=0.0625),
+               "scaled logits, LayerNorm, attention and MLP in parallel"),
+    "mixtral": (lambda **c: hf.MixtralConfig(**SHAPE, **c, sliding_window=WINDOW, num_local_experts=4,
+                                             num_experts_per_tok=2), "mixture of experts under a sliding window"),
+    "starcoder2": (lambda **c: hf.Starcoder2Config(**SHAPE, **c, sliding_window=WINDOW),
+                   "LayerNorm with biases, a GELU MLP without a gate, a sliding window"),
 }
 if not hasattr(hf, "GptOssConfig"):  # an older transformers
     del FAMILIES["gpt_oss"]

@@ -129,7 +129,8 @@ def borrowed_scales(config, skeleton: nn.Module | None = None, trust_remote_code
             "final_logit_softcapping": float(softcap) if softcap else None}
 
 
-SUPPORTED_FAMILIES = ("Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3, OLMo 2 and gpt-oss causal LMs, "
+SUPPORTED_FAMILIES = ("Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3, OLMo 2, gpt-oss, "
+                      "Granite, Cohere and StarCoder2 causal LMs, "
                       "and Gemma 3's multimodal checkpoint")
 
 
