@@ -45,7 +45,7 @@ BLOCK, NEW = 4, 16
 # window); the others take their own forward, hooked.
 TAPPED = {"llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2"}
 EAGER = {"gemma2", "gpt_oss"}  # attention SDPA cannot express: soft-capped scores, attention sinks
-SCALED_EMBEDDINGS = {"gemma2", "gemma3", "gemma3_multimodal", "granite"}
+SCALED_EMBEDDINGS = {"gemma2", "gemma3", "gemma3_multimodal", "granite", "granitemoe"}
 family_names = pytest.mark.parametrize("family", list(FAMILIES))
 # A drafter trained per family: test-fast trains Gemma 3's (sliding and full layers, the cache rolled back past
 # the window), the slow tests every other family's.
@@ -108,9 +108,10 @@ def test_drafter_config_derives_from_the_family(family, tokenizer):
     text = config.get_text_config(decoder=True)
     dc = drafter_config(config, DrafterShape(num_layers=2, block_size=BLOCK, mask_token_id=tokenizer.mask_token_id))
     assert (dc.hidden_size, dc.num_attention_heads, dc.num_key_value_heads, dc.vocab_size) == \
-        (text.hidden_size, text.num_attention_heads, text.num_key_value_heads, text.vocab_size)
+        (text.hidden_size, text.num_attention_heads, getattr(text, "num_key_value_heads", None) or
+         text.num_attention_heads, text.vocab_size)  # Falcon names none: the drafter takes one KV head per head
     assert dc.head_dim == getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    assert dc.hidden_act == getattr(text, "hidden_activation", None) or text.hidden_act
+    assert dc.hidden_act == (getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None) or "silu")
     rope = text.rope_parameters.get("full_attention", text.rope_parameters)
     assert dc.rope_parameters["rope_theta"] == rope["rope_theta"] == dc.rope_theta
     assert dc.rope_parameters["rope_type"] == rope["rope_type"]
@@ -262,13 +263,15 @@ def test_the_recipe_runs_and_serves_as_zlab_does(family, targets, tokenizer, tmp
     ("bert", r"decoder layers of BertLMHeadModel.*\(the bert family\).*decoder layer list \(Llama"),
     ("t5", r"the t5 config names no max_position_embeddings.*decoder-only causal LM \(Llama"),
     ("distilbert", r"transformers builds no causal LM for the distilbert family.*decoder-only causal LM \(Llama"),
+    ("phi", r"the LM head of PhiForCausalLM \(phi\) has a bias, which the drafter's loss does not apply"),
 ])
 def test_an_unsupported_target_is_refused_before_anything_is_read(family, refusal, tmp_path):
     from transformers import AutoConfig as Auto
 
     directory = tmp_path / family
     small = {"bert": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64},
-             "t5": {"d_model": 32, "num_layers": 2, "num_heads": 4}, "distilbert": {"dim": 32, "n_layers": 2, "n_heads": 4}}[family]
+             "t5": {"d_model": 32, "num_layers": 2, "num_heads": 4}, "distilbert": {"dim": 32, "n_layers": 2, "n_heads": 4},
+             "phi": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}}[family]
     Auto.for_model(family, vocab_size=300, **small).save_pretrained(directory)  # a config, no weights, no data
     cfg = load_config("embedded", [f"target.path={directory}", f"output_dir={tmp_path / 'out'}",
                                    f"data.train={json.dumps([str(tmp_path / 'absent.jsonl')])}"])

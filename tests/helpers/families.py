@@ -65,6 +65,20 @@ FAMILIES = {
                                              num_experts_per_tok=2), "mixture of experts under a sliding window"),
     "starcoder2": (lambda **c: hf.Starcoder2Config(**SHAPE, **c, sliding_window=WINDOW),
                    "LayerNorm with biases, a GELU MLP without a gate, a sliding window"),
+    "gpt_neox": (lambda **c: hf.GPTNeoXConfig(**SHAPE, **c, rotary_pct=0.25),
+                 "rotary on a quarter of each head, attention and MLP in parallel, LayerNorm"),
+    "falcon": (lambda **c: hf.FalconConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                           max_position_embeddings=512, **c),
+               "one KV head (multi-query), fused QKV, GELU, no intermediate_size (ffn_hidden_size)"),
+    # MLA needs as many KV heads as heads (its keys and values are expanded per head).
+    "deepseek_v3": (lambda **c: hf.DeepseekV3Config(**{**SHAPE, "num_key_value_heads": 4}, **c, n_routed_experts=4,
+                                                    num_experts_per_tok=2, moe_intermediate_size=32, kv_lora_rank=16,
+                                                    q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                                    v_head_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1),
+                    "multi-head latent attention, a dense first layer, routed experts"),
+    "granitemoe": (lambda **c: hf.GraniteMoeConfig(**SHAPE, **c, num_local_experts=4, num_experts_per_tok=2,
+                                                   embedding_multiplier=12.0, logits_scaling=8.0),
+                   "Granite's multipliers with experts"),
 }
 if not hasattr(hf, "GptOssConfig"):  # an older transformers
     del FAMILIES["gpt_oss"]

@@ -80,7 +80,7 @@ def drafter_config(target_config, shape: DrafterShape, borrowed: dict | None = N
             f"mask_token_id {shape.mask_token_id} is not a row of the target embedding (vocab {vocab}); "
             "pick a reserved or padded row of the target's vocabulary"
         )
-    intermediate = shape.intermediate_size or _first_attr(tc, ("intermediate_size", "ffn_dim", "n_inner"))
+    intermediate = shape.intermediate_size or _first_attr(tc, ("intermediate_size", "ffn_hidden_size", "ffn_dim", "n_inner"))
     if intermediate is None:
         raise ValueError(f"the target's config ({tc.model_type}) names no intermediate_size: set "
                          "drafter.intermediate_size")

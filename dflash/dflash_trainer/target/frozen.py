@@ -130,7 +130,7 @@ def borrowed_scales(config, skeleton: nn.Module | None = None, trust_remote_code
 
 
 SUPPORTED_FAMILIES = ("Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3, OLMo 2, gpt-oss, "
-                      "Granite, Cohere and StarCoder2 causal LMs, "
+                      "Granite, Granite-MoE, Cohere, StarCoder2, GPT-NeoX, Falcon and DeepSeek-V3 causal LMs, "
                       "and Gemma 3's multimodal checkpoint")
 
 
@@ -162,6 +162,12 @@ def check_supported_target(config, where: str, trust_remote_code: bool = False) 
         if getattr(module, "weight", None) is None:
             raise ConfigError(f"{where}: {type(skeleton).__name__} ({family}) has no {what} matrix, which the "
                               "drafter borrows; give the family's causal-LM checkpoint (the ...ForCausalLM one)")
+    if getattr(skeleton.get_output_embeddings(), "bias", None) is not None:
+        # The drafter borrows the head's weight; a serving engine applies the whole head, bias included, to the
+        # drafter's hidden states, so a drafter trained without the bias would be served with another head.
+        raise ConfigError(f"{where}: the LM head of {type(skeleton).__name__} ({family}) has a bias, which the drafter's "
+                          f"loss does not apply and serving would: give a model whose head has none "
+                          f"({SUPPORTED_FAMILIES} are tested)")
     kv = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
     if tc.num_attention_heads % kv:
         raise ConfigError(f"{where}: {tc.num_attention_heads} attention heads are not a multiple of {kv} KV heads "
