@@ -571,14 +571,14 @@ STOPS_CLEANLY = textwrap.dedent("""\
 @pytest.mark.parametrize("job", [REGENERATE, TRAIN])
 def test_a_job_signalled_directly_is_stopped_not_finished(job, tmp_path):
     """`kill <pid of the job>` (not of dflash-run): the job stops cleanly with exit 0 and without its result;
-    the supervisor records a stop that `make <job>` continues, not a finished job, and does not restart it."""
+    the supervisor records a stop that `make <job>` continues, not a finished job, and does not restart it.
+    The result left by an earlier run does not count: a training run finished at step 2, resumed for more
+    (checkpoint 4), then stopped; a regeneration's summary of an earlier, shorter pass."""
     run = tmp_path / job.name
     launch(run, STOPS_CLEANLY, job=job.name)
-    (run / job.result).parent.mkdir(parents=True, exist_ok=True)
-    (run / job.result).write_text("{}")  # an earlier, finished run's result: older than this start
-    old = time.time() - 3600
-    os.utime(run / job.result, (old, old))
-
+    (run / job.result).write_text(json.dumps({"steps": 2}))
+    if job is TRAIN:
+        (run / "checkpoints" / "step-00000004").mkdir(parents=True)
 
     def kill_the_job() -> None:
         if wait_for(lambda: (run / "job-pid").exists() and (run / "job-pid").read_text()):
@@ -593,6 +593,40 @@ def test_a_job_signalled_directly_is_stopped_not_finished(job, tmp_path):
     log = (run / job.log).read_text()
     assert f"exited 0 before it finished (no new {job.result}" in log and job.again in log, log
     assert "finished" not in log.replace("before it finished", "")
+
+
+@pytest.mark.parametrize(("extra", "where"), [([], "."), (["--out", "elsewhere"], "elsewhere"),
+                                              (["--out=other"], "other")])
+def test_a_job_that_writes_its_result_is_finished_wherever_its_command_line_puts_it(extra, where, tmp_path):
+    """The result is looked for where the command line sends it (the last --out, as argparse takes it), and a
+    result whose time did not move but that was replaced counts: no clock is compared."""
+    run = tmp_path / "eval"
+    launch(run, textwrap.dedent(f"""\
+        import os, pathlib
+        out = pathlib.Path({where!r}); out.mkdir(exist_ok=True)
+        (out / "eval.json.tmp").write_text("{{}}")
+        os.utime(out / "eval.json.tmp", (0, 0))  # as old as can be: only its identity changed
+        os.replace(out / "eval.json.tmp", out / "eval.json")
+        """), job="eval")
+    (run / where).mkdir(exist_ok=True)
+    (run / where / "eval.json").write_text("{}")  # an earlier result of the same size and time
+    os.utime(run / where / "eval.json", (0, 0))
+    launch_file = run / supervise.LAUNCH
+    deployed = json.loads(launch_file.read_text())
+    launch_file.write_text(json.dumps({**deployed, "argv": [*deployed["argv"], *extra]}))
+    assert supervise.run(run, restart=True, job=EVAL) == 0
+    assert supervise.read_state(run)["state"] == "finished", (run / EVAL.log).read_text()
+
+
+def test_a_finished_training_run_started_again_is_finished(tmp_path):
+    """`make train` on a finished run: the trainer says so, changes nothing (its summary.json untouched) and exits
+    0; the run is still finished, not stopped."""
+    run = tmp_path / "train"
+    launch(run, "print('holds a finished run: nothing to continue, nothing changed', flush=True)")
+    (run / "summary.json").write_text(json.dumps({"steps": 6}))
+    (run / "checkpoints" / "step-00000006").mkdir(parents=True)
+    assert supervise.run(run, restart=True, job=TRAIN) == 0
+    assert supervise.read_state(run)["state"] == "finished", (run / TRAIN.log).read_text()
 
 
 def test_a_regeneration_job_is_supervised_without_resume_flags(tmp_path):

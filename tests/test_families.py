@@ -110,7 +110,7 @@ def test_drafter_config_derives_from_the_family(family, tokenizer):
     assert (dc.hidden_size, dc.num_attention_heads, dc.num_key_value_heads, dc.vocab_size) == \
         (text.hidden_size, text.num_attention_heads, getattr(text, "num_key_value_heads", None) or
          text.num_attention_heads, text.vocab_size)  # Falcon names none: the drafter takes one KV head per head
-    assert dc.head_dim == getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    assert dc.head_dim == (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     assert dc.hidden_act == (getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None) or "silu")
     rope = text.rope_parameters.get("full_attention", text.rope_parameters)
     assert dc.rope_parameters["rope_theta"] == rope["rope_theta"] == dc.rope_theta

@@ -415,3 +415,12 @@ def test_a_server_that_parses_out_tool_calls_or_refuses_the_tools_is_told_the_fi
     monkeypatch.setattr(engine, "_call", refuse)
     with pytest.raises(Refused, match=r"HTTP 400: auto tool choice .*\. The request carried the row's tools: pass "):
         engine.answer_one(request)
+
+    def too_long(*a):  # a refusal about something else keeps its own message
+        raise Refused("http://x/v1 refused the request: HTTP 400: the prompt is longer than the context", 400,
+                      "the prompt is longer than the context")
+
+    monkeypatch.setattr(engine, "_call", too_long)
+    with pytest.raises(Refused) as refused:
+        engine.answer_one(request)
+    assert "longer than the context" in str(refused.value) and "carried the row's tools" not in str(refused.value)

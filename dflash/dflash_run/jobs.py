@@ -8,6 +8,7 @@ another one.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from itertools import pairwise
@@ -70,3 +71,19 @@ def holds_run(run_dir: Path) -> bool:
 
 def job_of(argv: list[str]) -> Job | None:
     return next((job for job in JOBS.values() if job.matches(argv)), None)
+
+
+def finished_run(run_dir: Path) -> bool:
+    """run_dir holds a training run that wrote its summary and that no later start continued past the summary's
+    steps (as the trainer's run_dir._finished decides; a damaged summary counts as written): what a start with
+    nothing left to train finds, and leaves as it is."""
+    try:
+        steps = json.loads((run_dir / "summary.json").read_text()).get("steps")
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, AttributeError):
+        return True
+    checkpoints = run_dir / "checkpoints"
+    done = [int(m.group(1)) for e in (checkpoints.iterdir() if checkpoints.is_dir() else ())
+            if (m := STEP_DIR.match(e.name)) and e.is_dir() and not e.is_symlink()]
+    return not isinstance(steps, int) or not done or max(done) <= steps

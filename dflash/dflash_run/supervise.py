@@ -23,9 +23,10 @@ import subprocess
 import sys
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
-from .jobs import JOBS, REGENERATE, TRAIN, Job
+from .jobs import JOBS, REGENERATE, TRAIN, Job, finished_run
 from .procs import alive, job_processes, of_run, started_at, torchrun_workers
 
 LAUNCH = "launch.json"  # written by `make deploy`: the job, its argv and the restart policy
@@ -171,6 +172,7 @@ class Supervisor:
         self.stopping = threading.Event()
         self.child: subprocess.Popen | None = None
         self.child_started = 0.0
+        self.result, self.result_before = self.run_dir / self.job.result, None  # set at each start (run_job)
         self.log_path = self.run_dir / self.job.log
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -196,6 +198,8 @@ class Supervisor:
         argv = list(self.launch["argv"]) + list(self.job.start_args(self.run_dir))
         env = dict(os.environ, **self.launch.get("env", {}), PYTHONUNBUFFERED="1")
         self.note("start: " + " ".join(argv))
+        self.result = self.result_path(argv)
+        self.result_before = self.result_mark()
         self.child_started = time.time()
         # Own process group: the graceful stop finds torchrun's workers in it, and a forced one kills them all.
         self.child = subprocess.Popen(argv, cwd=self.run_dir, env=env, stdout=subprocess.PIPE,
@@ -206,13 +210,31 @@ class Supervisor:
             self.emit(line)
         return self.child.wait()
 
-    def wrote_result(self) -> bool:
-        """The job's result file (summary.json, eval.json) was written since this start of it."""
+    def result_path(self, argv: list[str]) -> Path:
+        """Where the job writes its result: the directory its command line names last (`--out X` given again in
+        the extra arguments wins, as argparse takes the last), else the job directory."""
+        flag, where = self.job.dir_flag, None
+        for arg, value in pairwise(argv):
+            if arg == flag:
+                where = value
+        for arg in argv:
+            if arg.startswith(flag + "="):
+                where = arg.split("=", 1)[1]
+        return (self.run_dir / where if where else self.run_dir) / self.job.result
+
+    def result_mark(self) -> tuple | None:
+        """The result file's identity and time, None while there is none: compared before and after a start,
+        so no clock is involved (a network mount's server clock may differ from this host's)."""
         try:
-            # A second's slack for file systems whose timestamps are coarser than time.time().
-            return (self.run_dir / self.job.result).stat().st_mtime >= self.child_started - 1
-        except FileNotFoundError:
-            return False
+            st = self.result.stat()
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def wrote_result(self) -> bool:
+        """The job's result file (summary.json, eval.json) was written, replaced or touched since this start."""
+        mark = self.result_mark()
+        return mark is not None and mark != self.result_before
 
     def state(self, state: str, **extra) -> None:
         write_state(self.run_dir, state=state, job=self.job.name, pid=os.getpid(), restarts=self.restarts,
@@ -229,7 +251,7 @@ class Supervisor:
                 self.note(f"stopped ({noun} exit {rc}); {self.job.again}")
                 self.state("stopped", rc=rc)
                 return 0
-            if rc == 0 and not self.wrote_result():
+            if rc == 0 and not self.wrote_result() and not (self.job is TRAIN and finished_run(self.result.parent)):
                 # The job stops cleanly on SIGTERM / SIGINT too (exit 0, its work kept): a signal sent to it, not
                 # to this supervisor (a `kill` of its pid), is a stop, not the end of the work.
                 self.note(f"stopped: the {noun} exited 0 before it finished (no new {self.job.result}; a signal "

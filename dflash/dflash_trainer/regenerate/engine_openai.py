@@ -46,8 +46,9 @@ class Refused(EndpointError):
 
 TOKEN_IDS = "return_token_ids"  # vLLM: choices[0].token_ids (the generated ids) and prompt_token_ids
 # What makes a server render a row's tools and still return the generated text as it is
-TOOL_CHOICE_FIX = ("pass --extra-body '{\"tool_choice\": \"none\"}' (vLLM still renders the tools into the prompt "
-                   "then, and parses no tool call out of the answer), or serve the target without a tool-call parser")
+TOOL_CHOICE_FIX = ("pass --extra-body '{\"tool_choice\": \"none\"}' (vLLM 0.10 and later still render the tools into "
+                   "the prompt then, and parse no tool call out of the answer; 0.9 needs "
+                   "--expand-tools-even-if-tool-choice-none), or serve the target without a tool-call parser")
 
 
 def wire_messages(messages: list[dict]) -> list[dict]:
@@ -183,7 +184,8 @@ class OpenAIEngine:
         try:
             got = self._call("POST", "/chat/completions", self.request_body(request))
         except Refused as exc:
-            if not request.tools or "tool_choice" in self.extra_body:
+            # Only a refusal about tools gets the tool fix (not, say, a prompt past the context)
+            if not request.tools or "tool_choice" in self.extra_body or "tool" not in f"{exc} {exc.detail}".lower():
                 raise
             raise Refused(f"{exc}. The request carried the row's tools: {TOOL_CHOICE_FIX}", exc.status,
                           exc.detail) from None
