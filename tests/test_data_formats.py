@@ -238,3 +238,21 @@ def test_prompt_sets_render_a_rows_tools(tool_tokenizer, tmp_path):
     assert second.startswith("<|im_start|>system\nTools: mul<|im_end|>\n<|im_start|>user\nWhat is 1 plus 1?")
     assert plain.startswith("<|im_start|>user\nWhat is 3 plus 3?")
     assert found.skipped == {BAD_TOOLS: [3]}
+
+
+def test_a_llama_factory_rows_system_field_is_the_first_turn(tool_tokenizer, tmp_path):
+    """LLaMA-Factory's ShareGPT rows keep the system prompt in a `system` field beside the turns; a row whose
+    conversation opens with its own system turn keeps that one; an empty one adds nothing; a non-string is refused."""
+    turns = [{"from": "human", "value": "What is 2 plus 2?"}, {"from": "gpt", "value": "4."}]
+    assert normalise_messages({"conversations": turns, "system": "Answer briefly."})[0] == \
+        {"role": "system", "content": "Answer briefly."}
+    own = [{"from": "system", "value": "Its own."}, *turns]
+    assert [m["content"] for m in normalise_messages({"conversations": own, "system": "Other."})][:1] == ["Its own."]
+    assert normalise_messages({"conversations": turns, "system": ""})[0]["role"] == "user"
+    rows = [{"conversations": turns, "system": "Answer briefly."}, {"conversations": turns, "system": ""},
+            {"conversations": turns, "system": ["not", "text"]}]
+    ds = tokenize_dataset(load_rows([write(tmp_path / "system.jsonl", rows)]), tool_tokenizer, 256)
+    assert len(ds) == 2
+    assert tool_tokenizer.decode(ds[0]["input_ids"]).startswith("<|im_start|>system\nAnswer briefly.<|im_end|>\n"
+                                                               "<|im_start|>user\nWhat is 2 plus 2?")
+    assert trained_text(tool_tokenizer, ds[0]) == "4.<|im_end|>\n"

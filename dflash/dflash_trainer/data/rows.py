@@ -312,8 +312,9 @@ def _normalise_turn(turn: dict, reasoning: str) -> dict:
 def normalise_messages(row: dict, reasoning: str = "keep") -> list[dict]:
     """OpenAI-style `messages` or ShareGPT-style `conversations` -> [{role, content, ...}]: content parts
     joined to text, tool calls and tool turns kept for the chat template (LLaMA-Factory's function_call and
-    observation turns read as those), reasoning kept or dropped. `messages` given as JSON text (a CSV
-    column) is parsed first. The row's tool definitions are row_tools'."""
+    observation turns read as those, its row-level `system` prompt as the first turn), reasoning kept or
+    dropped. `messages` given as JSON text (a CSV column) is parsed first. The row's tool definitions are
+    row_tools'."""
     if reasoning not in REASONING:
         raise ValueError(f"reasoning={reasoning!r}: use one of {REASONING}")
     raw = row.get("messages") or row.get("conversations")
@@ -327,7 +328,14 @@ def normalise_messages(row: dict, reasoning: str = "keep") -> list[dict]:
         raise DataError(f"row has neither 'messages' nor 'conversations': keys {sorted(row)}")
     if not isinstance(raw, list) or not all(isinstance(turn, dict) for turn in raw):
         raise DataError("'messages' / 'conversations' must be a list of turns ({role, content} objects)")
-    return [_normalise_turn(turn, reasoning) for turn in raw]
+    turns = [_normalise_turn(turn, reasoning) for turn in raw]
+    system = row.get("system")  # LLaMA-Factory's ShareGPT rows keep the system prompt beside the turns
+    if system is not None and not isinstance(system, str):
+        raise DataError(f"'system' is a {type(system).__name__}, not text: give the system prompt as a string, or "
+                        "drop the field")
+    if system and system.strip() and turns[0]["role"] != "system":
+        turns.insert(0, {"role": "system", "content": system})
+    return turns
 
 
 BAD_TOOLS = ("'tools' is neither a list of tool definitions nor JSON text of one: give a list of "
