@@ -15,19 +15,17 @@ signal stops at once.
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Self
 
 import torch
 from tqdm import tqdm
 
 from ..data.prompts import render_prompt, slot_indices
 from ..data.rows import row_tools
+from ..infra import stop_signal as infra_stop_signal
 from ..infra.metrics import PlainProgress, plain_progress, say_progress
 from .answers import Request, assemble_row
 from .plan import TEMPLATE_ERRORS, Job, Plan, chunks, conversation_of
@@ -216,37 +214,19 @@ class Stopped(KeyboardInterrupt):
         self.note = ""
 
 
-class StopSignal:
-    """SIGTERM and SIGINT, from `with StopSignal() as stop:` on (main thread only). While `interruptible`
-    (before the answering starts) the first signal raises Stopped where the program is; while answering
-    (run_chunks) it only sets `requested`, which the engines poll, so that shards are never cut. A second
-    signal raises KeyboardInterrupt at once."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+class StopSignal(infra_stop_signal.StopSignal):
+    """While `interruptible` (before the answering starts) the first signal raises Stopped where the program is;
+    while answering (run_chunks) it is only recorded, and the engines poll it, so that shards are never cut."""
 
     def __init__(self) -> None:
-        self.requested: str | None = None
+        super().__init__()
         self.interruptible = True
-        self._previous: dict = {}
-
-    def __enter__(self) -> Self:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
     def __call__(self) -> bool:
         """A stop was asked for (the engines' `should_stop`)."""
-        return self.requested is not None
+        return self.requested
 
-    def _on_signal(self, signum, _frame) -> None:
-        name = signal.Signals(signum).name
-        if self.requested is not None:
-            raise KeyboardInterrupt(f"second {name}")
-        self.requested = name
+    def on_first(self, name: str) -> None:
         if self.interruptible:
             raise Stopped(name)
         # Nothing printed here: a handler writing to stderr while the program does raises "reentrant call"
@@ -287,7 +267,7 @@ def run_chunks(engine, rows, tokenizer, plan: Plan, out: OutputDir, world: World
         stats.seconds = time.perf_counter() - stats.started
         stop.interruptible = interruptible
     if stop():
-        raise Stopped(stop.requested, stats)
+        raise Stopped(stop.signal_name, stats)
     return stats
 
 
