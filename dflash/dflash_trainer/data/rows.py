@@ -464,11 +464,15 @@ def refusals(reasons: Sequence[str]) -> dict[str, list[int]]:
 
 def describe_refusals(refused: dict[str, list[int]]) -> str:
     """'3 rows: content part of type 'image_url' ... (rows 4, 9, 12)' per reason, most frequent first."""
-    parts = []
-    for reason, numbers in sorted(refused.items(), key=lambda item: -len(item[1])):
-        shown = ", ".join(map(str, numbers[:SHOWN_ROWS])) + (", ..." if len(numbers) > SHOWN_ROWS else "")
-        parts.append(f"{len(numbers)} x {reason} (row{'s' if len(numbers) > 1 else ''} {shown})")
-    return "; ".join(parts)
+    return "; ".join(f"{len(numbers)} x {reason}{rows_named(len(numbers), numbers[:SHOWN_ROWS])}"
+                     for reason, numbers in sorted(refused.items(), key=lambda item: -len(item[1])))
+
+
+def rows_named(n: int, first: list[int] | None) -> str:
+    """' (rows 2, 5, 9, ...)': the first row numbers of n rows; nothing when none are known."""
+    if not first:
+        return ""
+    return f" (row{'s' if n > 1 else ''} {', '.join(map(str, first))}{', ...' if n > len(first) else ''})"
 
 
 def _say(text: str) -> None:

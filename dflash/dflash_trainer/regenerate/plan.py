@@ -28,9 +28,8 @@ from ..data.prompts import (
     slot_indices,
     tool_call_turns,
 )
-from ..data.rows import SHOWN_ROWS, DataError, row_tools
+from ..data.rows import SHOWN_ROWS, DataError, row_tools, rows_named
 from .sampling import Sampling
-from .summary import rows_named
 
 # Why a row is skipped. A row that is not a chat row the trainer would take is skipped with the trainer's
 # own refusal (data/rows.py: "content part of type 'image_url': ...", ...).

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.table import Table
 
+from ..data.rows import rows_named
+
 
 @dataclass
 class Figures:
@@ -146,8 +148,3 @@ def print_table(summary: dict, where: str) -> None:
                   highlight=False)
 
 
-def rows_named(n: int, first: list[int] | None) -> str:
-    """' (rows 2, 5, 9, ...)': the first row numbers of n rows; nothing when none are known."""
-    if not first:
-        return ""
-    return f" (row{'s' if n > 1 else ''} {', '.join(map(str, first))}{', ...' if n > len(first) else ''})"
