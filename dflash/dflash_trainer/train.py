@@ -43,6 +43,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .embedded import resolve_target
     from .infra import storage
     from .infra.bytecode import uncompiled_note
+    from .infra.console import plain_output_off_a_terminal
     from .infra.metrics import Metrics, duration, eta, plain_progress, say_progress, slot_summary
     from .model.drafter import DFlashDrafter
     from .model.flops import peak_flops
@@ -666,6 +667,7 @@ KEY_FLAGS = {"--output-dir": "output_dir", "--target-gpus": "parallel.target_ran
 
 
 def main(argv: list[str] | None = None) -> int:
+    plain_output_off_a_terminal()  # before anything loads or saves a checkpoint
     p = argparse.ArgumentParser(prog="dflash-train", description="Train a DFlash drafter.")
     cli_args.add_config_flags(p, default="embedded")
     p.add_argument("--output-dir", type=cli_args.directory,

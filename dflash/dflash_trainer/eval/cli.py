@@ -31,7 +31,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..decoding.fast import FastDecoding
     from ..decoding.speculative import AcceptanceStats, stop_token_ids
     from ..infra import storage
-    from ..infra.console import console
+    from ..infra.console import console, plain_output_off_a_terminal
     from ..infra.dtypes import DTYPES
     from ..infra.hub import remote_code_hint
     from ..infra.metrics import PlainProgress, say_progress
@@ -414,14 +414,10 @@ def plan(args, cfg: RunConfig | None = None) -> Plan:
 
 
 def load_models(p: Plan):
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     from ..model.drafter import DFlashDrafter
-
-    if not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()
-    from safetensors import SafetensorError
 
     try:
         drafter = DFlashDrafter.from_pretrained(p.drafter_dir)
@@ -614,6 +610,7 @@ def print_settings(args, cfg: RunConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    plain_output_off_a_terminal()  # before anything loads or saves a checkpoint
     args = cli_args.parse(parser(), argv)
     if isinstance(args, int):  # a bad flag, said by argparse (2), or --help (0)
         return args

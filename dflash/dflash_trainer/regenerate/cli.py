@@ -28,6 +28,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..data.prompts import check_chat_template
     from ..data.rows import DataError, load_rows
     from ..decoding.speculative import stop_token_ids
+    from ..infra.console import plain_output_off_a_terminal
     from ..infra.hub import remote_code_hint
     from ..infra.storage import StorageError
     from ..run.loading import check_target
@@ -326,6 +327,7 @@ def summarize(args, world: World, engine, plan, out: OutputDir, stats, sampling:
 
 
 def main(argv: list[str] | None = None) -> int:
+    plain_output_off_a_terminal()  # before anything loads or saves a checkpoint
     args = cli_args.parse(parser(), argv)
     if isinstance(args, int):
         return args

@@ -9,7 +9,6 @@ shape and replays it as a CUDA graph. Greedy answers equal `model.generate` on e
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -168,10 +167,7 @@ class HFEngine:
 def load_target(path: str, device: torch.device, dtype: str = "auto", trust_remote_code: bool = False):
     """The target for engine hf: bf16 on a GPU, fp32 on the CPU unless --dtype says otherwise."""
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    if not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     try:

@@ -282,13 +282,7 @@ def new_drafter(cfg: RunConfig, target_config, tokenizer, device="cpu", initiali
 
 def load_target(cfg: RunConfig, layer_ids: list[int], device, config=None) -> FrozenTarget:
     """config: the target's config, where the caller has read it already."""
-    import sys
-
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    if not sys.stderr.isatty():  # a log file or journald: no carriage-return progress bars
-        hf_logging.disable_progress_bar()
 
     if cfg.target.quantization == "fp8":  # refused before 16 GB are read, not after
         check_fp8_device(torch.device(device))  # here, not in check_inputs: CUDA starts only after parallel.init

@@ -282,16 +282,11 @@ def load_sharded_target(cfg, layer_ids: list[int], device: torch.device, group, 
     """The target of this rank's group: read whole into host memory, each decoder layer cut to this rank's
     share on the device (parallelize_module), the rest (embeddings, norms, LM head) copied whole. The group's
     ranks read in turn, so host memory holds one whole copy per group at a time, not one per GPU."""
-    import sys
-
     import torch.distributed as dist
-    from transformers.utils import logging as hf_logging
 
     from ..infra.console import console
     from .frozen import FrozenTarget
 
-    if not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()
     mesh = tp_mesh(group, device)
     check_tp_shape(config, mesh.size(), cfg.target.path)  # again here: the embedded target is built after the start
     model, sharded = None, 0
