@@ -47,11 +47,23 @@ def trained(tiny_target, tmp_path_factory):
 def test_training_writes_a_plain_line_every_log_every_steps(trained):
     _, stderr = trained
     lines = [x for x in stderr.splitlines() if x.startswith("train: step ")]
-    assert [re.match(r"train: step (\d+)/6", x).group(1) for x in lines] == ["2", "4", "6"]
+    # the first step's line (a slow run shows its pace at once), then every log_every steps
+    assert [re.match(r"train: step (\d+)/6", x).group(1) for x in lines] == ["1", "2", "4", "6"]
     last = lines[-1]
     for part in ("loss ", "acc ", "(mean ", " tok/s", "lr ", "elapsed ", "ETA ", "target wait "):
         assert part in last, (part, last)
     assert "\r" not in stderr  # no progress bar redrawn into the log
+
+
+def test_a_line_is_due_once_a_minute_passed_since_the_last_whatever_log_every_says():
+    import time
+
+    from dflash_trainer.train import MAX_SILENCE_S, LogWindow
+
+    window = LogWindow(0)
+    assert not window.overdue()
+    window.said = time.perf_counter() - MAX_SILENCE_S
+    assert window.overdue()
 
 
 def test_the_progress_line_shows_the_learning_rate_its_step_used(trained, tiny_target):
@@ -71,7 +83,7 @@ def test_the_progress_line_shows_the_learning_rate_its_step_used(trained, tiny_t
         opt.step()
         schedule.step()
     shown = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"train: step (\d+)/6 .*?\| lr ([\d.e+-]+) ", stderr)}
-    assert set(shown) == {2, 4, 6}
+    assert set(shown) == {1, 2, 4, 6}
     for step, lr in shown.items():
         assert lr == pytest.approx(used[step - 1], rel=1e-2), (step, lr, used)
 
@@ -131,3 +143,7 @@ def test_evaluation_writes_a_line_per_prompt_set_and_status_shows_the_last(train
     assert any(x.startswith("eval: eval_prompts 1/1 prompts") for x in lines), lines
     into_job_log(out, EVAL, proc.stderr)
     assert status.report(out, None, job=EVAL)["last_progress"] == lines[-1]
+    # the results table whole in the log: no cell cut to "tau/…" at rich's 80 columns off a terminal
+    header = next(x for x in proc.stderr.splitlines() if "spec tok/s" in x)
+    assert "…" not in proc.stderr and all(c in header for c in ("prompts", "tau/req", "target tok/s", "speedup")), \
+        proc.stderr[-3000:]

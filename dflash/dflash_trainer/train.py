@@ -301,6 +301,9 @@ def log_step(run: DrafterRun, bar, metrics: Metrics, step: int, figures: StepFig
                      **{f"slot_acc/{k:02d}": slot_acc[k] for k in range(1, len(slot_acc))}}, step)
 
 
+MAX_SILENCE_S = 60.0  # the longest a log goes without a progress line, besides the first step's and every log_every
+
+
 @dataclass
 class LogWindow:
     """The plain progress line of a log (stderr not a terminal): its rates cover the steps since the
@@ -308,6 +311,7 @@ class LogWindow:
 
     step: int
     started: float = field(default_factory=time.perf_counter)
+    said: float = field(default_factory=time.perf_counter)  # when the last line was made
     losses: int = 0
     tokens: int = 0
     train_s: float = 0.0
@@ -329,7 +333,12 @@ class LogWindow:
                  f"{run.wait_kind} wait {wait_s:.1f}s ({wait_s / train_s if train_s > 0 else 0:.0%})"]
         self.step, self.losses, self.tokens = done, len(history.losses), history.tokens
         self.train_s, self.wait_s, self.flops = history.train_s, history.wait_s, history.flops
+        self.said = time.perf_counter()
         return " | ".join(parts)
+
+    def overdue(self) -> bool:
+        """A line is due whatever train.log_every says: slow steps would leave the log silent for minutes."""
+        return time.perf_counter() - self.said >= MAX_SILENCE_S
 
 
 class StepBook:
@@ -344,7 +353,8 @@ class StepBook:
         self.clock = StepClock(device)
         self.bar = tqdm(range(run.start_step, train.steps), initial=run.start_step, total=train.steps, desc="train",
                         dynamic_ncols=True, disable=None if run.lead else True)
-        # A log (stderr not a terminal) has no bar: a plain line every train.log_every steps instead. The lead
+        # A log (stderr not a terminal) has no bar: a plain line after the first step, every train.log_every
+        # steps and at least once a minute instead. The lead
         # also keeps the latest line in OUTPUT/progress.txt, which `dflash-run status` reads where no log is.
         self.window = LogWindow(run.start_step) if run.lead else None
         self.plain = plain_progress()
@@ -363,7 +373,8 @@ class StepBook:
             note = uncompiled_note() if run.lead else None
             if note:
                 run.log(note)
-        if run.lead and (done % train.log_every == 0 or done == train.steps):
+        if run.lead and (done % train.log_every == 0 or done in (run.start_step + 1, train.steps)
+                         or (self.window is not None and self.window.overdue())):
             log_step(run, self.bar, self.metrics, done, figures, seconds, self.peak)
             if self.window is not None:
                 line = self.window.line(run, self.history, done, figures, self.peak)

@@ -5,7 +5,18 @@ import sys
 
 from rich.console import Console
 
-console = Console(stderr=True)
+# Lines are never wrapped by rich (soft_wrap): off a terminal (a log file, journald) it would cut them at 80
+# columns, each piece a journal entry of its own; there tables also get the width they need rather than
+# cells cut to "prom…" (COLUMNS, which a shell may export, is not the log's width).
+LOG_WIDTH = 240
+
+
+def log_console() -> Console:
+    """A stderr console: unwrapped lines; tables as wide as the terminal, or off a terminal LOG_WIDTH."""
+    return Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else LOG_WIDTH)
+
+
+console = log_console()
 
 
 def plain_output_off_a_terminal() -> None:

@@ -20,7 +20,6 @@ from pathlib import Path
 from ..infra.gc_pause import gc_paused
 
 with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc_pause.py
-    from rich.console import Console
     from rich.markup import escape
 
     from .. import cli_args
@@ -28,7 +27,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..data.prompts import check_chat_template
     from ..data.rows import DataError, load_rows
     from ..decoding.speculative import stop_token_ids
-    from ..infra.console import plain_output_off_a_terminal
+    from ..infra.console import console, plain_output_off_a_terminal
     from ..infra.hub import remote_code_hint
     from ..infra.storage import StorageError
     from ..run.loading import check_target
@@ -39,9 +38,6 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .sampling import Sampling
     from .shards import OutputDir
     from .summary import collect, print_table
-
-
-console = Console(stderr=True, soft_wrap=True)  # log lines stay whole in log files
 
 
 def json_object(text: str) -> dict:

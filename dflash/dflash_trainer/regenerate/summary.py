@@ -11,10 +11,10 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from rich.console import Console
 from rich.table import Table
 
 from ..data.rows import rows_named
+from ..infra.console import console
 
 
 @dataclass
@@ -141,7 +141,6 @@ def print_table(summary: dict, where: str) -> None:
         table.add_row("not regenerated", f"{kept['turns']:,} {reason} in {kept['rows']:,} rows"
                       f"{rows_named(kept['rows'], kept['first_rows'])}")
     table.add_row("shards", f"{summary['shards']} ({run['shards_written']} written now)")
-    console = Console(stderr=True)
     console.print(table)
     # A plain line, never wrapped or cut, so it can be copied into the training config as it stands.
     console.print(f'train on them with: data.train = ["{where}/part-*.jsonl"]', soft_wrap=True, markup=False,
