@@ -247,6 +247,25 @@ def test_status_of_a_supervised_job_shows_its_exit_and_when(job, state, rc, tmp_
     assert f"ended:       exit {rc} at 2026-01-02T03:04:05Z" in text and "  the last line" in text, text
 
 
+@pytest.mark.parametrize(("holds", "asked", "told"), [("regenerate", TRAIN, REGENERATE), ("train", REGENERATE, TRAIN),
+                                                     ("eval", TRAIN, EVAL), ("launch", TRAIN, REGENERATE)])
+def test_status_with_the_wrong_job_names_the_right_one(holds, asked, told, tmp_path):
+    job_dir = tmp_path / "out"
+    job_dir.mkdir()
+    (job_dir / "summary.json").write_text(json.dumps({"prompts": 3, "steps": 4}))  # regeneration and training write one
+    files = {"regenerate": ["part-00000.jsonl", "regenerate.json"], "train": ["config.json"], "eval": ["eval.json"],
+             "launch": []}[holds]
+    for name in files:
+        (job_dir / name).write_text("{}\n")
+    if holds == "launch":  # a deployed job: its launch.json names it
+        (job_dir / "launch.json").write_text(json.dumps({"job": "regenerate", "argv": ["dflash-regenerate"]}))
+    report = status.report(job_dir, None, job=asked)
+    text = status.format_report(report)
+    assert f"holds {told.what} output, not {asked.what}: dflash-run status --job {told.name}" in text, text
+    assert "None" not in text and status.exit_code(report) == 2, text
+    assert status.exit_code(status.report(job_dir, None, job=told)) == 0
+
+
 # ---- 6. train.epochs: whole micro-batches, as the stream takes them --------------------------------------
 
 def test_epochs_count_the_whole_micro_batches_an_epoch_takes(tiny_target, tmp_path, capsys):
@@ -390,3 +409,4 @@ def test_a_bad_data_file_is_said_once_without_datasets_own_log_line(tmp_path):
         logging.getLogger("datasets").removeHandler(handler)
     assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
     assert datasets_logging.get_verbosity() == level  # datasets' own level again afterwards
+

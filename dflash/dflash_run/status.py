@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from . import supervise
-from .jobs import EVAL, REGENERATE, TRAIN, Job
+from .jobs import EVAL, JOBS, REGENERATE, TRAIN, Job
 from .procs import alive, job_processes, of_run
 
 PROGRESS_FILE = "progress.txt"  # dflash_trainer.run.run_dir.PROGRESS: the trainer's latest progress line
@@ -75,6 +75,27 @@ def progress(job: Job, job_dir: Path) -> dict:
             "summary": s and {k: s.get(k) for k in ("steps", "final_loss", "tau_before", "tau_after", "drafter_dir")}}
 
 
+# What only one kind of job leaves in its directory (summary.json is written by two): a training run's config
+# and checkpoints (dflash_trainer.run.run_dir), a regeneration's manifest and shards, an evaluation's result.
+MARKS = {TRAIN: ("config.json", "checkpoints", PROGRESS_FILE), REGENERATE: ("regenerate.json", "part-*.jsonl"),
+         EVAL: ("eval.json", "requests.jsonl")}
+
+
+def holds(run_dir: Path, job: Job) -> bool:
+    return any(next(run_dir.glob(pattern), None) is not None for pattern in MARKS[job])
+
+
+def other_job(run_dir: Path, job: Job) -> Job | None:
+    """The job run_dir belongs to, where that is not `job` (status asked with the wrong --job): the one its
+    launch.json names (a deployed job), else the one whose files it holds, where it holds none of `job`'s."""
+    launched = (read_json(run_dir / supervise.LAUNCH) or {}).get("job")
+    if launched in JOBS:
+        return JOBS[launched] if launched != job.name else None
+    if not run_dir.is_dir() or holds(run_dir, job):
+        return None
+    return next((other for other in MARKS if other is not job and holds(run_dir, other)), None)
+
+
 def report(run_dir: Path, unit: str | None, log_lines: int = 5, job: Job = TRAIN) -> dict:
     run_dir = run_dir.absolute()
     st = supervise.read_state(run_dir)
@@ -99,9 +120,13 @@ def report(run_dir: Path, unit: str | None, log_lines: int = 5, job: Job = TRAIN
     log = Path(st.get("log") or run_dir / job.log)
     # A run started directly (a terminal, a script) has no log here: the trainer's own latest line.
     latest = last_progress(log) or (last_progress(run_dir / PROGRESS_FILE) if job is TRAIN else None)
+    done = progress(job, run_dir)
+    if not found and (other := other_job(run_dir, job)):  # what it read is another job's: said, not shown
+        state, ended, latest, done["summary"] = (f"{WRONG_JOB}: {run_dir} holds {other.what} output, not {job.what}: "
+                                                 f"dflash-run status --job {other.name}"), None, None, None
     return {"job": job.name, "run_dir": str(run_dir), "state": state, "supervisor": st.get("supervisor", "none"),
             "systemd": unit_state, "restarts": int((unit_state or {}).get("NRestarts") or st.get("restarts") or 0),
-            "pids": [p.pid for p in found], "ended": ended, **progress(job, run_dir), "last_progress": latest,
+            "pids": [p.pid for p in found], "ended": ended, **done, "last_progress": latest,
             "log": str(log), "log_found": log.is_file(),
             "log_tail": tail(log, log_lines)}
 
@@ -130,11 +155,13 @@ def unsupervised_state(run_dir: Path, job: Job = TRAIN) -> tuple[str, str | None
 
 
 NO_SUCH_DIRECTORY = "never started (no such directory: deploy creates it, or check the path)"
+WRONG_JOB = "another job's directory"
 
 
 def exit_code(r: dict) -> int:
-    """2 for a run directory that does not exist and no job of it running (a mistyped path is bad input), else 0."""
-    return 2 if r["state"] == NO_SUCH_DIRECTORY else 0
+    """2 for a run directory that does not exist and no job of it running, or one of another job (a mistyped path
+    or --job is bad input), else 0."""
+    return 2 if r["state"] == NO_SUCH_DIRECTORY or r["state"].startswith(WRONG_JOB) else 0
 
 
 def progress_lines(r: dict) -> list[str]:
