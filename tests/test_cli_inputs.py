@@ -410,3 +410,16 @@ def test_a_bad_data_file_is_said_once_without_datasets_own_log_line(tmp_path):
     assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
     assert datasets_logging.get_verbosity() == level  # datasets' own level again afterwards
 
+
+# ---- 9. the bundled demo's settings under a user's own target are said ----------------------------------
+
+def test_the_demo_base_config_with_a_target_of_ones_own_is_said(tiny_target):
+    from dflash_trainer.config import load_config
+    from dflash_trainer.train import demo_settings_note
+
+    own = load_config("embedded", [f"target.path={tiny_target['target']}"], whole_run=False)
+    note = demo_settings_note("embedded", own)
+    assert note.startswith("note: the base config is the bundled demo's (--config embedded: data.max_length = 128")
+    assert f"target.path = {tiny_target['target']}" in note and "--config qwen3-8b" in note
+    assert demo_settings_note("embedded", load_config("embedded", [], whole_run=False)) is None  # the demo itself
+    assert demo_settings_note("qwen3-8b", own) is None and demo_settings_note(None, own) is None

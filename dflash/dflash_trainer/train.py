@@ -677,6 +677,18 @@ KEY_FLAGS = {"--output-dir": "output_dir", "--target-gpus": "parallel.target_ran
              "--drafter-gpus": "parallel.drafter_ranks"}
 
 
+def demo_settings_note(config: str | None, cfg: RunConfig) -> str | None:
+    """The bundled demo's settings (the default --config, sized for its six-layer toy target) under a target of
+    the user's: said at the start, since nothing else would say why a real model trains on 128-token rows."""
+    if config != "embedded" or cfg.target.path == "embedded":
+        return None
+    return (f"note: the base config is the bundled demo's (--config embedded: data.max_length = {cfg.data.max_length}, "
+            f"drafter.block_size = {cfg.drafter.block_size}, train.lr = {cfg.train.lr:g}, train.dtype = "
+            f"{cfg.train.dtype}), with target.path = {cfg.target.path}: for a real model start from a bundled run "
+            "config (--config qwen3-8b, llama-3.1-8b-instruct, gemma-3-12b-it, gpt-oss-20b) or a file of your own; "
+            "--print-config shows every value")
+
+
 def main(argv: list[str] | None = None) -> int:
     plain_output_off_a_terminal()  # before anything loads or saves a checkpoint
     p = argparse.ArgumentParser(prog="dflash-train", description="Train a DFlash drafter.")
@@ -711,6 +723,8 @@ def main(argv: list[str] | None = None) -> int:
                 console.print("note: this config cannot start a run yet:\n  - " + escape("\n  - ".join(problems)),
                               soft_wrap=True)
             return 0
+        if os.environ.get("RANK", "0") == "0" and (note := demo_settings_note(args.config, cfg)):
+            console.print(note, soft_wrap=True, markup=False)
         if args.dump_features:
             check_inputs(cfg)
             check_init_from(cfg)
