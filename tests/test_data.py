@@ -39,7 +39,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
 def test_sharegpt_rows_and_bad_rows():
     assert normalise_messages({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}) == [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    with pytest.raises(DataError, match="neither 'messages' nor 'conversations'"):
+    with pytest.raises(DataError, match="row has no 'messages' or 'conversations'"):
         normalise_messages({"text": "plain"})
 
 
@@ -166,11 +166,13 @@ def test_feature_buckets_come_from_the_dump_and_a_mismatch_is_refused(tmp_path, 
 def test_bad_lines_and_files_are_named(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": []}\n\n[1, 2]\n')
-    with pytest.raises(DataError, match=r"bad.jsonl, line 3: a JSON list, not an object"):
+    with pytest.raises(DataError, match=r"bad.jsonl, line 3: a JSON list, not an object; each line must be one JSON "
+                                        r"object"):
         load_rows([str(bad)])
     array = tmp_path / "rows.json"
     array.write_text('[\n {"messages": []},\n {"messages": ]\n]\n')
-    with pytest.raises(DataError, match=r"rows.json, line 3: not valid JSON"):
+    with pytest.raises(DataError, match=r"rows.json, line 3: not valid JSON .*; a .json file must be one JSON array of "
+                                        r"row objects"):
         load_rows([str(array)])
     with pytest.raises(DataError, match="is a directory"):
         load_rows([str(tmp_path)])

@@ -256,3 +256,66 @@ def test_a_llama_factory_rows_system_field_is_the_first_turn(tool_tokenizer, tmp
     assert tool_tokenizer.decode(ds[0]["input_ids"]).startswith("<|im_start|>system\nAnswer briefly.<|im_end|>\n"
                                                                "<|im_start|>user\nWhat is 2 plus 2?")
     assert trained_text(tool_tokenizer, ds[0]) == "4.<|im_end|>\n"
+
+
+def _sharegpt(chat: list[dict]) -> dict:
+    return {"conversations": [{"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
+                              for m in chat]}
+
+
+def _parts(chat: list[dict]) -> dict:
+    return {"messages": [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in chat]}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_files_whose_rows_differ_in_shape_train_together_on_each_files_tokens(suffix, tokenizer, tmp_path):
+    # OpenAI rows with text content, ShareGPT rows, OpenAI rows with content parts: one file each. datasets reads
+    # a list of files with the first one's columns and types; each file's rows must still train as on their own.
+    plain = write(tmp_path / f"plain{suffix}", [{"messages": c} for c in CHATS[:3]])
+    share = write(tmp_path / f"share{suffix}", [_sharegpt(c) for c in CHATS[3:6]])
+    parts = write(tmp_path / f"parts{suffix}", [_parts(c) for c in CHATS[6:]])
+    alone = [list(tokenize_dataset(load_rows([f]), tokenizer, 128)["input_ids"]) for f in (plain, share, parts)]
+    together = tokenize_dataset(load_rows([plain, share, parts]), tokenizer, 128)
+    assert list(together["input_ids"]) == alone[0] + alone[1] + alone[2]
+    reference = tokenize_dataset(load_rows([write(tmp_path / "ref.jsonl", [{"messages": c} for c in CHATS])]),
+                                 tokenizer, 128)
+    assert together["input_ids"] == reference["input_ids"] and together["loss_mask"] == reference["loss_mask"]
+
+
+def test_regenerated_shards_and_chat_rows_train_together(tokenizer, tmp_path, capfd):
+    chats = write(tmp_path / "chats.jsonl", [{"messages": c} for c in CHATS[:4]])
+    answered = tokenize_dataset(load_rows([write(tmp_path / "more.jsonl", [{"messages": c} for c in CHATS[4:]])]),
+                                tokenizer, 128)
+    shard = write(tmp_path / "part-00000.jsonl", [{"input_ids": i, "loss_mask": m}
+                                                  for i, m in zip(answered["input_ids"], answered["loss_mask"])])
+    for files in ([shard, chats], [chats, shard]):
+        ds = tokenize_dataset(load_rows(files), tokenizer, 128)
+        assert len(ds) == len(CHATS) and "refused" not in capfd.readouterr().err
+        assert sorted(ds["input_ids"]) == sorted(
+            tokenize_dataset(load_rows([write(tmp_path / "all.jsonl", [{"messages": c} for c in CHATS])]),
+                             tokenizer, 128)["input_ids"])
+
+
+def test_files_whose_columns_cannot_be_one_set_are_named(tmp_path):
+    a = write(tmp_path / "a.parquet", [{"messages": c} for c in CHATS[:2]])
+    b = tmp_path / "b.parquet"
+    datasets.Dataset.from_list([{"messages": 7}, {"messages": 8}]).to_parquet(b)
+    rows = load_rows([a, str(b)])  # a column of other types in each: held as JSON values, each row as it was
+    assert rows[0]["messages"] == CHATS[0] and rows[2]["messages"] == 7
+
+
+def test_rows_cut_at_max_length_are_counted_with_the_fix(tokenizer, tmp_path, capfd):
+    long = [[{"role": "user", "content": "Count to forty."},
+             {"role": "assistant", "content": " ".join(str(n) for n in range(1, 41))}]]
+    rows = load_rows([write(tmp_path / "mixed.jsonl", [{"messages": c} for c in CHATS[:3] + long * 2])])
+    lengths = [len(r) for r in tokenize_dataset(rows, tokenizer, 4096)["input_ids"]]
+    limit = max(lengths[:3])  # the short rows fit, the two long ones do not
+    assert min(lengths[3:]) > limit
+    capfd.readouterr()
+    ds = tokenize_dataset(rows, tokenizer, limit)
+    assert len(ds) == 5 and max(len(r) for r in ds["input_ids"]) == limit
+    said = " ".join(capfd.readouterr().err.split())
+    assert (f"2 of the 5 rows used are longer than data.max_length = {limit} tokens (the longest {max(lengths)}) and "
+            "are cut to it") in said and "raise data.max_length" in said
+    tokenize_dataset(rows, tokenizer, 4096)
+    assert "cut" not in capfd.readouterr().err

@@ -88,8 +88,11 @@ def _has_rows(name: str) -> bool:
         return True
 
 
+ONE_OBJECT_A_LINE = "each line must be one JSON object (a chat row)"
+
+
 def _first_bad_line(files: list[str]) -> str | None:
-    """file:line and what is wrong with the first line that is not a JSON object; None if all are."""
+    """file:line, what is wrong with the first line that is not a JSON object, and the fix; None if all are."""
     for name in files:
         with _open_text(name) as f:
             if f.read(64).lstrip().startswith("["):  # one JSON array, not JSON lines
@@ -97,7 +100,8 @@ def _first_bad_line(files: list[str]) -> str | None:
                 try:
                     json.load(f)
                 except ValueError as exc:
-                    return f"{name}, line {getattr(exc, 'lineno', '?')}: not valid JSON ({getattr(exc, 'msg', exc)})"
+                    return (f"{name}, line {getattr(exc, 'lineno', '?')}: not valid JSON ({getattr(exc, 'msg', exc)}); "
+                            "a .json file must be one JSON array of row objects (or JSON lines: one object a line)")
                 continue
         with _open_text(name) as f:
             for lineno, line in enumerate(f, 1):
@@ -106,9 +110,9 @@ def _first_bad_line(files: list[str]) -> str | None:
                 try:
                     row = json.loads(line)
                 except ValueError as exc:
-                    return f"{name}, line {lineno}: not valid JSON ({getattr(exc, 'msg', exc)})"
+                    return f"{name}, line {lineno}: not valid JSON ({getattr(exc, 'msg', exc)}); {ONE_OBJECT_A_LINE}"
                 if not isinstance(row, dict):
-                    return f"{name}, line {lineno}: a JSON {type(row).__name__}, not an object"
+                    return f"{name}, line {lineno}: a JSON {type(row).__name__}, not an object; {ONE_OBJECT_A_LINE}"
     return None
 
 
@@ -179,13 +183,39 @@ def _load_quietly(files: list[str], builder: str, split: str):
             except UnicodeDecodeError:
                 bad = None
             if bad is not None:
-                raise DataError(f"{bad}; each line must be one JSON object (a chat row)") from exc
+                raise DataError(bad) from exc
+        parts = []
         for name in files:  # name the one file that fails on its own
             try:
-                datasets.load_dataset(builder, data_files=[escape(name)], split=split)
+                parts.append(datasets.load_dataset(builder, data_files=[escape(name)], split=split))
             except Exception as one:  # any failure of this file is what the message names
                 raise _unreadable(name, builder, one) from one
+        if len(parts) > 1:  # each loads, not together: another set of columns, or a column of another type
+            return _one_after_another(parts, files)
         raise _unreadable(", ".join(files), builder, exc) from exc
+
+
+def _one_after_another(parts: list, files: list[str]):
+    """The rows of files that each load but not together (datasets reads a list of files with the first
+    file's columns): one after another, a column a file lacks empty in its rows, and a column whose type
+    differs between files (message content as text in one file, as parts in another) held as JSON values,
+    as datasets holds one file whose rows differ so."""
+    import datasets
+
+    types: dict[str, set[str]] = {}
+    for part in parts:
+        for column, feature in part.features.items():
+            if not (isinstance(feature, datasets.Value) and feature.dtype == "null"):  # a column of Nones fits any
+                types.setdefault(column, set()).add(repr(feature))
+    mixed = [column for column, kinds in types.items() if len(kinds) > 1]
+    parts = [part.cast(datasets.Features({column: datasets.Json() if column in mixed else feature
+                                          for column, feature in part.features.items()}))
+             if mixed and set(mixed) & set(part.column_names) else part for part in parts]
+    try:
+        return datasets.concatenate_datasets(parts)
+    except Exception as exc:
+        raise DataError(f"{', '.join(files)} each load, but their rows cannot be read as one set ({exc}): give "
+                        "files whose rows have one shape, or convert them to one") from exc
 
 
 def _load_local(files: list[str], split: str):
@@ -325,7 +355,8 @@ def normalise_messages(row: dict, reasoning: str = "keep") -> list[dict]:
             raise DataError("'messages' / 'conversations' is text but not JSON (a CSV column must hold the "
                             "list of turns as JSON)") from None
     if not raw:
-        raise DataError(f"row has neither 'messages' nor 'conversations': keys {sorted(row)}")
+        given = sorted(key for key, value in row.items() if value is not None)  # a column of other files: None here
+        raise DataError(f"row has no 'messages' or 'conversations' (its keys: {given})")
     if not isinstance(raw, list) or not all(isinstance(turn, dict) for turn in raw):
         raise DataError("'messages' / 'conversations' must be a list of turns ({role, content} objects)")
     turns = [_normalise_turn(turn, reasoning) for turn in raw]
@@ -377,8 +408,9 @@ def row_tools(row: dict) -> list[dict] | None:
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, tools: list[dict] | None = None) -> dict:
-    """Token ids of the rendered conversation and a 0/1 mask over assistant tokens; `tools` (row_tools) go
-    to every rendering, so the assistant spans are found in the text the target sees."""
+    """Token ids of the rendered conversation and a 0/1 mask over assistant tokens, cut at max_length, and the
+    rendered length before the cut; `tools` (row_tools) go to every rendering, so the assistant spans are
+    found in the text the target sees."""
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("the target tokenizer must be a fast tokenizer (offsets map assistant text to tokens)")
     with_tools = {"tools": tools} if tools else {}
@@ -399,7 +431,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, tool
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"][:max_length]
     mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"][:max_length]]
-    return {"input_ids": ids, "loss_mask": mask}
+    return {"input_ids": ids, "loss_mask": mask, "length": len(enc["input_ids"])}
 
 
 def has_anchor(loss_mask: Sequence[int]) -> bool:
@@ -407,14 +439,19 @@ def has_anchor(loss_mask: Sequence[int]) -> bool:
     return any(a and b for a, b in pairwise(loss_mask))
 
 
+CHAT_COLUMNS = {"messages", "conversations"}
+
+
 def pretokenized(rows) -> bool:
-    """The rows carry their token ids and loss mask (regenerated answers): no chat template renders them."""
-    return {"input_ids", "loss_mask"} <= set(rows.column_names)
+    """The rows carry their token ids and loss mask (regenerated answers): no chat template renders them. Rows
+    of several files may mix them with chat rows: then each row is read as what it holds (_either)."""
+    names = set(rows.column_names)
+    return {"input_ids", "loss_mask"} <= names and not CHAT_COLUMNS & names
 
 
 def _check_columns(rows) -> None:
     names = set(rows.column_names)
-    if not ({"messages", "conversations"} & names or {"input_ids", "loss_mask"} <= names):
+    if not (CHAT_COLUMNS & names or {"input_ids", "loss_mask"} <= names):
         raise DataError(f"{rows.info.description or 'the data'}: rows have keys {sorted(names)}; each row needs "
                         "'messages' (OpenAI style), 'conversations' (ShareGPT style), or pre-tokenized "
                         "'input_ids' + 'loss_mask'")
@@ -430,7 +467,14 @@ def _pretokenized(row: dict, max_length: int) -> dict:
         return _refused("input_ids and loss_mask must be lists of the same length")
     if any(m not in (0, 1) for m in mask) or any(not isinstance(t, int) or t < 0 for t in ids):
         return _refused("input_ids must be token ids (ints >= 0) and loss_mask 0s and 1s")
-    return _usable({"input_ids": ids[:max_length], "loss_mask": mask[:max_length]})
+    return _usable({"input_ids": ids[:max_length], "loss_mask": mask[:max_length], "length": len(ids)})
+
+
+def _either(tokenizer, row: dict, max_length: int, reasoning: str) -> dict:
+    """A row of files that mix pre-tokenized rows and chat rows: what it holds."""
+    if row.get("input_ids") is not None or row.get("loss_mask") is not None:
+        return _pretokenized(row, max_length)
+    return _conversation(tokenizer, row, max_length, reasoning)
 
 
 def _conversation(tokenizer, row: dict, max_length: int, reasoning: str) -> dict:
@@ -450,7 +494,7 @@ def _usable(row: dict) -> dict:
 
 
 def _refused(reason: str) -> dict:
-    return {"input_ids": [], "loss_mask": [], "refused": reason}
+    return {"input_ids": [], "loss_mask": [], "length": 0, "refused": reason}
 
 
 def refusals(reasons: Sequence[str]) -> dict[str, list[int]]:
@@ -491,10 +535,12 @@ def tokenize_dataset(rows, tokenizer, max_length: int, num_proc: int | None = No
     if pretokenized(rows):
         ds = rows.map(lambda r: _pretokenized(r, max_length), num_proc=num_proc)
     else:
-        ds = rows.map(lambda r: _conversation(tokenizer, r, max_length, reasoning), remove_columns=rows.column_names,
+        read = _either if {"input_ids", "loss_mask"} & set(rows.column_names) else _conversation
+        ds = rows.map(lambda r: read(tokenizer, r, max_length, reasoning), remove_columns=rows.column_names,
                       num_proc=num_proc, desc="tokenizing")
     refused = refusals(ds["refused"])
     kept = ds.filter(lambda r: not r["refused"], num_proc=num_proc)
+    cut = [n for n in kept["length"] if n > max_length]
     if len(kept) == 0:
         if set(refused) == {NO_ANCHOR}:
             raise DataError(f"no usable rows in {source}: none of its {len(rows)} rows has two consecutive "
@@ -504,6 +550,10 @@ def tokenize_dataset(rows, tokenizer, max_length: int, num_proc: int | None = No
     if refused:
         say(f"{source}: {len(kept)} of {len(rows)} rows used, {len(rows) - len(kept)} refused: "
             f"{describe_refusals(refused)}")
+    if cut:
+        say(f"{source}: {len(cut)} of the {len(kept)} rows used are longer than data.max_length = {max_length} "
+            f"tokens (the longest {max(cut):,}) and are cut to it: what follows the cut is not trained on; raise "
+            "data.max_length (and the last of data.context_buckets) to train on them whole")
     return kept.select_columns(["input_ids", "loss_mask"])
 
 
