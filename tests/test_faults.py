@@ -291,6 +291,9 @@ def test_resume_allows_and_lists_lr_steps_and_logging(run_copy, capsys):
         assert change in err
     assert json.loads((run_copy / "config.json").read_text())["train"]["steps"] == 7
     assert json.loads((run_copy / "summary.json").read_text())["steps"] == 7
+    # tau before training is measured after the resumed steps, on the initial drafter rebuilt: said so
+    assert "before training (the run's initial drafter, rebuilt from its seed after training): tau" in err
+    assert err.index("train: step 7/7") < err.index("evaluation before training (the run's initial drafter")
 
 
 # ---- damaged run directories -------------------------------------------------------------------

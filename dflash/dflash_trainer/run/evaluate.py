@@ -91,19 +91,24 @@ def slot_tau(slot_accuracy: list[float]) -> float:
     return tau
 
 
-def evaluate_before(cfg, drafter, target, tokenizer, eval_stream, prompts) -> dict:
+BEFORE = "before training"
+REBUILT = "before training (the run's initial drafter, rebuilt from its seed after training)"
+
+
+def evaluate_before(cfg, drafter, target, tokenizer, eval_stream, prompts, label: str = BEFORE) -> dict:
     """tau before training as eval.before_training says: estimated by teacher forcing (the default: seconds),
-    or decoded like the evaluation after training (minutes at real shapes). Its cost is said."""
+    or decoded like the evaluation after training (minutes at real shapes). Its cost is said. label: REBUILT
+    where it runs after training (a resumed run, a target rank), so its lines there say why."""
     started = time.perf_counter()
     if cfg.eval.before_training == "decode":
-        result = evaluate(cfg, drafter, target, tokenizer, eval_stream, prompts, "before training")
+        result = evaluate(cfg, drafter, target, tokenizer, eval_stream, prompts, label)
     else:
         acc = teacher_forced_accuracy(cfg, drafter, target, eval_stream)
         result = {"tau": slot_tau(acc), "tau_method": "teacher-forced estimate", "slot_accuracy": acc}
-        console.print(f"[bold]before training[/]: tau {result['tau']:.2f} (teacher-forced estimate; "
+        console.print(f"[bold]{label}[/]: tau {result['tau']:.2f} (teacher-forced estimate; "
                       'eval.before_training = "decode" decodes the prompts instead); per-slot accuracy '
                       + " ".join(f"{a:.2f}" for a in acc))
-    console.print(f"evaluation before training: {time.perf_counter() - started:.1f}s")
+    console.print(f"evaluation {label}: {time.perf_counter() - started:.1f}s")
     return result
 
 
@@ -111,7 +116,7 @@ def evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, drafter_dir: Pa
     """tau of the initial drafter (same seed, rebuilt) and of the trained one saved in drafter_dir."""
     dtype = DTYPES[cfg.train.dtype]
     initial = new_drafter(cfg, target.config, tokenizer, device=device).to(dtype=dtype)  # as the run built it
-    before = evaluate_before(cfg, initial, target, tokenizer, eval_stream, prompts)
+    before = evaluate_before(cfg, initial, target, tokenizer, eval_stream, prompts, REBUILT)
     trained = DFlashDrafter.from_pretrained(drafter_dir).to(device=device, dtype=dtype)
     after = evaluate(cfg, trained, target, tokenizer, eval_stream, prompts, "after training")
     return before, after
