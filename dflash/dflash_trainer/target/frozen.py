@@ -140,11 +140,7 @@ def check_supported_target(config, where: str, trust_remote_code: bool = False) 
     from ..config import ConfigError
     tc = text_config(config)
     family = getattr(tc, "model_type", None) or type(config).__name__
-    missing = [n for n in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-                           "max_position_embeddings") if getattr(tc, n, None) is None]
-    if missing:
-        raise ConfigError(f"{where}: the {family} config names no {', '.join(missing)}, which the drafter's shape "
-                          f"is derived from; give a decoder-only causal LM ({SUPPORTED_FAMILIES} are tested)")
+    # What kind of model it is first (an encoder, an encoder-decoder), then what its config lacks.
     try:
         skeleton = meta_skeleton(config, trust_remote_code)
     except (ValueError, KeyError, ImportError, TypeError) as exc:
@@ -154,9 +150,15 @@ def check_supported_target(config, where: str, trust_remote_code: bool = False) 
                           "text tower saved on its own") from None
     try:
         decoder_layers(skeleton)
-    except TypeError as exc:
-        raise ConfigError(f"{where}: {exc} (the {family} family); the drafter reads the outputs of the target's "
-                          f"decoder layers: give a model with a decoder layer list ({SUPPORTED_FAMILIES})") from None
+    except TypeError:
+        raise ConfigError(f"{where}: {type(skeleton).__name__} (the {family} family) is no decoder-only causal LM: it "
+                          "has no decoder layer list (model.model.layers) whose outputs the drafter reads; give a "
+                          f"decoder-only causal LM ({SUPPORTED_FAMILIES} are tested)") from None
+    missing = [n for n in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                           "max_position_embeddings") if getattr(tc, n, None) is None]
+    if missing:
+        raise ConfigError(f"{where}: the {family} config names no {', '.join(missing)}, which the drafter's shape "
+                          f"is derived from; give a decoder-only causal LM ({SUPPORTED_FAMILIES} are tested)")
     for what, module in (("input embedding", skeleton.get_input_embeddings()),
                          ("LM head", skeleton.get_output_embeddings())):
         if getattr(module, "weight", None) is None:
