@@ -263,6 +263,7 @@ def test_status_with_the_wrong_job_names_the_right_one(holds, asked, told, tmp_p
     text = status.format_report(report)
     assert f"holds {told.what} output, not {asked.what}: dflash-run status --job {told.name}" in text, text
     assert "None" not in text and status.exit_code(report) == 2, text
+    assert "shards:" not in text and "checkpoint:" not in text and "result:" not in text  # the other job's files
     assert status.exit_code(status.report(job_dir, None, job=told)) == 0
 
 
@@ -419,7 +420,8 @@ def test_the_demo_base_config_with_a_target_of_ones_own_is_said(tiny_target):
 
     own = load_config("embedded", [f"target.path={tiny_target['target']}"], whole_run=False)
     note = demo_settings_note("embedded", own)
-    assert note.startswith("note: the base config is the bundled demo's (--config embedded: data.max_length = 128")
+    assert note.startswith("note: the base config is the bundled demo's (--config embedded, sized for its toy target; "
+                           "this run has data.max_length = 128")
     assert f"target.path = {tiny_target['target']}" in note and "--config qwen3-8b" in note
     assert demo_settings_note("embedded", load_config("embedded", [], whole_run=False)) is None  # the demo itself
     assert demo_settings_note("qwen3-8b", own) is None and demo_settings_note(None, own) is None

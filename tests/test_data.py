@@ -169,6 +169,10 @@ def test_bad_lines_and_files_are_named(tmp_path):
     with pytest.raises(DataError, match=r"bad.jsonl, line 3: a JSON list, not an object; each line must be one JSON "
                                         r"object"):
         load_rows([str(bad)])
+    first = tmp_path / "first.jsonl"  # JSON lines whose first line is an array: still JSON lines, named by line
+    first.write_text('[1, 2]\n{"messages": []}\n')
+    with pytest.raises(DataError, match=r"first.jsonl, line 1: a JSON list, not an object; each line must be one"):
+        load_rows([str(first)])
     array = tmp_path / "rows.json"
     array.write_text('[\n {"messages": []},\n {"messages": ]\n]\n')
     with pytest.raises(DataError, match=r"rows.json, line 3: not valid JSON .*; a .json file must be one JSON array of "

@@ -17,6 +17,7 @@ from dflash_trainer.data.rows import (
     DataError,
     load_rows,
     normalise_messages,
+    pretokenized,
     tokenize_dataset,
 )
 from dflash_trainer.train import main
@@ -286,8 +287,12 @@ def test_regenerated_shards_and_chat_rows_train_together(tokenizer, tmp_path, ca
     chats = write(tmp_path / "chats.jsonl", [{"messages": c} for c in CHATS[:4]])
     answered = tokenize_dataset(load_rows([write(tmp_path / "more.jsonl", [{"messages": c} for c in CHATS[4:]])]),
                                 tokenizer, 128)
-    shard = write(tmp_path / "part-00000.jsonl", [{"input_ids": i, "loss_mask": m}
-                                                  for i, m in zip(answered["input_ids"], answered["loss_mask"])])
+    # as dflash-regenerate writes its shards: the messages kept beside the token ids
+    shard = write(tmp_path / "part-00000.jsonl", [{"messages": c, "input_ids": i, "loss_mask": m}
+                                                  for c, i, m in zip(CHATS[4:], answered["input_ids"],
+                                                                     answered["loss_mask"], strict=True)])
+    assert pretokenized(load_rows([shard]))  # shards alone need no chat template ...
+    assert not pretokenized(load_rows([shard, chats]))  # ... beside chat rows they do
     for files in ([shard, chats], [chats, shard]):
         ds = tokenize_dataset(load_rows(files), tokenizer, 128)
         assert len(ds) == len(CHATS) and "refused" not in capfd.readouterr().err
@@ -296,7 +301,16 @@ def test_regenerated_shards_and_chat_rows_train_together(tokenizer, tmp_path, ca
                              tokenizer, 128)["input_ids"])
 
 
-def test_files_whose_columns_cannot_be_one_set_are_named(tmp_path):
+def test_a_chat_file_with_an_input_ids_column_and_no_loss_mask_is_read_as_chats(tokenizer, tmp_path):
+    # a tokenized SFT export keeps input_ids / labels beside the messages: the messages are what is trained on
+    rows = [{"messages": c, "input_ids": [1, 2, 3], "labels": [1, 2, 3]} for c in CHATS]
+    ds = tokenize_dataset(load_rows([write(tmp_path / "sft.jsonl", rows)]), tokenizer, 128)
+    reference = tokenize_dataset(load_rows([write(tmp_path / "ref.jsonl", [{"messages": c} for c in CHATS])]),
+                                 tokenizer, 128)
+    assert ds["input_ids"] == reference["input_ids"]
+
+
+def test_a_column_of_another_type_in_each_file_is_held_as_json_values(tmp_path):
     a = write(tmp_path / "a.parquet", [{"messages": c} for c in CHATS[:2]])
     b = tmp_path / "b.parquet"
     datasets.Dataset.from_list([{"messages": 7}, {"messages": 8}]).to_parquet(b)

@@ -66,6 +66,15 @@ def test_a_line_is_due_once_a_minute_passed_since_the_last_whatever_log_every_sa
     assert window.overdue()
 
 
+def test_a_slow_run_gets_a_line_each_time_the_silence_runs_out(tiny_target, tmp_path, monkeypatch, capsys):
+    from dflash_trainer import train
+
+    monkeypatch.setattr(train, "MAX_SILENCE_S", 0.0)  # every step is "a minute" later than the last line
+    assert train.main(train_args(tiny_target, tmp_path / "run", "train.log_every=100")) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train: step ")]
+    assert [re.match(r"train: step (\d+)/6", x).group(1) for x in lines] == ["1", "2", "3", "4", "5", "6"]
+
+
 def test_the_progress_line_shows_the_learning_rate_its_step_used(trained, tiny_target):
     """Step k trains at the schedule's value after k - 1 scheduler steps (the loop reads a step's figures
     after the scheduler has moved on: the line must not show the next step's)."""

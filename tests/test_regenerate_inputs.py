@@ -120,7 +120,7 @@ def test_a_target_that_is_not_a_decoder_only_causal_lm_is_refused_before_anythin
         if engine == "openai" else []  # refused before the server is asked (none listens there)
     assert main(args(bert_target, tiny_target["train"], out, *extra)) == 2
     err = said(capsys)
-    assert f"--target {bert_target}: BertLMHeadModel (the bert family) is no decoder-only causal LM" in err, err
+    assert f"--target {bert_target}: BertLMHeadModel (the bert family) has no decoder layer list" in err, err
     assert "give a decoder-only causal LM" in err
     assert not out.exists()
 

@@ -200,7 +200,7 @@ def format_report(r: dict) -> str:
              *(["ended:       " + (f"exit {ended['rc']}" if ended["rc"] is not None else "its result written")
                 + (f" at {ended['at']}" if ended.get("at") else "")] if ended else []),
              f"processes:   {', '.join(map(str, r['pids'])) or 'none'}",
-             *progress_lines(r),
+             *([] if r["state"].startswith(WRONG_JOB) else progress_lines(r)),
              *([f"progress:    {r['last_progress']}"] if r.get("last_progress") else []),
              f"log:         {log}"]
     if r["log_tail"]:

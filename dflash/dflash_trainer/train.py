@@ -682,11 +682,11 @@ def demo_settings_note(config: str | None, cfg: RunConfig) -> str | None:
     the user's: said at the start, since nothing else would say why a real model trains on 128-token rows."""
     if config != "embedded" or cfg.target.path == "embedded":
         return None
-    return (f"note: the base config is the bundled demo's (--config embedded: data.max_length = {cfg.data.max_length}, "
-            f"drafter.block_size = {cfg.drafter.block_size}, train.lr = {cfg.train.lr:g}, train.dtype = "
-            f"{cfg.train.dtype}), with target.path = {cfg.target.path}: for a real model start from a bundled run "
-            "config (--config qwen3-8b, llama-3.1-8b-instruct, gemma-3-12b-it, gpt-oss-20b) or a file of your own; "
-            "--print-config shows every value")
+    return (f"note: the base config is the bundled demo's (--config embedded, sized for its toy target; this run has "
+            f"data.max_length = {cfg.data.max_length}, drafter.block_size = {cfg.drafter.block_size}, train.lr = "
+            f"{cfg.train.lr:g}, train.dtype = {cfg.train.dtype}), with target.path = {cfg.target.path}: for a real model "
+            "start from a bundled run config (--config qwen3-8b, llama-3.1-8b-instruct, gemma-3-12b-it, gpt-oss-20b) or "
+            "a file of your own; --print-config shows every value")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,7 +95,7 @@ def _first_bad_line(files: list[str]) -> str | None:
     """file:line, what is wrong with the first line that is not a JSON object, and the fix; None if all are."""
     for name in files:
         with _open_text(name) as f:
-            if f.read(64).lstrip().startswith("["):  # one JSON array, not JSON lines
+            if name.endswith((".json", ".json.gz")) and f.read(64).lstrip().startswith("["):  # one JSON array
                 f.seek(0)
                 try:
                     json.load(f)
@@ -211,11 +211,7 @@ def _one_after_another(parts: list, files: list[str]):
     parts = [part.cast(datasets.Features({column: datasets.Json() if column in mixed else feature
                                           for column, feature in part.features.items()}))
              if mixed and set(mixed) & set(part.column_names) else part for part in parts]
-    try:
-        return datasets.concatenate_datasets(parts)
-    except Exception as exc:
-        raise DataError(f"{', '.join(files)} each load, but their rows cannot be read as one set ({exc}): give "
-                        "files whose rows have one shape, or convert them to one") from exc
+    return datasets.concatenate_datasets(parts)
 
 
 def _load_local(files: list[str], split: str):
@@ -440,13 +436,14 @@ def has_anchor(loss_mask: Sequence[int]) -> bool:
 
 
 CHAT_COLUMNS = {"messages", "conversations"}
+TOKENIZED = ("input_ids", "loss_mask")
 
 
 def pretokenized(rows) -> bool:
-    """The rows carry their token ids and loss mask (regenerated answers): no chat template renders them. Rows
-    of several files may mix them with chat rows: then each row is read as what it holds (_either)."""
-    names = set(rows.column_names)
-    return {"input_ids", "loss_mask"} <= names and not CHAT_COLUMNS & names
+    """Every row carries its token ids and loss mask (regenerated answers, which keep their messages beside
+    them): no chat template renders them. Files read together may give chat rows beside them, whose ids are
+    empty (null): then each row is read as what it holds (_either), and the chat rows need the template."""
+    return set(TOKENIZED) <= set(rows.column_names) and all(rows.data.column(c).null_count == 0 for c in TOKENIZED)
 
 
 def _check_columns(rows) -> None:
@@ -472,7 +469,7 @@ def _pretokenized(row: dict, max_length: int) -> dict:
 
 def _either(tokenizer, row: dict, max_length: int, reasoning: str) -> dict:
     """A row of files that mix pre-tokenized rows and chat rows: what it holds."""
-    if row.get("input_ids") is not None or row.get("loss_mask") is not None:
+    if all(row.get(c) is not None for c in TOKENIZED):
         return _pretokenized(row, max_length)
     return _conversation(tokenizer, row, max_length, reasoning)
 
@@ -535,7 +532,7 @@ def tokenize_dataset(rows, tokenizer, max_length: int, num_proc: int | None = No
     if pretokenized(rows):
         ds = rows.map(lambda r: _pretokenized(r, max_length), num_proc=num_proc)
     else:
-        read = _either if {"input_ids", "loss_mask"} & set(rows.column_names) else _conversation
+        read = _either if set(TOKENIZED) <= set(rows.column_names) else _conversation
         ds = rows.map(lambda r: read(tokenizer, r, max_length, reasoning), remove_columns=rows.column_names,
                       num_proc=num_proc, desc="tokenizing")
     refused = refusals(ds["refused"])

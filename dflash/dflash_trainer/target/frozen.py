@@ -151,9 +151,10 @@ def check_supported_target(config, where: str, trust_remote_code: bool = False) 
     try:
         decoder_layers(skeleton)
     except TypeError:
-        raise ConfigError(f"{where}: {type(skeleton).__name__} (the {family} family) is no decoder-only causal LM: it "
-                          "has no decoder layer list (model.model.layers) whose outputs the drafter reads; give a "
-                          f"decoder-only causal LM ({SUPPORTED_FAMILIES} are tested)") from None
+        raise ConfigError(f"{where}: {type(skeleton).__name__} (the {family} family) has no decoder layer list the "
+                          "trainer can read (model.model.layers, whose outputs the drafter learns from): an encoder, "
+                          f"or a layout it does not know; give a decoder-only causal LM ({SUPPORTED_FAMILIES} are "
+                          "tested)") from None
     missing = [n for n in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                            "max_position_embeddings") if getattr(tc, n, None) is None]
     if missing:
