@@ -267,6 +267,14 @@ def test_status_with_the_wrong_job_names_the_right_one(holds, asked, told, tmp_p
     assert status.exit_code(status.report(job_dir, None, job=told)) == 0
 
 
+@pytest.mark.parametrize("launch", ['{"job": ["x"], "argv": ["a"]}', "{bad", '{"job": "nope", "argv": ["a"]}'])
+def test_status_of_a_directory_with_a_damaged_launch_reads_its_files(launch, tmp_path):
+    (tmp_path / "launch.json").write_text(launch)
+    (tmp_path / "part-00000.jsonl").write_text("{}\n")
+    report = status.report(tmp_path, None, job=TRAIN)  # no traceback: the shards say whose directory it is
+    assert "holds regeneration output, not training" in report["state"] and status.exit_code(report) == 2
+
+
 # ---- 6. train.epochs: whole micro-batches, as the stream takes them --------------------------------------
 
 def test_epochs_count_the_whole_micro_batches_an_epoch_takes(tiny_target, tmp_path, capsys):

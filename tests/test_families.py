@@ -260,8 +260,8 @@ def test_the_recipe_runs_and_serves_as_zlab_does(family, targets, tokenizer, tmp
 
 
 @pytest.mark.parametrize(("family", "refusal"), [
-    ("bert", r"BertLMHeadModel \(the bert family\) has no decoder layer list .*an encoder.*decoder-only causal LM "
-             r"\(Llama"),
+    ("bert", (r"BertLMHeadModel \(the bert family\) has no decoder layer list .*an encoder.*decoder-only causal LM "
+              r"\(Llama")),
     ("t5", r"transformers builds no causal LM for the t5 family.*decoder-only causal LM \(Llama"),
     ("distilbert", r"transformers builds no causal LM for the distilbert family.*decoder-only causal LM \(Llama"),
     ("phi", r"the LM head of PhiForCausalLM \(phi\) has a bias, which the drafter's loss does not apply"),

@@ -26,6 +26,11 @@ class Job:
     noun: str  # in the log: "trainer failed (exit 1)"
     again: str  # what starting it again does, said when it stopped
     result: str  # the file it writes once it has done all its work (not when a signal stopped it early)
+    marks: tuple[str, ...]  # what only this job leaves in its directory (both training and regeneration write
+    #                          summary.json): tells a directory's job where status is asked for another
+
+    def leaves_files_in(self, job_dir: Path) -> bool:
+        return any(next(job_dir.glob(pattern), None) is not None for pattern in self.marks)
 
     def start_args(self, job_dir: Path) -> tuple[str, ...]:
         """What a start adds to the deployed command line: resume_args once job_dir holds what they resume (the
@@ -46,12 +51,16 @@ class Job:
         return any(Path(a).name in self.scripts for a in programs)
 
 
+# The marks: the trainer's run config, checkpoints and progress line (dflash_trainer.run.run_dir), regeneration's
+# manifest and shards (dflash_trainer.regenerate.shards), the evaluation's result and requests (dflash_trainer.eval).
 TRAIN = Job("train", "training", ("dflash_trainer.train",), ("dflash-train",), "--output-dir", ("--resume",),
-            "trainer", "`make train` resumes from the last checkpoint", "summary.json")
+            "trainer", "`make train` resumes from the last checkpoint", "summary.json",
+            ("config.json", "checkpoints", "progress.txt"))
 REGENERATE = Job("regenerate", "regeneration", ("dflash_trainer.regenerate",), ("dflash-regenerate",), "--out", (),
-                 "regeneration", "`make regenerate` answers the rest (the shards written are kept)", "summary.json")
+                 "regeneration", "`make regenerate` answers the rest (the shards written are kept)", "summary.json",
+                 ("regenerate.json", "part-*.jsonl"))
 EVAL = Job("eval", "evaluation", ("dflash_trainer.eval",), ("dflash-eval",), "--out", (),
-           "evaluation", "`make eval` evaluates again", "eval.json")
+           "evaluation", "`make eval` evaluates again", "eval.json", ("eval.json", "requests.jsonl"))
 JOBS = {job.name: job for job in (TRAIN, REGENERATE, EVAL)}
 
 

@@ -75,25 +75,15 @@ def progress(job: Job, job_dir: Path) -> dict:
             "summary": s and {k: s.get(k) for k in ("steps", "final_loss", "tau_before", "tau_after", "drafter_dir")}}
 
 
-# What only one kind of job leaves in its directory (summary.json is written by two): a training run's config
-# and checkpoints (dflash_trainer.run.run_dir), a regeneration's manifest and shards, an evaluation's result.
-MARKS = {TRAIN: ("config.json", "checkpoints", PROGRESS_FILE), REGENERATE: ("regenerate.json", "part-*.jsonl"),
-         EVAL: ("eval.json", "requests.jsonl")}
-
-
-def holds(run_dir: Path, job: Job) -> bool:
-    return any(next(run_dir.glob(pattern), None) is not None for pattern in MARKS[job])
-
-
 def other_job(run_dir: Path, job: Job) -> Job | None:
     """The job run_dir belongs to, where that is not `job` (status asked with the wrong --job): the one its
     launch.json names (a deployed job), else the one whose files it holds, where it holds none of `job`'s."""
-    launched = (read_json(run_dir / supervise.LAUNCH) or {}).get("job")
-    if launched in JOBS:
-        return JOBS[launched] if launched != job.name else None
-    if not run_dir.is_dir() or holds(run_dir, job):
+    if supervise.launch_problem(run_dir) is None:  # a usable launch.json (a damaged one names no job here)
+        launched = JOBS[read_json(run_dir / supervise.LAUNCH).get("job", TRAIN.name)]
+        return launched if launched is not job else None
+    if not run_dir.is_dir() or job.leaves_files_in(run_dir):
         return None
-    return next((other for other in MARKS if other is not job and holds(run_dir, other)), None)
+    return next((other for other in JOBS.values() if other is not job and other.leaves_files_in(run_dir)), None)
 
 
 def report(run_dir: Path, unit: str | None, log_lines: int = 5, job: Job = TRAIN) -> dict:

@@ -723,8 +723,8 @@ def main(argv: list[str] | None = None) -> int:
                 console.print("note: this config cannot start a run yet:\n  - " + escape("\n  - ".join(problems)),
                               soft_wrap=True)
             return 0
-        if os.environ.get("RANK", "0") == "0" and (note := demo_settings_note(args.config, cfg)):
-            console.print(note, soft_wrap=True, markup=False)
+        if note := demo_settings_note(args.config, cfg):
+            _say_once(note)
         if args.dump_features:
             check_inputs(cfg)
             check_init_from(cfg)

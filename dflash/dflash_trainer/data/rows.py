@@ -442,13 +442,13 @@ TOKENIZED = ("input_ids", "loss_mask")
 def pretokenized(rows) -> bool:
     """Every row carries its token ids and loss mask (regenerated answers, which keep their messages beside
     them): no chat template renders them. Files read together may give chat rows beside them, whose ids are
-    empty (null): then each row is read as what it holds (_either), and the chat rows need the template."""
+    empty (null): then each row is read as what it holds (_row), and the chat rows need the template."""
     return set(TOKENIZED) <= set(rows.column_names) and all(rows.data.column(c).null_count == 0 for c in TOKENIZED)
 
 
 def _check_columns(rows) -> None:
     names = set(rows.column_names)
-    if not (CHAT_COLUMNS & names or {"input_ids", "loss_mask"} <= names):
+    if not (CHAT_COLUMNS & names or set(TOKENIZED) <= names):
         raise DataError(f"{rows.info.description or 'the data'}: rows have keys {sorted(names)}; each row needs "
                         "'messages' (OpenAI style), 'conversations' (ShareGPT style), or pre-tokenized "
                         "'input_ids' + 'loss_mask'")
@@ -467,8 +467,9 @@ def _pretokenized(row: dict, max_length: int) -> dict:
     return _usable({"input_ids": ids[:max_length], "loss_mask": mask[:max_length], "length": len(ids)})
 
 
-def _either(tokenizer, row: dict, max_length: int, reasoning: str) -> dict:
-    """A row of files that mix pre-tokenized rows and chat rows: what it holds."""
+def _row(tokenizer, row: dict, max_length: int, reasoning: str) -> dict:
+    """A row as what it holds: its token ids and loss mask (a regenerated shard's row), else its chat (files read
+    together may mix both)."""
     if all(row.get(c) is not None for c in TOKENIZED):
         return _pretokenized(row, max_length)
     return _conversation(tokenizer, row, max_length, reasoning)
@@ -529,12 +530,8 @@ def tokenize_dataset(rows, tokenizer, max_length: int, num_proc: int | None = No
     with each reason and the first row numbers."""
     _check_columns(rows)
     source = rows.info.description or "the data"
-    if pretokenized(rows):
-        ds = rows.map(lambda r: _pretokenized(r, max_length), num_proc=num_proc)
-    else:
-        read = _either if set(TOKENIZED) <= set(rows.column_names) else _conversation
-        ds = rows.map(lambda r: read(tokenizer, r, max_length, reasoning), remove_columns=rows.column_names,
-                      num_proc=num_proc, desc="tokenizing")
+    ds = rows.map(lambda r: _row(tokenizer, r, max_length, reasoning), remove_columns=rows.column_names,
+                  num_proc=num_proc, desc="tokenizing")
     refused = refusals(ds["refused"])
     kept = ds.filter(lambda r: not r["refused"], num_proc=num_proc)
     cut = [n for n in kept["length"] if n > max_length]
