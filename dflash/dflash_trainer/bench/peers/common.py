@@ -1,0 +1,181 @@
+"""What both peer adapters share, and what is ours in a peer's run: the run config our trainer reads, the dumped
+micro-batches in our trainer's order, our learning-rate schedule, the drafter published in our format, and
+summary.json.
+
+A peer is imported from its installed package at run time and never is a dependency of this project: a missing
+one is PeerMissing (exit 2) with the exact install command; another version than the adapter was written
+against is a warning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ...config import ConfigError, RunConfig
+from ...data.features import FeatureShards
+from ...infra import storage
+from ...infra.console import console
+from ...infra.dtypes import DTYPES
+from ...model.drafter import IDENTITY_SCALES, DFlashDrafter
+from ...model.optim import warmup_cosine
+from ...run.loading import drafter_config_for, feature_buckets, load_tokenizer, target_config
+
+
+class PeerMissing(RuntimeError):
+    """The peer's package (or a module it imports) is not installed: the message holds the install command."""
+
+
+class PeerRefused(ValueError):
+    """The peer's drafter differs from ours in a way our format cannot hold (or the target is one the peer's
+    model does not serve as ours does): refused with the reason, never converted."""
+
+
+def import_peer(dist: str, version: str, install: str, *modules: str) -> list:
+    """The peer's modules, imported from its installed package; PeerMissing naming what is missing and the
+    install command. Another installed version than `version` is said, not refused."""
+    try:
+        installed = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        raise PeerMissing(f"{dist} is not installed: install it (without its dependencies, which this run does "
+                          f"not use) with: {install}") from None
+    try:
+        loaded = [importlib.import_module(name) for name in modules]
+    except ImportError as exc:
+        raise PeerMissing(f"{dist} {installed} is installed, but importing its modules failed ({exc}): install "
+                          f"what they import with: {install}") from None
+    if installed != version:
+        console.print(f"warning: {dist} {installed} is installed; this adapter was written against {dist} {version} "
+                      f"(its modules may have changed: {install})", markup=False, soft_wrap=True)
+    return loaded
+
+
+@dataclass
+class PeerInputs:
+    """What a peer's run reads: our run config, the dumped features, the target and our drafter's config."""
+
+    cfg: RunConfig
+    shards: FeatureShards
+    target_config: object  # the target's transformers config
+    drafter_config: object  # ours (a Qwen3Config in the published drafters' format): the shape every trainer trains
+    device: torch.device
+    dtype: torch.dtype  # train.dtype
+
+    @property
+    def gamma(self) -> float:
+        from ...model.anchors import default_gamma
+
+        return self.cfg.drafter.gamma or default_gamma(self.cfg.drafter.block_size)
+
+
+def load_inputs(cfg: RunConfig, device: torch.device) -> PeerInputs:
+    """cfg with target.path and data.features_dir set. ConfigError (exit 2) where the dump does not fit the config,
+    as our trainer refuses it (another target, other tapped layers, another micro-batch size)."""
+    try:
+        shards = FeatureShards(cfg.data.features_dir)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--features: {exc}") from None
+    tconfig = target_config(cfg)
+    tokenizer = load_tokenizer(cfg) if cfg.drafter.mask_token_id is None else None
+    dconfig = drafter_config_for(cfg, tconfig, tokenizer)
+    feature_buckets(cfg, shards, tconfig, dconfig.dflash_config["target_layer_ids"], lead=False, compiles=False)
+    scales = {k: v for k, v in dconfig.dflash_config.items() if k in IDENTITY_SCALES}
+    if scales:
+        # Both peers' DFlash models embed the block and compute logits as a Qwen3 target does; our format applies
+        # this target's scales when serving, so a drafter trained without them would be served otherwise.
+        raise PeerRefused(f"target {cfg.target.path} scales what the drafter borrows ({scales}); the peers' DFlash "
+                          "models apply no such scale, and our format would serve the drafter with it: compare "
+                          "the peers on a target without embedding or logit scales (Qwen3, Llama, ...)")
+    return PeerInputs(cfg, shards, tconfig, dconfig, device, DTYPES[cfg.train.dtype])
+
+
+def step_micro_batches(inputs: PeerInputs) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """Per optimizer step, its micro-batches as our trainer reads them (one drafter rank): micro-batch i of the
+    run is shard i mod count, step s takes i = s * grad_accum ... (s + 1) * grad_accum - 1. The features come in
+    train.dtype, as our trainer casts them."""
+    train = inputs.cfg.train
+    for step in range(train.steps):
+        batches = []
+        for i in range(step * train.grad_accum, (step + 1) * train.grad_accum):
+            got = inputs.shards.load(i, inputs.device)
+            got["features"] = got["features"].to(inputs.dtype)
+            batches.append(got)
+        yield batches
+
+
+def our_schedule(optimizer: torch.optim.Optimizer, cfg: RunConfig):
+    """Our trainer's schedule (model/optim.py: linear warm-up, cosine to min_lr_ratio), stepped after each
+    optimizer step as ours is."""
+    train = cfg.train
+    return warmup_cosine(optimizer, train.steps, int(train.warmup_ratio * train.steps), train.min_lr_ratio)
+
+
+def as_ours(drafter_config, state: dict[str, torch.Tensor], peer: str) -> DFlashDrafter:
+    """The peer's trained parameters in our drafter: every name and shape must be one of ours and every one of ours
+    must be there, else PeerRefused naming the difference (our format holds no other architecture)."""
+    model = DFlashDrafter(drafter_config)
+    ours = {k: v.shape for k, v in model.state_dict().items()}
+    extra, missing = sorted(set(state) - set(ours)), sorted(set(ours) - set(state))
+    shapes = [f"{k} {tuple(state[k].shape)} (ours {tuple(ours[k])})" for k in ours if k in state
+              and state[k].shape != ours[k]]
+    if extra or missing or shapes:
+        raise PeerRefused(f"{peer}'s draft model differs from our format: " + "; ".join(
+            part for part in (f"parameters our format has no place for: {extra}" if extra else "",
+                              f"parameters it lacks: {missing}" if missing else "",
+                              f"other shapes: {shapes}" if shapes else "") if part))
+    model.load_state_dict({k: v.detach().float() for k, v in state.items()}, strict=True)
+    return model
+
+
+def publish(out: Path, drafter_config, state: dict[str, torch.Tensor], peer: str, dtype: torch.dtype) -> Path:
+    """OUT/drafter: the peer's drafter in our format (what dflash-eval --drafter loads), in train.dtype."""
+    return as_ours(drafter_config, state, peer).to(dtype).save_pretrained(out / "drafter")
+
+
+class TrainClock:
+    """Wall time of the training steps alone (a GPU's queued work waited for at each read)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, 0.0
+
+    def __enter__(self):
+        self._sync()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self._sync()
+        self.seconds += time.perf_counter() - self._start
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def write_summary(out: Path, summary: dict) -> Path:
+    path = out / "summary.json"
+    storage.write_text_atomic(path, json.dumps(summary, indent=2))
+    return path
+
+
+def summary_of(peer: str, dist: str, inputs: PeerInputs, losses: list[float], train_s: float, tokens: int,
+               out: Path, **settings) -> dict:
+    """summary.json: the peer, its installed version, the run's shape and what it measured."""
+    cfg = inputs.cfg
+    return {
+        "peer": peer, "package": dist, "package_version": importlib.metadata.version(dist),
+        "steps": cfg.train.steps, "micro_batch": cfg.train.micro_batch, "grad_accum": cfg.train.grad_accum,
+        "num_anchors": cfg.train.num_anchors, "block_size": cfg.drafter.block_size,
+        "num_layers": cfg.drafter.num_layers, "lr": cfg.train.lr, "dtype": cfg.train.dtype, "seed": cfg.train.seed,
+        "features_dir": str(cfg.data.features_dir), "target": cfg.target.path, "device": str(inputs.device),
+        "train_s": round(train_s, 3), "first_loss": losses[0], "final_loss": losses[-1], "losses": losses,
+        "tokens": tokens, "tokens_per_s": tokens / train_s if train_s > 0 else None,
+        "drafter_dir": str(out / "drafter"), **settings,
+    }
