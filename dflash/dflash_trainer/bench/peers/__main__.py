@@ -14,7 +14,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ...cli_args import BAD_INPUT, FAULT, add_config_flags, directory, exit_code, key_flag, parse_with_config, say_error
+from ...cli_args import (
+    BAD_INPUT,
+    FAULT,
+    add_config_flags,
+    directory,
+    exit_code,
+    key_flag,
+    parse_with_config,
+    say_error,
+)
 from ...infra.console import console, plain_output_off_a_terminal
 from .common import PeerMissing, PeerRefused
 

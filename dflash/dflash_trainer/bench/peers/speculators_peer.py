@@ -101,9 +101,9 @@ def settings(inputs: PeerInputs) -> dict:
 
 def build(inputs: PeerInputs) -> SpeculatorsRun:
     dflash, _, optimizers_mod, _ = modules()
+    if inputs.cfg.train.dtype == "float16":  # its schema refuses float16 hidden states (no gradient scaling)
+        raise PeerRefused("speculators trains in bfloat16 or float32 only: set train.dtype = bfloat16 or float32")
     flat = settings(inputs)
-    if flat["hidden_states_dtype"] == "float16":
-        raise PeerRefused("speculators trains in bfloat16 or float32 only: set train.dtype accordingly")
     torch.manual_seed(inputs.cfg.train.seed)  # speculators' CLI: set_seed(args.seed) before building the draft
     layer_config = copy.deepcopy(inputs.drafter_config)  # what its --draft-config gives
     model = dflash.DFlashDraftModel.from_training_args(verifier_config=layer_config, t2d=None, d2t=None, **flat)
