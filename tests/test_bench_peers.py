@@ -82,9 +82,11 @@ def test_a_peer_trains_on_our_features_and_publishes_a_drafter_our_loop_decodes(
     from transformers import AutoModelForCausalLM
 
     installed_peer(peer)
-    assert cli(dumped, peer, tmp_path / "run") == 0
+    # two micro-batches a step: the peer's accumulation window (SpecForge) or one packed sequence (speculators)
+    assert cli(dumped, peer, tmp_path / "run", "train.grad_accum=2") == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["peer"] == peer and summary["package_version"] == ADAPTERS[peer].VERSION
+    assert summary["micro_batches_per_step"] == 2
     assert summary["steps"] == 3 and len(summary["losses"]) == 3 and all(math.isfinite(x) for x in summary["losses"])
     assert summary["train_s"] > 0 and summary["tokens_per_s"] > 0
     assert summary["first_loss"] == summary["losses"][0] and summary["final_loss"] == summary["losses"][-1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,6 +70,12 @@ class PeerInputs:
     dtype: torch.dtype  # train.dtype
 
     @property
+    def per_step(self) -> int:
+        """Micro-batches per optimizer step: what our run's drafter ranks take together (grad_accum each), here
+        in one process: the same rows per step, the loss normalised over all of them as ours is."""
+        return self.cfg.train.grad_accum * self.cfg.parallel.drafter_ranks
+
+    @property
     def gamma(self) -> float:
         from ...model.anchors import default_gamma
 
@@ -86,6 +93,11 @@ def load_inputs(cfg: RunConfig, device: torch.device) -> PeerInputs:
     tokenizer = load_tokenizer(cfg) if cfg.drafter.mask_token_id is None else None
     dconfig = drafter_config_for(cfg, tconfig, tokenizer)
     feature_buckets(cfg, shards, tconfig, dconfig.dflash_config["target_layer_ids"], lead=False, compiles=False)
+    if cfg.train.epochs is not None:  # as our trainer derives them from dumped features (train.steps_from_epochs)
+        cfg.train.steps = max(1, math.ceil(cfg.train.epochs * shards.count
+                                           / (cfg.train.grad_accum * cfg.parallel.drafter_ranks)))
+        console.print(f"train.epochs = {cfg.train.epochs:g}: {cfg.train.steps} steps ({shards.count} dumped "
+                      "micro-batches)", soft_wrap=True)
     scales = {k: v for k, v in dconfig.dflash_config.items() if k in IDENTITY_SCALES}
     if scales:
         # Both peers' DFlash models embed the block and compute logits as a Qwen3 target does; our format applies
@@ -97,13 +109,13 @@ def load_inputs(cfg: RunConfig, device: torch.device) -> PeerInputs:
 
 
 def step_micro_batches(inputs: PeerInputs) -> Iterator[list[dict[str, torch.Tensor]]]:
-    """Per optimizer step, its micro-batches as our trainer reads them (one drafter rank): micro-batch i of the
-    run is shard i mod count, step s takes i = s * grad_accum ... (s + 1) * grad_accum - 1. The features come in
-    train.dtype, as our trainer casts them."""
-    train = inputs.cfg.train
-    for step in range(train.steps):
+    """Per optimizer step, its micro-batches as our trainer reads them: micro-batch i of the run is shard i mod
+    count, step s takes i = s * P ... (s + 1) * P - 1 (P = per_step: our drafter ranks share them out, rank r
+    taking i = r mod ranks). The features come in train.dtype, as our trainer casts them."""
+    per_step = inputs.per_step
+    for step in range(inputs.cfg.train.steps):
         batches = []
-        for i in range(step * train.grad_accum, (step + 1) * train.grad_accum):
+        for i in range(step * per_step, (step + 1) * per_step):
             got = inputs.shards.load(i, inputs.device)
             got["features"] = got["features"].to(inputs.dtype)
             batches.append(got)
@@ -171,7 +183,7 @@ def summary_of(peer: str, dist: str, inputs: PeerInputs, losses: list[float], tr
     cfg = inputs.cfg
     return {
         "peer": peer, "package": dist, "package_version": importlib.metadata.version(dist),
-        "steps": cfg.train.steps, "micro_batch": cfg.train.micro_batch, "grad_accum": cfg.train.grad_accum,
+        "steps": cfg.train.steps, "micro_batch": cfg.train.micro_batch, "micro_batches_per_step": inputs.per_step,
         "num_anchors": cfg.train.num_anchors, "block_size": cfg.drafter.block_size,
         "num_layers": cfg.drafter.num_layers, "lr": cfg.train.lr, "dtype": cfg.train.dtype, "seed": cfg.train.seed,
         "features_dir": str(cfg.data.features_dir), "target": cfg.target.path, "device": str(inputs.device),

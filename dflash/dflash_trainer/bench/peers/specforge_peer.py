@@ -90,7 +90,7 @@ def build(inputs: PeerInputs) -> SpecForgeRun:
     backend.prepare_model(model, wrap=False, optimizer_target=draft)
     backend.optimizer.scheduler = our_schedule(backend.optimizer.optimizer, cfg)  # the same schedule as ours
     strategy = strategies.DFlashTrainStrategy(model)
-    core = controller.TrainerCore(strategy, backend, accumulation_steps=train.grad_accum)
+    core = controller.TrainerCore(strategy, backend, accumulation_steps=inputs.per_step)
     return SpecForgeRun(draft, model, strategy, core, backend.optimizer)
 
 

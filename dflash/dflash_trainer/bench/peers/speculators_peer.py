@@ -83,7 +83,7 @@ def settings(inputs: PeerInputs) -> dict:
     and flattened as its CLI hands it to the model classes."""
     _, schema, _, _ = modules()
     cfg, dconfig = inputs.cfg, inputs.drafter_config
-    rows = cfg.train.micro_batch * cfg.train.grad_accum
+    rows = cfg.train.micro_batch * inputs.per_step
     on_gpu = inputs.device.type == "cuda"
     resolved = schema.TrainConfig(
         speculator_type="dflash", seed=cfg.train.seed,
