@@ -88,7 +88,8 @@ def test_a_peer_trains_on_our_features_and_publishes_a_drafter_our_loop_decodes(
     assert summary["peer"] == peer and summary["package_version"] == ADAPTERS[peer].VERSION
     assert summary["micro_batches_per_step"] == 2
     assert summary["steps"] == 3 and len(summary["losses"]) == 3 and all(math.isfinite(x) for x in summary["losses"])
-    assert summary["train_s"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["train_s"] > 0 and summary["tokens_per_s"] > 0 and summary["steady_tokens_per_s"] > 0
+    assert len(summary["step_s"]) == 3 and abs(sum(summary["step_s"]) - summary["train_s"]) < 0.01
     assert summary["first_loss"] == summary["losses"][0] and summary["final_loss"] == summary["losses"][-1]
 
     drafter_dir = tmp_path / "run" / "drafter"

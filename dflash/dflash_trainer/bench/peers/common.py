@@ -152,10 +152,14 @@ def publish(out: Path, drafter_config, state: dict[str, torch.Tensor], peer: str
 
 
 class TrainClock:
-    """Wall time of the training steps alone (a GPU's queued work waited for at each read)."""
+    """Wall time of the training steps alone, step by step (a GPU's queued work waited for at each read)."""
 
     def __init__(self, device: torch.device):
-        self.device, self.seconds = device, 0.0
+        self.device, self.laps = device, []
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.laps)
 
     def __enter__(self):
         self._sync()
@@ -164,11 +168,17 @@ class TrainClock:
 
     def __exit__(self, *exc):
         self._sync()
-        self.seconds += time.perf_counter() - self._start
+        self.laps.append(time.perf_counter() - self._start)
 
     def _sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def say_step(cfg: RunConfig, step: int, loss: float, clock: TrainClock) -> None:
+    """A progress line every train.log_every steps and at the last, as our trainer prints them."""
+    if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+        console.print(f"step {step}/{cfg.train.steps}: loss {loss:.4f}, {clock.laps[-1] * 1e3:.0f} ms", markup=False)
 
 
 def write_summary(out: Path, summary: dict) -> Path:
@@ -177,10 +187,12 @@ def write_summary(out: Path, summary: dict) -> Path:
     return path
 
 
-def summary_of(peer: str, dist: str, inputs: PeerInputs, losses: list[float], train_s: float, tokens: int,
-               out: Path, **settings) -> dict:
-    """summary.json: the peer, its installed version, the run's shape and what it measured."""
-    cfg = inputs.cfg
+def summary_of(peer: str, dist: str, inputs: PeerInputs, losses: list[float], clock: TrainClock,
+               tokens: list[int], out: Path, **settings) -> dict:
+    """summary.json: the peer, its installed version, the run's shape and what it measured. tokens: the context
+    tokens of each step; the steady rate leaves out the first step (its compiles and warm-up)."""
+    cfg, train_s = inputs.cfg, clock.seconds
+    steady_s = sum(clock.laps[1:])
     return {
         "peer": peer, "package": dist, "package_version": importlib.metadata.version(dist),
         "steps": cfg.train.steps, "micro_batch": cfg.train.micro_batch, "micro_batches_per_step": inputs.per_step,
@@ -188,6 +200,8 @@ def summary_of(peer: str, dist: str, inputs: PeerInputs, losses: list[float], tr
         "num_layers": cfg.drafter.num_layers, "lr": cfg.train.lr, "dtype": cfg.train.dtype, "seed": cfg.train.seed,
         "features_dir": str(cfg.data.features_dir), "target": cfg.target.path, "device": str(inputs.device),
         "train_s": round(train_s, 3), "first_loss": losses[0], "final_loss": losses[-1], "losses": losses,
-        "tokens": tokens, "tokens_per_s": tokens / train_s if train_s > 0 else None,
+        "step_s": [round(t, 4) for t in clock.laps], "tokens": sum(tokens),
+        "tokens_per_s": sum(tokens) / train_s if train_s > 0 else None,
+        "steady_tokens_per_s": sum(tokens[1:]) / steady_s if steady_s > 0 else None,
         "drafter_dir": str(out / "drafter"), **settings,
     }

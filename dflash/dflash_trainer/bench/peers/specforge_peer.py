@@ -37,6 +37,7 @@ from .common import (
     import_peer,
     our_schedule,
     publish,
+    say_step,
     step_micro_batches,
     summary_of,
     write_summary,
@@ -127,13 +128,14 @@ def state_dict(run: SpecForgeRun) -> dict[str, torch.Tensor]:
 
 def train(inputs: PeerInputs, out: Path) -> dict:
     run = build(inputs)
-    clock, losses, tokens = TrainClock(inputs.device), [], 0
-    for micro_batches in step_micro_batches(inputs):
+    clock, losses, tokens = TrainClock(inputs.device), [], []
+    for step, micro_batches in enumerate(step_micro_batches(inputs), 1):
         with clock:
             losses.append(train_step(run, micro_batches))
-        tokens += int(sum(mb["attention_mask"].sum() for mb in micro_batches))
+        tokens.append(int(sum(mb["attention_mask"].sum() for mb in micro_batches)))
+        say_step(inputs.cfg, step, losses[-1], clock)
     publish(out, inputs.drafter_config, state_dict(run), NAME, inputs.dtype)
-    summary = summary_of(NAME, DIST, inputs, losses, clock.seconds, tokens, out,
+    summary = summary_of(NAME, DIST, inputs, losses, clock, tokens, out,
                          objective="dflash: CE on the data tokens, weights exp(-(k-1)/gamma)",
                          gamma=inputs.gamma, attention=attention_backend(inputs.device),
                          optimizer="BF16Optimizer (AdamW, betas 0.9/0.999, fp32 masters)",

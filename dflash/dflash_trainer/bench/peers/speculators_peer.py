@@ -48,6 +48,7 @@ from .common import (
     import_peer,
     our_schedule,
     publish,
+    say_step,
     step_micro_batches,
     summary_of,
     write_summary,
@@ -191,17 +192,18 @@ def last_hidden_target(inputs: PeerInputs):
 def train(inputs: PeerInputs, out: Path) -> dict:
     run = build(inputs)
     target = last_hidden_target(inputs)
-    clock, losses, tokens = TrainClock(inputs.device), [], 0
-    for micro_batches in step_micro_batches(inputs):
+    clock, losses, tokens = TrainClock(inputs.device), [], []
+    for step, micro_batches in enumerate(step_micro_batches(inputs), 1):
         last_hidden = [target.features(mb["input_ids"], mb["attention_mask"]) for mb in micro_batches]
         batch = pack(micro_batches, last_hidden, run.hidden_dtype)
         with clock:
             losses.append(train_step(run, batch))
-        tokens += int((batch["document_ids"] >= 0).sum())
+        tokens.append(int((batch["document_ids"] >= 0).sum()))
+        say_step(inputs.cfg, step, losses[-1], clock)
     del target
     publish(out, inputs.drafter_config, state_dict(run), NAME, inputs.dtype)
     flat = run.settings
-    summary = summary_of(NAME, DIST, inputs, losses, clock.seconds, tokens, out,
+    summary = summary_of(NAME, DIST, inputs, losses, clock, tokens, out,
                          objective=f"{flat['loss_fn']} against the target's argmax, position weights "
                                    f"{flat['per_position_loss_weight']} (alpha {flat['dpace_alpha']})",
                          max_anchors=flat["max_anchors"], attention=flat["draft_attn_impl"],
