@@ -25,6 +25,7 @@ from ...data.features import FeatureShards
 from ...infra import storage
 from ...infra.console import console
 from ...infra.dtypes import DTYPES
+from ...model.anchors import default_gamma
 from ...model.drafter import IDENTITY_SCALES, DFlashDrafter
 from ...model.optim import warmup_cosine
 from ...run.loading import drafter_config_for, feature_buckets, load_tokenizer, target_config
@@ -77,8 +78,6 @@ class PeerInputs:
 
     @property
     def gamma(self) -> float:
-        from ...model.anchors import default_gamma
-
         return self.cfg.drafter.gamma or default_gamma(self.cfg.drafter.block_size)
 
 
