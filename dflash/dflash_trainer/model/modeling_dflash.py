@@ -15,6 +15,8 @@ input embedding of the block (the last verified token, then `mask_token_id`s); `
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,7 +84,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     the target's are borrowed."""
 
     config_class = Qwen3Config
-    _no_split_modules = ["DFlashDecoderLayer"]
+    _no_split_modules: ClassVar[list[str]] = ["DFlashDecoderLayer"]
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
