@@ -78,38 +78,9 @@ def _scales(config: dict) -> str:
            "\nThe engines draft the tokens the drafter was trained to draft.\n"))
 
 
-def card_text(config: dict, target: str, data: list[str], steps: int | None, rows: list[TauRow], source: str,
-              drafter_path: str = "DRAFTER_DIR") -> str:
-    dflash = config["dflash_config"]
-    block = int(config["block_size"])
-    meta = ModelCardData(library_name="transformers", base_model=_hub_id(target),
-                         tags=["dflash", "speculative-decoding", "drafter"])
-    data_lines = "".join(f"- `{d}`\n" for d in data) or "- (not recorded)\n"
-    body = f"""
-# DFlash drafter for `{target}`
-
-A [DFlash](https://arxiv.org/abs/2602.06036) block-diffusion drafter for speculative decoding, trained with
-dflash-trainer. It drafts a block of {block} tokens in one pass from the target's hidden states; the target
-verifies the block. It owns no embedding and no LM head: it borrows the target's.
-
-| | |
-|---|---|
-| target | `{target}` (`{config.get("target_model_type", "?")}`, {config.get("num_target_layers", "?")} layers) |
-| block size | {block} (drafts {block - 1} tokens a step) |
-| drafter layers | {config["num_hidden_layers"]} (hidden {config["hidden_size"]}) |
-| tapped target layers | {dflash["target_layer_ids"]} (`dflash_config.target_layer_ids`, each layer's output) |
-| mask token id | {dflash["mask_token_id"]} |
-| dtype | {config.get("dtype", "?")} |
-| training | {"?" if steps is None else steps} steps |
-
-Training data:
-
-{data_lines}
-## Acceptance
-
-{tau_section(rows, source)}
-{_scales(config)}
-## Serve it
+def _serve(target: str, block: int, drafter_path: str) -> str:
+    """The commands that serve the drafter in each engine, with the keys each reads."""
+    return f"""## Serve it
 
 Checked against {ENGINES}. `{drafter_path}` is this directory (or the hub id it is pushed to), `target`
 the loaded target model.
@@ -142,6 +113,40 @@ python -m sglang.launch_server --model-path {target} \\
 
 speculators' format (vLLM reads it too): `dflash-export --format speculators {drafter_path} OUT`.
 """
+
+
+def card_text(config: dict, target: str, data: list[str], steps: int | None, rows: list[TauRow], source: str,
+              drafter_path: str = "DRAFTER_DIR") -> str:
+    dflash = config["dflash_config"]
+    block = int(config["block_size"])
+    meta = ModelCardData(library_name="transformers", base_model=_hub_id(target),
+                         tags=["dflash", "speculative-decoding", "drafter"])
+    data_lines = "".join(f"- `{d}`\n" for d in data) or "- (not recorded)\n"
+    body = f"""
+# DFlash drafter for `{target}`
+
+A [DFlash](https://arxiv.org/abs/2602.06036) block-diffusion drafter for speculative decoding, trained with
+dflash-trainer. It drafts a block of {block} tokens in one pass from the target's hidden states; the target
+verifies the block. It owns no embedding and no LM head: it borrows the target's.
+
+| | |
+|---|---|
+| target | `{target}` (`{config.get("target_model_type", "?")}`, {config.get("num_target_layers", "?")} layers) |
+| block size | {block} (drafts {block - 1} tokens a step) |
+| drafter layers | {config["num_hidden_layers"]} (hidden {config["hidden_size"]}) |
+| tapped target layers | {dflash["target_layer_ids"]} (`dflash_config.target_layer_ids`, each layer's output) |
+| mask token id | {dflash["mask_token_id"]} |
+| dtype | {config.get("dtype", "?")} |
+| training | {"?" if steps is None else steps} steps |
+
+Training data:
+
+{data_lines}
+## Acceptance
+
+{tau_section(rows, source)}
+{_scales(config)}
+{_serve(target, block, drafter_path)}"""
     return str(ModelCard(f"---\n{meta.to_yaml()}\n---\n{body}"))
 
 
