@@ -96,7 +96,7 @@ from transformers import AutoModel  # the drafter's forward alone: target_hidden
 draft = AutoModel.from_pretrained("{drafter_path}", trust_remote_code=True, dtype="auto")
 ```
 
-vLLM (method `dflash` must be given: vLLM infers it only from a path that contains "dflash"):
+vLLM (the method named, as releases differ in how they detect it; `num_speculative_tokens` = block size - 1):
 
 ```bash
 vllm serve {target} \\
