@@ -54,10 +54,10 @@ _SCALE_SERVING = {
         "not applied: the target model class would have to supply it, and none in 0.5.23 does"),
     "output_multiplier": (
         "applied", "applied (read as the top-level `logit_scale` this directory also carries)",
-        "not read for a DFlash drafter, whose drafts are the argmax (a positive multiplier keeps it)"),
+        "not applied to a DFlash draft, which is the argmax (a positive multiplier keeps it)"),
     "final_logit_softcapping": (
         "applied", "not applied: greedy drafts (the default) are unchanged, probabilistic drafts differ",
-        "not read for a DFlash drafter, whose drafts are the argmax (the softcap keeps it)"),
+        "not applied to a DFlash draft, which is the argmax (the softcap keeps it)"),
 }
 
 
