@@ -96,12 +96,16 @@ def test_tau_equals_the_training_runs_tau(training_run, evaluated, tiny_target, 
     assert held_out["prompts"] == PROMPTS and report["max_new_tokens"] == NEW
     assert held_out["tau"] == summary["tau_after"]
     assert 1.2 < held_out["tau"] < BLOCK  # some blocks accepted, not all: the comparison means something
+    card = (out / "drafter" / "README.md").read_text()  # the drafter's model card carries the last evaluation's tau
+    assert f"| held-out | {PROMPTS} | {held_out['tau']:.2f} |" in card and "measured by dflash-eval" in card
     # The same prompts from the chat file itself (rendered by the chat template) give the same figure.
     again = tmp_path / "again"
     assert main(["--drafter", str(out / "drafter"), "--target", tiny_target["target"], "--prompts",
                  tiny_target["eval"], "--limit", str(PROMPTS), "--max-new-tokens", str(NEW), "--dtype", "float32",
                  "--out", str(again)]) == 0
     assert json.loads((again / "eval.json").read_text())["sets"]["eval"]["tau"] == summary["tau_after"]
+    card = (out / "drafter" / "README.md").read_text()
+    assert f"| eval | {PROMPTS} | {summary['tau_after']:.2f} |" in card and "| held-out |" not in card
 
 
 def zlab_generate(drafter_path, model, tokenizer, prompts):

@@ -14,6 +14,7 @@ finish (the published drafter, tau, the summary).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -49,7 +50,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .model.flops import peak_flops
     from .model.optim import MasterWeightAdamW, warmup_cosine
     from .run import checkpoint as ckpt
-    from .run import run_dir
+    from .run import model_card, run_dir
     from .run.compile_step import check_dense_fits, compile_cache_dir, compile_drafter_step
     from .run.evaluate import evaluate, evaluate_before, evaluate_saved, record_eval_prompts
     from .run.loading import (
@@ -454,10 +455,14 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
            "train.checkpoint_every = 0 kept no checkpoint to publish it from: free space, then train again "
            "with --overwrite.")
     with storage.explained(f"publishing the drafter to {out / 'drafter'}", out, fix):
-        final_dir = storage.publish_dir(out / "drafter", lambda d: run.drafter.save_pretrained(d, weights))
+        final_dir = storage.publish_dir(out / "drafter", lambda d: publish_drafter(run, weights, d))
     summary = run_summary(run, history, report, compile_s, startup, final_dir)
     if run.ctx.colocated:
         summary.update(evaluate_published(run, before, final_dir))
+        with storage.explained(f"writing {final_dir / model_card.CARD}", out, "The drafter is published; free space."):
+            model_card.update_tau(final_dir, [model_card.TauRow("held-out", len(run.prompts), summary["tau_after"])],
+                                  f"measured by the training run on its held-out prompts (greedy, up to "
+                                  f"{cfg.eval.max_new_tokens} new tokens)")
     with storage.explained(f"writing {out / 'summary.json'}", out, "The drafter is published; free space."):
         if run.ctx.colocated:  # what `dflash-eval --run` reads
             summary["eval_prompts"] = str(record_eval_prompts(out, run.prompts))
@@ -465,6 +470,14 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
     metrics.summary(summary)
     metrics.close()
     return summary
+
+
+def publish_drafter(run: DrafterRun, weights: dict | None, directory: Path) -> None:
+    """The drafter's directory: its weights, config, modelling file and model card."""
+    run.drafter.save_pretrained(directory, weights)
+    cfg = run.cfg
+    model_card.write_card(directory, json.loads((directory / "config.json").read_text()), cfg.target.path,
+                          cfg.data.train, cfg.train.steps)
 
 
 def run_summary(run: DrafterRun, history: History, report: CompileReport | None, compile_s: float,

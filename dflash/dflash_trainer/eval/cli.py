@@ -36,6 +36,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..infra.hub import remote_code_hint
     from ..infra.metrics import PlainProgress, say_progress
     from ..run import checkpoint as ckpt
+    from ..run import model_card
     from ..run import run_dir as run_dir_lib
     from ..run.evaluate import EVAL_PROMPTS_FILE
     from ..run.loading import check_target, check_tokenizer_files, family_problem
@@ -586,7 +587,21 @@ def write_results(p: Plan, report: dict, requests: list[dict]) -> int:
         return cli_args.FAULT
     console.print(table(report))
     console.print(f"eval.json, requests.jsonl and eval.png in {p.out}", markup=False)
+    update_card(p, report)
     return 0
+
+
+def update_card(p: Plan, report: dict) -> None:
+    """The drafter's model card (a published drafter's README.md) gets this evaluation's tau per prompt set."""
+    rows = [model_card.TauRow(name, r["prompts"], r["tau"]) for name, r in report["sets"].items()]
+    source = (f"measured by dflash-eval ({report['device']}, target in {report['dtype']}, greedy, up to "
+              f"{report['max_new_tokens']} new tokens)")
+    try:
+        if model_card.update_tau(p.drafter_dir, rows, source):
+            console.print(f"tau per prompt set written into {p.drafter_dir / model_card.CARD}", markup=False)
+    except OSError as exc:  # the results are written; the card is a copy of them
+        console.print(f"note: the model card {p.drafter_dir / model_card.CARD} was left as it was ({exc})",
+                      markup=False)
 
 
 def print_settings(args, cfg: RunConfig) -> None:

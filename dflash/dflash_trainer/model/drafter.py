@@ -7,7 +7,9 @@ it borrows the target's (frozen) ones, and returns normalised hidden states.
 
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from ..infra import storage
 from ..target.frozen import borrowed_scales, drafter_rope, text_config
+from . import modeling_dflash
 
 # The attention kernel is injected: (q [b,h,Q,d], k [b,kv,S+Q,d], v) -> [b,h,Q,d].
 # Training passes the compiled flex_attention with the DFlash BlockMask, inference and the
@@ -32,6 +36,10 @@ from ..target.frozen import borrowed_scales, drafter_rope, text_config
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 ARCHITECTURE = "DFlashDraftModel"
+# What `AutoModel.from_pretrained(dir, trust_remote_code=True)` builds: the class in the modelling file that
+# save_pretrained writes beside the weights (z-lab's published drafters name theirs the same way).
+MODELING_FILE = Path(modeling_dflash.__file__).name
+AUTO_MAP = {"AutoModel": f"{Path(MODELING_FILE).stem}.{modeling_dflash.DFlashDraftModel.__name__}"}
 
 
 def build_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -109,6 +117,9 @@ def drafter_config(target_config, shape: DrafterShape, borrowed: dict | None = N
         dflash_config={"mask_token_id": shape.mask_token_id, "target_layer_ids": layer_ids,
                        **{k: v for k, v in borrowed.items() if v != IDENTITY_SCALES[k]}},
     )
+    if borrowed.get("output_multiplier", 1.0) != 1.0:
+        # vLLM's DFlash model scales the draft logits by the top-level logit_scale, not by output_multiplier.
+        config.logit_scale = borrowed["output_multiplier"]
     # Serving engines that predate transformers 5 read rope_theta at the top level.
     rope = getattr(config, "rope_parameters", None) or {}
     if "rope_theta" in rope:
@@ -246,9 +257,14 @@ class DFlashDrafter(nn.Module):
         """state_dict: the weights to write when this module holds only a shard of them (FSDP)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.config.save_pretrained(directory)
         state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
-        save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+        config = copy.deepcopy(self.config)
+        config.auto_map = dict(AUTO_MAP)
+        config.dtype = next(v.dtype for v in state.values() if v.is_floating_point())  # what dtype="auto" loads
+        config.save_pretrained(directory)
+        shutil.copyfile(modeling_dflash.__file__, directory / MODELING_FILE)
+        storage.publish_file(directory / "model.safetensors",
+                             lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
         return directory
 
     @classmethod
