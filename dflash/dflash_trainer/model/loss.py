@@ -11,6 +11,12 @@ a third of the head's GEMM work, the largest GEMM of the step.
 The elementwise part (log-softmax, CE, softmax - one-hot, argmax) runs as one Triton kernel on GPUs
 (`ce_kernel.ce_and_grad_`, which writes the gradient over the logits) and eagerly on CPUs and in
 no-grad passes (`ce_and_grad`, the reference).
+
+Against the target's distribution (`Objective`: kl, tv, mixed with ce as DSpark's 0.1 CE + 0.9 TV): the
+target's logits at each block position come from its final normed hidden state through the same head,
+chunk by chunk beside the drafter's, and the mixture and its gradient are computed in torch
+(`mixture_and_grad`) on chunks capped at MIXTURE_CHUNK_LOGITS logits, since that path holds a few fp32
+[rows, vocab] tensors at once. A pure CE objective takes the CE path above, unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch.nn.functional as F
 class LossSums:
     """Additive terms of one micro-batch; divide by the step's total weight at the end."""
 
-    weighted_ce: torch.Tensor  # scalar, carries the graph
+    weighted_loss: torch.Tensor  # scalar, carries the graph
     slot_correct: torch.Tensor  # [B] argmax == label where weight > 0
     slot_count: torch.Tensor  # [B] positions with weight > 0
 
@@ -43,12 +49,71 @@ def ce_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
     return (ce * weights).sum(), grad, hit
 
 
+# Logits per chunk of the KL / TV path: six fp32 [rows, vocab] tensors of 512 MiB each at most (512 rows
+# of Gemma 3's 262,144-token vocabulary).
+MIXTURE_CHUNK_LOGITS = 1 << 27
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The loss per scored position, a weighted sum of: ce, the cross-entropy on the data's token (the
+    default, alone); kl, KL(target || drafter), the forward KL from the target's softmax to the drafter's;
+    tv, the total variation between the two, 1 - sum_v min(p_v, q_v), which is one minus the chance that
+    speculative sampling accepts the drafter's token (so it optimises acceptance directly). Both
+    distributions at temperature 1, as speculators' `kl_div` and `tv` losses."""
+
+    ce: float = 1.0
+    kl: float = 0.0
+    tv: float = 0.0
+
+    @property
+    def needs_target(self) -> bool:
+        """The loss reads the target's distribution: the features must carry its final hidden states."""
+        return self.kl > 0 or self.tv > 0
+
+
+def mixture_and_grad(logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                     objective: Objective, with_grad: bool):
+    """sum(w * (ce * CE + kl * KL(p || q) + tv * TV(p, q))), its gradient over the drafter's logits in their dtype
+    (or None), argmax == label; q the drafter's softmax, p the target's, for [rows, V] logits."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    log_q = x - lse
+    q = log_q.exp()
+    log_p = torch.log_softmax(target_logits.float(), dim=-1)
+    p = log_p.exp()
+    loss = torch.zeros(x.shape[0], device=x.device)
+    grad = torch.zeros_like(x) if with_grad else None
+    if objective.ce:
+        loss += objective.ce * -log_q.gather(1, labels.unsqueeze(1)).squeeze(1)
+        if with_grad:
+            grad += objective.ce * q
+            grad.scatter_add_(1, labels.unsqueeze(1), torch.full_like(labels, -objective.ce, dtype=x.dtype).unsqueeze(1))
+    if objective.kl:
+        # p * (log p - log q) summed; a token the target gives no mass adds nothing (0 * log 0 = 0).
+        loss += objective.kl * torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
+        if with_grad:
+            grad += objective.kl * (q - p)
+    if objective.tv:
+        below = q < p  # the tokens where min(p, q) is the drafter's own q
+        loss += objective.tv * (1 - torch.minimum(p, q).sum(-1))
+        if with_grad:  # d(-sum_{v in below} q_v) / dx_j = q_j * (sum_{below} q - [j in below])
+            grad += objective.tv * q * (torch.where(below, q, 0.0).sum(-1, keepdim=True) - below.float())
+    if with_grad:
+        grad = (grad * weights.unsqueeze(1)).to(logits.dtype)
+    return (loss * weights).sum(), grad, x.argmax(-1) == labels
+
+
 class _HeadCrossEntropy(torch.autograd.Function):
-    """sum(weights * CE(hidden @ head^T, labels)) with d/d(hidden) computed chunk by chunk in the forward."""
+    """sum(weights * CE(hidden @ head^T, labels)), or the objective's mixture against the target's logits
+    (target_hidden @ head^T), with d/d(hidden) computed chunk by chunk in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad, shaping):
-        if hidden.is_cuda and with_grad:
+    def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad, shaping,
+                objective, target_hidden):
+        if objective is not None:  # against the target's distribution: the torch mixture, in smaller chunks
+            chunk_rows = max(1, min(chunk_rows, MIXTURE_CHUNK_LOGITS // head_weight.shape[0]))
+        elif hidden.is_cuda and with_grad:
             from .ce_kernel import ce_and_grad_ as kernel
         else:  # CPUs and no-grad passes (evaluation): the reference
             def kernel(logits, labels, weights):
@@ -63,7 +128,15 @@ class _HeadCrossEntropy(torch.autograd.Function):
             logits = F.linear(hidden[sl], head_weight)
             if shaping is not None:  # the target's logit transform (Gemma 2's soft-cap): chain rule through it
                 logits, slope = _shaped_with_slope(logits, *shaping)
-            part, grad_logits, hit = kernel(logits, labels[sl], weights[sl])
+            if objective is None:
+                part, grad_logits, hit = kernel(logits, labels[sl], weights[sl])
+            else:  # the target's logits, shaped as its own head shapes them
+                target_logits = F.linear(target_hidden[sl], head_weight)
+                if shaping is not None:
+                    target_logits = _shaped_with_slope(target_logits, *shaping)[0]
+                part, grad_logits, hit = mixture_and_grad(logits, target_logits, labels[sl], weights[sl], objective,
+                                                          with_grad)
+                del target_logits
             del logits
             if with_grad:
                 if shaping is not None:
@@ -79,7 +152,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_correct, _grad_count):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
+        return (grad_hidden * grad_total.to(grad_hidden.dtype), *[None] * 10)
 
 
 def _shaped_with_slope(raw: torch.Tensor, multiplier: float, softcap: float | None):
@@ -100,6 +173,9 @@ def chunked_block_loss(
     chunk_rows: int = 2048,
     output_multiplier: float = 1.0,  # the target's logit transform (model.shape_logits), as serving applies it
     final_logit_softcapping: float | None = None,
+    objective: Objective | None = None,  # None, or ce alone: the CE path
+    target_hidden: torch.Tensor | None = None,  # [b, N*B, H] the target's final normed hidden state before each
+    # block position (the one whose logits predict its token); needed where objective.needs_target
 ) -> LossSums:
     if head_weight.requires_grad:
         raise ValueError("the LM head is the target's and must be frozen (requires_grad=False): DFlash does "
@@ -116,7 +192,14 @@ def chunked_block_loss(
     with_grad = torch.is_grad_enabled() and h.requires_grad
     shaping = (None if output_multiplier == 1.0 and not final_logit_softcapping
                else (output_multiplier, final_logit_softcapping))
+    mixture = objective if objective is not None and objective != Objective(ce=objective.ce) else None
+    if mixture is not None and objective.needs_target and target_hidden is None:
+        raise ValueError(f"{objective} compares the drafter with the target's distribution: give target_hidden, "
+                         "the target's final hidden states at the block positions")
+    if mixture is None and objective is not None and objective.ce != 1.0:  # ce alone, scaled
+        weights = weights * objective.ce
+    target_rows = scored(target_hidden.to(head_weight.dtype)) if mixture is not None and mixture.needs_target else None
     total, correct, count = _HeadCrossEntropy.apply(
         h, head_weight, scored(labels), scored(weights).to(torch.float32), slots, block_size, chunk_rows, with_grad,
-        shaping)
+        shaping, mixture, target_rows)
     return LossSums(total, correct, count)
