@@ -192,13 +192,13 @@ def chunked_block_loss(
     with_grad = torch.is_grad_enabled() and h.requires_grad
     shaping = (None if output_multiplier == 1.0 and not final_logit_softcapping
                else (output_multiplier, final_logit_softcapping))
-    mixture = objective if objective is not None and objective != Objective(ce=objective.ce) else None
-    if mixture is not None and objective.needs_target and target_hidden is None:
+    mixture = objective if objective is not None and objective.needs_target else None  # else the CE path
+    if mixture is not None and target_hidden is None:
         raise ValueError(f"{objective} compares the drafter with the target's distribution: give target_hidden, "
                          "the target's final hidden states at the block positions")
     if mixture is None and objective is not None and objective.ce != 1.0:  # ce alone, scaled
         weights = weights * objective.ce
-    target_rows = scored(target_hidden.to(head_weight.dtype)) if mixture is not None and mixture.needs_target else None
+    target_rows = scored(target_hidden.to(head_weight.dtype)) if mixture is not None else None
     total, correct, count = _HeadCrossEntropy.apply(
         h, head_weight, scored(labels), scored(weights).to(torch.float32), slots, block_size, chunk_rows, with_grad,
         shaping, mixture, target_rows)
