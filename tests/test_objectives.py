@@ -122,6 +122,49 @@ def test_ce_alone_takes_the_default_path_exactly():
         chunked_block_loss(h, head, labels, weights, 4, objective=CASES["tv"])
 
 
+def plain_dpace(ce, carries, block, alpha):
+    """speculators' dpace_loss_decay, one block and one slot at a time."""
+    weights = torch.zeros_like(ce)
+    for start in range(0, len(ce), block):
+        prefix, running = [], 1.0
+        for k in range(block):
+            if carries[start + k]:
+                running *= (1 - alpha) * math.exp(-float(ce[start + k])) + alpha
+            prefix.append(running if carries[start + k] else 0.0)
+        for k in range(block):
+            weights[start + k] = sum(prefix[k:]) if carries[start + k] else 0.0
+    return weights
+
+
+@pytest.mark.parametrize("name", ["ce", "dspark"])
+def test_dpace_weights_the_positions_by_the_accepted_run_they_can_start(name):
+    """position_weighting = dpace: each position's weight from the drafter's confidence in its token (no gradient
+    through it), as speculators computes it; the loss is normalised by those weights' sum."""
+    from dflash_trainer.model.loss import dpace_weights
+
+    objective = {"ce": Objective(ce=0.5), "dspark": CASES["dspark"]}[name]
+    h, target, head, labels, weights = random_case(5)
+    hidden = h.clone().requires_grad_()
+    sums = chunked_block_loss(hidden, head, labels, weights, 4, chunk_rows=5, target_hidden=target,
+                              objective=Objective(objective.ce, objective.kl, objective.tv, dpace_alpha=0.3))
+    (grad,) = torch.autograd.grad(sums.weighted_loss, hidden)
+    ref_hidden = h.clone().requires_grad_()
+    logits = (ref_hidden @ head.T).view(2, 5, 4, 60)[:, :, 1:].reshape(-1, 60)  # slot 0 carries nothing
+    target_logits = (target @ head.T).view(2, 5, 4, 60)[:, :, 1:].reshape(-1, 60)
+    keep = weights.view(2, 5, 4)[:, :, 1:].reshape(-1) > 0
+    ce = F.cross_entropy(logits.detach(), labels.view(2, 5, 4)[:, :, 1:].reshape(-1), reduction="none")
+    position = plain_dpace(ce, keep, 3, 0.3)
+    torch.testing.assert_close(dpace_weights(ce, keep, 3, 0.3), position)
+    per_row = [reference_loss(logits[i:i + 1], target_logits[i:i + 1], labels.view(2, 5, 4)[:, :, 1:].reshape(-1)[i:i + 1],
+                              torch.ones(1), objective) for i in range(len(position))]
+    ref = sum(w * r for w, r in zip(position, per_row, strict=True))
+    (ref_grad,) = torch.autograd.grad(ref, ref_hidden)
+    torch.testing.assert_close(sums.weighted_loss, ref.detach())
+    torch.testing.assert_close(grad, ref_grad)
+    torch.testing.assert_close(sums.weight, position.sum())
+    assert not torch.allclose(position[keep], position[keep][0])  # the weights differ by slot and block
+
+
 def _tiny_drafter(block=4):
     from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config
     from transformers import Qwen3Config
@@ -241,7 +284,8 @@ def test_the_dump_holds_the_final_states_only_for_a_loss_that_reads_them(tiny_ta
     assert feature_buckets(cfg, with_states, target_config(cfg), layers, lead=False)
 
 
-@pytest.mark.parametrize("loss", [["train.loss_ce=0.1", "train.loss_tv=0.9"], ["train.loss_ce=0", "train.loss_kl=1"]])
+@pytest.mark.parametrize("loss", [["train.loss_ce=0.1", "train.loss_tv=0.9"], ["train.loss_ce=0", "train.loss_kl=1"],
+                                  ["train.position_weighting=dpace"]])
 def test_a_tiny_run_learns_with_the_loss_against_the_target(tiny_target, tmp_path, loss):
     from dflash_trainer.train import run
 

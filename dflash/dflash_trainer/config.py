@@ -152,6 +152,11 @@ class TrainConfig:
     loss_ce: Annotated[float, NOT_NEGATIVE] = 1.0
     loss_kl: Annotated[float, NOT_NEGATIVE] = 0.0  # weight of KL(target || drafter); see loss_ce
     loss_tv: Annotated[float, NOT_NEGATIVE] = 0.0  # weight of the total variation between the two; see loss_ce
+    # How the block positions are weighted: exp-decay, exp(-(k-1)/drafter.gamma) by slot k (DFlash); dpace,
+    # D-PACE's adaptive weights from the drafter's confidence in each slot's token (speculators' dpace): a slot
+    # weighs as much as the run of accepted tokens it can still start
+    position_weighting: Annotated[str, Rule(choices=("exp-decay", "dpace"))] = "exp-decay"
+    dpace_alpha: Annotated[float, FRACTION] = 0.5  # D-PACE's confidence smoothing (position_weighting = dpace)
     loss_chunk_rows: Annotated[int, Rule(ge=1, le=1 << 24)] = 2048  # token rows per chunk of the LM head + CE
     compile_layers: bool = True  # flex backend: compile each drafter layer whole (fused norms/RoPE/SwiGLU), and the norms after fc and at the end
     log_every: Annotated[int, STEPS] = 10  # steps between progress lines and metrics

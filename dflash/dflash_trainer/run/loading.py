@@ -282,8 +282,10 @@ def new_drafter(cfg: RunConfig, target_config, tokenizer, device="cpu", initiali
 
 
 def loss_objective(cfg: RunConfig) -> Objective:
-    """The loss's terms and weights (train.loss_ce, loss_kl, loss_tv)."""
-    return Objective(ce=cfg.train.loss_ce, kl=cfg.train.loss_kl, tv=cfg.train.loss_tv)
+    """The loss's terms and weights (train.loss_ce, loss_kl, loss_tv) and its position weighting."""
+    t = cfg.train
+    return Objective(ce=t.loss_ce, kl=t.loss_kl, tv=t.loss_tv,
+                     dpace_alpha=t.dpace_alpha if t.position_weighting == "dpace" else None)
 
 
 def load_target(cfg: RunConfig, layer_ids: list[int], device, config=None) -> FrozenTarget:

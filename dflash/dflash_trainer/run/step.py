@@ -160,7 +160,8 @@ class DrafterStep:
         batch, ctx_len = features.shape[:2]
         # A device tensor: a float() here would wait for the GPU in the middle of the step.
         flops = drafter_step_flops(config, batch, ctx_len, self.num_anchors, mb.visible_pairs, self.vocab_size)
-        return MicroBatchSums(sums.weighted_loss.detach(), mb.blocks.total_weight, sums.slot_correct,
+        weight = sums.weight if sums.weight is not None else mb.blocks.total_weight  # D-PACE chooses its own
+        return MicroBatchSums(sums.weighted_loss.detach(), weight, sums.slot_correct,
                               sums.slot_count, flops)
 
     def optimizer_step(self, grad_scale: float | torch.Tensor) -> torch.Tensor:
