@@ -64,6 +64,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
         feature_buckets,
         load_data,
         load_target,
+        loss_objective,
         new_drafter,
         read_target_files,
         repeated_taps_note,
@@ -167,7 +168,8 @@ def colocated_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDra
     stream, eval_stream, prompts = load_data(cfg, target_files.tokenizer)
     buckets = compiled_buckets(cfg, stream, say=ctx.leads_drafters and attention_backend(cfg, ctx.device) == "flex")
     startup.mark("data")
-    return FeatureSide(local_source(stream, target, my_batches, dtype, ctx.device), "target", len(stream.dataset),
+    source = local_source(stream, target, my_batches, dtype, ctx.device, with_final=loss_objective(cfg).needs_target)
+    return FeatureSide(source, "target", len(stream.dataset),
                        embed, head, target, eval_stream, prompts, buckets=buckets)
 
 
@@ -224,7 +226,7 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
                        gamma=cfg.drafter.gamma, chunk_rows=train.loss_chunk_rows, backend=backend,
                        compiled_layers=backend == "flex" and train.compile_layers and shard.compiled_layers,
                        vocab_size=drafter.config.vocab_size, model=shard.module,
-                       gradient_sync=shard.gradient_sync, scheduler=scheduler)
+                       gradient_sync=shard.gradient_sync, scheduler=scheduler, objective=loss_objective(cfg))
     run = DrafterRun(cfg, ctx, drafter, shard, optimizer, scheduler, step, side.source, side.wait_kind, start_step,
                      latest, side.target, target_files.tokenizer, side.eval_stream, side.prompts, side.borrowed,
                      buckets=side.buckets)

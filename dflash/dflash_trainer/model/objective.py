@@ -1,5 +1,5 @@
 """One drafter micro-batch's math: anchors -> blocks + attention (prepare_micro_batch) -> drafter ->
-chunked weighted CE (drafter_loss, un-normalised sums). step.DrafterStep runs them (with the backward
+chunked weighted loss (drafter_loss, un-normalised sums: CE, or the objective's mix against the target). step.DrafterStep runs them (with the backward
 and the optimizer) for the train loop, the compile step and the benchmark; evaluation uses them too.
 
 Attention backends:
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .anchors import Blocks, build_blocks, sample_anchors
 from .drafter import AttentionFn, DFlashDrafter
 from .flops import visible_pairs
-from .loss import LossSums, chunked_block_loss
+from .loss import LossSums, Objective, chunked_block_loss
 from .mask import dense_mask, dflash_block_mask
 
 
@@ -119,8 +119,13 @@ def drafter_loss(
     chunk_rows: int = 2048,
     model=None,
     compiled_layers: bool = False,
+    objective: Objective | None = None,
+    target_hidden: torch.Tensor | None = None,
 ) -> LossSums:
     """`model` is what runs the forward (the DDP wrapper on drafter ranks); `drafter` by default.
+
+    objective: the loss's terms (None: CE alone); target_hidden: [b, S, H], the target's final normed hidden
+    states of the context, which an objective against the target's distribution needs.
 
     compiled_layers: run each layer through COMPILED_LAYER, and the norms around them through COMPILED_FUSE
     and COMPILED_NORM (GPU training with the flex backend).
@@ -132,5 +137,13 @@ def drafter_loss(
     compiled = ({"layer_fn": COMPILED_LAYER, "fuse_fn": COMPILED_FUSE, "norm_fn": COMPILED_NORM}
                 if compiled_layers else {})
     hidden = (model or drafter)(features, block_embeds, position_ids, attention, **compiled)
+    target_rows = None
+    if objective is not None and objective.needs_target:
+        if target_hidden is None:
+            raise ValueError(f"{objective} compares the drafter with the target's distribution: give "
+                             "target_hidden, the target's final hidden states (FrozenTarget.features_and_final)")
+        # Block position a+k predicts x[a+k]; the target predicts that token from position a+k-1.
+        before = (blocks.position_ids - 1).clamp(0, ctx_len - 1)
+        target_rows = target_hidden.gather(1, before.unsqueeze(-1).expand(-1, -1, target_hidden.shape[-1]))
     return chunked_block_loss(hidden, head_weight, blocks.labels, blocks.weights, drafter.block_size, chunk_rows,
-                              drafter.output_multiplier, drafter.final_logit_softcapping)
+                              drafter.output_multiplier, drafter.final_logit_softcapping, objective, target_rows)
