@@ -195,17 +195,17 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
     drafters = []
     if OURS in args.trainers:
         drafters.append(Drafter(OURS, OURS, out / "runs" / OURS, features=features))
+    drafters += [Drafter(p, p, out / "runs" / p, features=features) for p in args.trainers if p in PEERS]
+    if OURS in args.trainers:
         for text in args.variant:
             label, settings = parse_variant(text)
             drafters.append(Drafter(f"{OURS} {label}", OURS, out / "runs" / f"{OURS}-{label}", settings, features))
         for fraction in args.data_fraction:
             drafters.append(Drafter(f"{OURS} {fraction:g} data", OURS, out / "runs" / f"{OURS}-data-{fraction:g}",
                                     features=fraction_features(features, fraction)))
-    drafters += [Drafter(p, p, out / "runs" / p, features=features) for p in args.trainers if p in PEERS]
-    for d in drafters:
-        train(args, d, target, run_settings, logs)
     rows = []
-    for d in drafters:
+    for d in drafters:  # each drafter trained, then judged: a stop leaves whole results behind
+        train(args, d, target, run_settings, logs)
         eval_dir = out / "eval" / d.run.name
         if not (eval_dir / "eval.json").is_file():
             run_stage(f"evaluate {d.label}", py(
@@ -246,6 +246,7 @@ def train(args, d: Drafter, target: Path, run_settings: list[str], logs: Path) -
     else:
         cmd = py("dflash_trainer.bench.peers", "--peer", d.trainer, "--features", str(d.features),
                  "--target", str(target), "--out", str(d.run), *config_flags(args))
+    shutil.rmtree(d.run, ignore_errors=True)  # what a stopped run left: each trainer starts clean
     seconds = run_stage(f"train {d.label}", cmd, logs / f"train-{d.run.name}.log")
     d.run.mkdir(parents=True, exist_ok=True)
     wall_file(d.run).write_text(json.dumps({"seconds": seconds, "command": shlex.join(cmd)}, indent=2))
