@@ -138,15 +138,17 @@ def _drafter_layer(layer, x, keys, values, cos, sin, mask):
     """DrafterLayer.forward with the context's K/V read from the slots instead of recomputed."""
     attn = layer.self_attn
     b, q_len, _ = x.shape
-    h = layer.input_layernorm(x)
-    q = attn.q_norm(attn.q_proj(h).view(b, q_len, attn.num_heads, attn.head_dim)).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(h).view(b, q_len, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
-    v = attn.v_proj(h).view(b, q_len, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    out = F.scaled_dot_product_attention(q, torch.cat([keys, k], 2), torch.cat([values, v], 2), attn_mask=mask,
-                                         enable_gqa=True)
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q_len, attn.num_heads * attn.head_dim))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def attend(h):
+        q = attn.q_norm(attn.q_proj(h).view(b, q_len, attn.num_heads, attn.head_dim)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(h).view(b, q_len, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(h).view(b, q_len, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, torch.cat([keys, k], 2), torch.cat([values, v], 2), attn_mask=mask,
+                                             enable_gqa=True)
+        return attn.o_proj(out.transpose(1, 2).reshape(b, q_len, attn.num_heads * attn.head_dim))
+
+    return layer.mlp_part(x + layer.attention_part(x, attend))
 
 
 class Graphed:
@@ -249,7 +251,7 @@ class StaticDecoder:
         return token
 
     def _draft(self, positions, in_block) -> torch.Tensor:
-        """The drafter's guesses for the block's slots 1..B-1: [b, B-1]."""
+        """The drafter's guesses for the block's slots 1..B-1: [b, B-1] (DFlash 2: its selector's path)."""
         drafter, embed = self.drafter, self.target.embed_weight
         ids = torch.full_like(positions, drafter.mask_token_id)
         ids[:, 0] = self.anchor
@@ -262,8 +264,7 @@ class StaticDecoder:
         mask = torch.cat([context, in_block], 1)[:, None, None, :]
         for layer, keys, values in zip(drafter.layers, self.context.keys, self.context.values, strict=True):
             x = _drafter_layer(layer, x, keys, values, cos, sin, mask)
-        head = self.target.head_weight
-        return drafter.logits(drafter.norm(x)[:, 1:].to(head.dtype), head).argmax(-1)
+        return drafter.propose(drafter.norm(x)[:, 1:], self.anchor, self.target.head_weight)
 
     def _spec_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft, verify, accept, update the drafter's context: (the target's tokens [b, B], accepted [b])."""

@@ -1,7 +1,7 @@
 """Greedy speculative decoding against the target, target-only greedy decoding, and acceptance statistics.
 
 The one decoding loop that the trainer's tau (run/evaluate.py) and `dflash-eval` (eval/cli.py) share; it is
-z-lab's `dflash_generate` at temperature 0, step for step. Each verify step: the drafter fills a block
+z-lab's `dflash_generate` at temperature 0, step for step (a DFlash 2 drafter's candidate selector included). Each verify step: the drafter fills a block
 [anchor, MASK x (B-1)] from the fused target features of every verified token; the target checks the
 B tokens in one forward; the agreeing prefix plus the target's bonus token are kept. The acceptance
 length of a step is the number of tokens it adds (accepted + 1, at most B; less when the token limit or
@@ -117,7 +117,7 @@ def speculative_generate(
         draft[0, 0] = seq[start]
         pos = torch.arange(start + size, device=device).unsqueeze(0)
         hidden = drafter(None, F.embedding(draft, embed).to(dtype), pos, attention, context=context)
-        draft[0, 1:] = drafter.logits(hidden[0, 1:].to(head.dtype), head).argmax(-1)
+        draft[0, 1:] = drafter.propose(hidden[:, 1:], draft[:, 0], head)[0]
         out = model(draft, **{cache_argument(model): cache}, use_cache=True, output_hidden_states=True)
         posterior = out.logits[0].argmax(-1)
         accepted = int((draft[0, 1:] == posterior[:-1]).cumprod(0).sum())

@@ -28,6 +28,7 @@ class LossSums:
     weighted_ce: torch.Tensor  # scalar, carries the graph
     slot_correct: torch.Tensor  # [B] argmax == label where weight > 0
     slot_count: torch.Tensor  # [B] positions with weight > 0
+    candidates: torch.Tensor | None = None  # [rows, k] the top-k tokens of each scored row (DFlash 2's selector)
 
 
 def ce_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, with_grad: bool):
@@ -47,7 +48,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
     """sum(weights * CE(hidden @ head^T, labels)) with d/d(hidden) computed chunk by chunk in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad, shaping):
+    def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad, shaping, top_k):
         if hidden.is_cuda and with_grad:
             from .ce_kernel import ce_and_grad_ as kernel
         else:  # CPUs and no-grad passes (evaluation): the reference
@@ -57,12 +58,15 @@ class _HeadCrossEntropy(torch.autograd.Function):
         correct = torch.zeros(block_size, device=hidden.device)
         count = torch.zeros(block_size, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if with_grad else None
+        candidates = torch.zeros(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device)
         scored = weights > 0
         for start in range(0, hidden.shape[0], chunk_rows):
             sl = slice(start, start + chunk_rows)
             logits = F.linear(hidden[sl], head_weight)
             if shaping is not None:  # the target's logit transform (Gemma 2's soft-cap): chain rule through it
                 logits, slope = _shaped_with_slope(logits, *shaping)
+            if top_k:  # before the kernel, which writes the gradient over the logits
+                candidates[sl] = torch.topk(logits, top_k, dim=-1).indices
             part, grad_logits, hit = kernel(logits, labels[sl], weights[sl])
             del logits
             if with_grad:
@@ -73,13 +77,13 @@ class _HeadCrossEntropy(torch.autograd.Function):
             correct.index_add_(0, slots[sl], (hit & scored[sl]).float())
             count.index_add_(0, slots[sl], scored[sl].float())
         ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(correct, count)
-        return total, correct, count
+        ctx.mark_non_differentiable(correct, count, candidates)
+        return total, correct, count, candidates
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct, _grad_count):
+    def backward(ctx, grad_total, _grad_correct, _grad_count, _grad_candidates):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None, None, None
 
 
 def _shaped_with_slope(raw: torch.Tensor, multiplier: float, softcap: float | None):
@@ -91,6 +95,12 @@ def _shaped_with_slope(raw: torch.Tensor, multiplier: float, softcap: float | No
     return capped, (1 - (capped.float() / softcap) ** 2).mul_(multiplier).to(raw.dtype)
 
 
+def scored_rows(t: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[b, N*B, ...] -> [b*N*(B-1), ...]: every block's slots 1..B-1 (slot 0, the anchor, never carries loss)."""
+    b, rows = t.shape[:2]
+    return t.reshape(b, rows // block_size, block_size, *t.shape[2:])[:, :, 1:].reshape(-1, *t.shape[2:])
+
+
 def chunked_block_loss(
     hidden: torch.Tensor,  # [b, N*B, H] drafter output (normalised)
     head_weight: torch.Tensor,  # [V, H] frozen target LM head
@@ -100,23 +110,22 @@ def chunked_block_loss(
     chunk_rows: int = 2048,
     output_multiplier: float = 1.0,  # the target's logit transform (model.shape_logits), as serving applies it
     final_logit_softcapping: float | None = None,
+    top_k: int = 0,  # > 0: also the top_k tokens of each scored row (LossSums.candidates), from the same logits
 ) -> LossSums:
     if head_weight.requires_grad:
         raise ValueError("the LM head is the target's and must be frozen (requires_grad=False): DFlash does "
                          "not train it, and the loss computes gradients for the drafter's hidden states only")
     # Slot 0 of every block is the anchor itself: it never carries loss (anchors.build_blocks), so its
     # rows skip the head's two GEMMs and the CE kernel (1/B of the largest GEMMs of the step).
-    b, rows = hidden.shape[:2]
-
-    def scored(t: torch.Tensor) -> torch.Tensor:  # [b, N*B, ...] -> [b*N*(B-1), ...], slot 0 dropped
-        return t.reshape(b, rows // block_size, block_size, *t.shape[2:])[:, :, 1:].reshape(-1, *t.shape[2:])
+    def scored(t: torch.Tensor) -> torch.Tensor:
+        return scored_rows(t, block_size)
 
     h = scored(hidden)
     slots = torch.arange(1, block_size, device=h.device).repeat(h.shape[0] // (block_size - 1))
     with_grad = torch.is_grad_enabled() and h.requires_grad
     shaping = (None if output_multiplier == 1.0 and not final_logit_softcapping
                else (output_multiplier, final_logit_softcapping))
-    total, correct, count = _HeadCrossEntropy.apply(
+    total, correct, count, candidates = _HeadCrossEntropy.apply(
         h, head_weight, scored(labels), scored(weights).to(torch.float32), slots, block_size, chunk_rows, with_grad,
-        shaping)
-    return LossSums(total, correct, count)
+        shaping, top_k)
+    return LossSums(total, correct, count, candidates if top_k else None)

@@ -1,5 +1,5 @@
 """One drafter micro-batch's math: anchors -> blocks + attention (prepare_micro_batch) -> drafter ->
-chunked weighted CE (drafter_loss, un-normalised sums). step.DrafterStep runs them (with the backward
+chunked weighted CE (drafter_loss, un-normalised sums; DFlash 2 adds its selector's CE, model/dflash2/objective.py). step.DrafterStep runs them (with the backward
 and the optimizer) for the train loop, the compile step and the benchmark; evaluation uses them too.
 
 Attention backends:
@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from .anchors import Blocks, build_blocks, sample_anchors
+from .dflash2.objective import predecessors, selector_ce
 from .drafter import AttentionFn, DFlashDrafter
 from .flops import visible_pairs
-from .loss import LossSums, chunked_block_loss
+from .loss import LossSums, chunked_block_loss, scored_rows
 from .mask import dense_mask, dflash_block_mask
 
 
@@ -119,11 +120,13 @@ def drafter_loss(
     chunk_rows: int = 2048,
     model=None,
     compiled_layers: bool = False,
+    selector_loss_weight: float = 1.0,
 ) -> LossSums:
     """`model` is what runs the forward (the DDP wrapper on drafter ranks); `drafter` by default.
 
     compiled_layers: run each layer through COMPILED_LAYER, and the norms around them through COMPILED_FUSE
     and COMPILED_NORM (GPU training with the flex backend).
+    selector_loss_weight: DFlash 2's selector CE weight beside the unary CE (speculators' selector_loss_alpha).
     """
     b, ctx_len = features.shape[:2]
     block_embeds = F.embedding(blocks.token_ids, embed_weight)
@@ -132,5 +135,35 @@ def drafter_loss(
     compiled = ({"layer_fn": COMPILED_LAYER, "fuse_fn": COMPILED_FUSE, "norm_fn": COMPILED_NORM}
                 if compiled_layers else {})
     hidden = (model or drafter)(features, block_embeds, position_ids, attention, **compiled)
+    selector = drafter.candidate_selector
+    sums = unary_objective(drafter, hidden, head_weight, blocks, chunk_rows, selector.top_k if selector else 0)
+    if selector is None:
+        return sums
+    return _with_selector(drafter, hidden, head_weight, blocks, sums, chunk_rows, selector_loss_weight)
+
+
+def unary_objective(drafter: DFlashDrafter, hidden, head_weight, blocks: Blocks, chunk_rows: int,
+                    top_k: int) -> LossSums:
+    """The per-position objective over the LM head's logits: hard-label CE on the target's tokens with the
+    position decay (DFlash's, and the hook where DFlash 2's KL to the target's distribution goes once the
+    target's logits reach the step); top_k > 0 also returns each scored row's top-k tokens."""
     return chunked_block_loss(hidden, head_weight, blocks.labels, blocks.weights, drafter.block_size, chunk_rows,
-                              drafter.output_multiplier, drafter.final_logit_softcapping)
+                              drafter.output_multiplier, drafter.final_logit_softcapping, top_k=top_k)
+
+
+def _with_selector(drafter: DFlashDrafter, hidden, head_weight, blocks: Blocks, sums: LossSums, chunk_rows: int,
+                   weight: float) -> LossSums:
+    """DFlash 2: the selector's weighted CE added to the unary one; the slots' accuracy becomes the selector's
+    (teacher-forced: the token serving would draft there, given the right tokens before it)."""
+    block = drafter.block_size
+
+    def rows(t):
+        return scored_rows(t, block)
+
+    weights = rows(blocks.weights)
+    total, hit = selector_ce(drafter.candidate_selector, rows(hidden), head_weight, rows(blocks.labels), weights,
+                             rows(predecessors(blocks.labels, block)), sums.candidates, chunk_rows,
+                             drafter.output_multiplier, drafter.final_logit_softcapping)
+    slots = torch.arange(1, block, device=hidden.device).repeat(weights.shape[0] // (block - 1))
+    correct = torch.zeros(block, device=hidden.device).index_add_(0, slots, (hit & (weights > 0)).float())
+    return LossSums(sums.weighted_ce + weight * total, correct, sums.slot_count, sums.candidates)

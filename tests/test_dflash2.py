@@ -1,0 +1,182 @@
+"""DFlash 2 (drafter.kind = "dflash2"): the convolutions' block semantics, z-lab's loader and forward on our
+directory, the selector's objective and its gradient, the settings' checks."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dflash_trainer.config import ConfigError, load_config
+from dflash_trainer.model.anchors import build_blocks
+from dflash_trainer.model.dflash2.objective import predecessors, selector_ce, training_candidates
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config, shape_logits
+from dflash_trainer.model.loss import chunked_block_loss
+from dflash_trainer.model.objective import block_attention, drafter_loss, sdpa_attention
+from transformers import Qwen3Config
+
+TINY_TARGET = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+BLOCK = 4
+
+
+def dflash2(seed=0, **shape):
+    """A DFlash 2 drafter whose convolutions are not the identity (a new one's are)."""
+    torch.manual_seed(seed)
+    config = drafter_config(TINY_TARGET, DrafterShape(num_layers=2, block_size=BLOCK, mask_token_id=7, kind="dflash2",
+                                                      selector_rank=8, selector_top_k=5, **shape))
+    model = DFlashDrafter(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "conv" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def test_a_new_dflash2_drafter_starts_as_the_dflash_one():
+    """speculators' initialisation: identity convolutions, so the same weights give DFlash's outputs."""
+    shape = dict(num_layers=2, block_size=BLOCK, mask_token_id=7)
+    one = DFlashDrafter.initialised(drafter_config(TINY_TARGET, DrafterShape(**shape)), "cpu", 0)
+    two = DFlashDrafter.initialised(drafter_config(TINY_TARGET, DrafterShape(**shape, kind="dflash2")), "cpu", 0)
+    assert two.layers[0].attention_conv is not None and one.layers[0].attention_conv is None
+    two.load_state_dict(one.state_dict(), strict=False)
+    feats, emb = torch.randn(1, 6, 128), torch.randn(1, BLOCK, 64)
+    pos = torch.arange(6 + BLOCK)[None]
+    attn = sdpa_attention(None)
+    torch.testing.assert_close(two(feats, emb, pos, attn), one(feats, emb, pos, attn), rtol=0, atol=0)
+
+
+def test_training_blocks_equal_each_block_drafted_alone():
+    """Training lays N blocks end to end; the convolution stays inside each block, so every block's output is
+    the one serving computes for it alone, from the context before its anchor."""
+    model = dflash2()
+    g = torch.Generator().manual_seed(3)
+    ctx_len = 20
+    ids = torch.randint(8, 300, (1, ctx_len), generator=g)
+    anchors, keep = torch.tensor([[2, 7, 13]]), torch.ones(1, 3, dtype=torch.bool)
+    blocks = build_blocks(ids, torch.ones_like(ids), anchors, keep, BLOCK, 7)
+    feats = torch.randn(1, ctx_len, 128, generator=g)
+    embed = torch.randn(300, 64, generator=g)
+    attention = block_attention("sdpa", blocks, ctx_len, BLOCK, model.config)
+    pos = torch.cat([torch.arange(ctx_len)[None], blocks.position_ids], 1)
+    together = model(feats, F.embedding(blocks.token_ids, embed), pos, attention)
+    for j, a in enumerate(anchors[0].tolist()):
+        block_ids = blocks.token_ids[:, j * BLOCK:(j + 1) * BLOCK]
+        alone = model(feats[:, :a], F.embedding(block_ids, embed), torch.arange(a + BLOCK)[None],
+                      sdpa_attention(None))
+        torch.testing.assert_close(together[:, j * BLOCK:(j + 1) * BLOCK], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_zlab_loads_our_dflash2_directory_and_agrees(tmp_path):
+    zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is installed by `make venv`")
+    model = dflash2()
+    model.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["architectures"] == ["DFlash2DraftModel"]
+    assert {k: raw["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                 "selector_top_k")} == {"conv_kernel_size": 2, "conv_group_size": 16,
+                                                                        "selector_rank": 8, "selector_top_k": 5}
+    theirs = zlab.DFlash2DraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours_state = model.state_dict()
+    assert torch.equal(theirs.candidate_selector.predecessor_codebook.weight,
+                       ours_state["candidate_selector.predecessor_codebook"])
+    assert torch.equal(theirs.layers[1].mlp_conv.base_kernel, ours_state["layers.1.mlp_conv.base_kernel"])
+    g = torch.Generator().manual_seed(1)
+    feats, emb = torch.randn(2, 10, 128, generator=g), torch.randn(2, BLOCK, 64, generator=g)
+    pos = torch.arange(10 + BLOCK).expand(2, -1)
+    with torch.no_grad():
+        ours = model(feats, emb, pos, sdpa_attention(None))
+        hidden = theirs(position_ids=pos, noise_embedding=emb, target_hidden=feats)
+        torch.testing.assert_close(hidden, ours, rtol=1e-5, atol=1e-5)
+        head = torch.randn(300, 64, generator=g)
+        anchors = torch.tensor([5, 9])
+        drafted, _, _ = theirs.propose(hidden[:, 1:], anchors, lambda h: F.linear(h, head), 0.0)
+        assert torch.equal(model.propose(ours[:, 1:], anchors, head), drafted)
+
+
+def test_the_selector_path_follows_its_predecessor():
+    """Position p's choice depends on the token chosen at p-1: a different anchor changes the first choice's
+    successor scores, and with a dominant transition score the path is the selector's, not the argmax."""
+    model = dflash2()
+    hidden = torch.randn(1, BLOCK - 1, 64)
+    head = torch.randn(300, 64) * 0.01  # flat unary logits: the transition scores decide
+    with torch.no_grad():
+        model.candidate_selector.predecessor_codebook.normal_(0, 3.0)
+        model.candidate_selector.successor_codebook.normal_(0, 3.0)
+    paths = {tuple(model.propose(hidden, torch.tensor([a]), head)[0].tolist()) for a in range(8, 40)}
+    assert len(paths) > 1
+    assert any(p != tuple(model.logits(hidden, head).argmax(-1)[0].tolist()) for p in paths)
+
+
+def test_training_candidates_inject_a_missing_label_last():
+    candidates = torch.tensor([[4, 5, 6], [7, 8, 9]])
+    injected, column, contains = training_candidates(candidates, torch.tensor([5, 1]))
+    assert injected.tolist() == [[4, 5, 6], [7, 8, 1]]
+    assert column.tolist() == [1, 2] and contains.tolist() == [True, False]
+    assert predecessors(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]), 4).tolist() == [[1, 1, 2, 3, 5, 5, 6, 7]]
+
+
+def test_selector_ce_and_its_gradient_equal_the_full_computation():
+    """The selector's CE over the unary top-k (the label injected), with the soft-capped logits, and its
+    gradient through the chunked candidate logits, against autograd over the full logits."""
+    torch.manual_seed(0)
+    model = dflash2()
+    selector = model.candidate_selector.double()
+    rows, h = 9, 64
+    hidden = torch.randn(rows, h, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(300, h, dtype=torch.float64)
+    labels = torch.randint(300, (rows,))
+    weights = torch.rand(rows, dtype=torch.float64)
+    previous = torch.randint(300, (rows,))
+    full = shape_logits(F.linear(hidden, head), 0.5, 3.0)
+    candidates = full.detach().topk(5, dim=-1).indices
+    labels[:3] = candidates[:3, 2]  # some labels among the candidates, the rest (most likely) not
+    total, hit = selector_ce(selector, hidden, head, labels, weights, previous, candidates, chunk_rows=4,
+                             multiplier=0.5, softcap=3.0)
+    injected, column, _ = training_candidates(candidates, labels)
+    scores = full.gather(1, injected) + selector(hidden, previous, injected)
+    reference = (F.cross_entropy(scores, column, reduction="none") * weights).sum()
+    torch.testing.assert_close(total.double(), reference, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(total, [hidden, selector.successor_codebook])
+    want = torch.autograd.grad(reference, [hidden, selector.successor_codebook])
+    for got, expected in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    assert hit.dtype == torch.bool and hit.shape == (rows,)
+
+
+def test_drafter_loss_adds_the_selector_term_and_returns_the_unary_candidates():
+    model = dflash2()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(8, 300, (1, 24), generator=g)
+    blocks = build_blocks(ids, torch.ones_like(ids), torch.tensor([[3, 11]]), torch.ones(1, 2, dtype=torch.bool),
+                          BLOCK, 7)
+    embed, head = torch.randn(300, 64, generator=g), torch.randn(300, 64, generator=g)
+    feats = torch.randn(1, 24, 128, generator=g)
+    attention = block_attention("sdpa", blocks, 24, BLOCK, model.config)
+    unary = drafter_loss(model, embed, head, feats, blocks, attention, selector_loss_weight=0.0)
+    both = drafter_loss(model, embed, head, feats, blocks, attention, selector_loss_weight=0.5)
+    plain = chunked_block_loss(model(feats, F.embedding(blocks.token_ids, embed),
+                                     torch.cat([torch.arange(24)[None], blocks.position_ids], 1), attention),
+                               head, blocks.labels, blocks.weights, BLOCK)
+    torch.testing.assert_close(unary.weighted_ce, plain.weighted_ce)
+    assert both.weighted_ce > unary.weighted_ce and unary.candidates.shape == (2 * (BLOCK - 1), 5)
+    both.weighted_ce.backward()
+    assert model.candidate_selector.successor_codebook.grad.abs().sum() > 0
+    assert model.layers[0].attention_conv.kernel_projection.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(("settings", "refusal"), [
+    (["drafter.kind=dspark"], "drafter.kind.*dflash.*dflash2"),
+    (["drafter.selector_rank=64"], "drafter.selector_rank is a DFlash 2 setting, and drafter.kind is dflash"),
+])
+def test_bad_kind_settings_are_refused(settings, refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        load_config("embedded", settings)
+
+
+def test_shapes_dflash2_cannot_build_are_refused():
+    with pytest.raises(ValueError, match="conv_group_size 24 does not divide the hidden size 64"):
+        drafter_config(TINY_TARGET, DrafterShape(num_layers=1, block_size=BLOCK, mask_token_id=7, kind="dflash2",
+                                                 conv_group_size=24))
+    with pytest.raises(ValueError, match="selector_top_k 301 exceeds the target's vocabulary"):
+        drafter_config(TINY_TARGET, DrafterShape(num_layers=1, block_size=BLOCK, mask_token_id=7, kind="dflash2",
+                                                 selector_top_k=301))
