@@ -180,3 +180,42 @@ def test_shapes_dflash2_cannot_build_are_refused():
     with pytest.raises(ValueError, match="selector_top_k 301 exceeds the target's vocabulary"):
         drafter_config(TINY_TARGET, DrafterShape(num_layers=1, block_size=BLOCK, mask_token_id=7, kind="dflash2",
                                                  selector_top_k=301))
+
+
+def test_a_tiny_dflash2_run_trains_resumes_publishes_and_is_evaluated(tiny_target, tmp_path):
+    """drafter.kind = dflash2 through the trainer: the loss falls, a resume repeats the losses, the published
+    directory loads in z-lab's DFlash2DraftModel with our forward, the serving check passes and dflash-eval
+    --run decodes it to the target's own tokens with the run's tau."""
+    zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is installed by `make venv`")
+    import shutil
+
+    from dflash_trainer.eval.cli import main as eval_main
+    from dflash_trainer.train import run
+
+    def config(out):
+        return load_config("embedded", [
+            f"target.path={tiny_target['target']}", f"data.train={json.dumps([tiny_target['train']])}",
+            f"data.eval={json.dumps([tiny_target['eval']])}", f"output_dir={out}", "drafter.kind=dflash2",
+            "drafter.selector_rank=16", "drafter.selector_top_k=8", "train.steps=4", "train.micro_batch=4",
+            "train.num_anchors=8", "train.checkpoint_every=2", "train.log_every=1", "eval.prompts=2",
+            "eval.max_new_tokens=8"])
+
+    out = tmp_path / "run"
+    summary = run(config(out))
+    assert summary["final_loss"] < summary["first_loss"]
+    assert not summary["serving_check"]["flagged"]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
+    assert run(config(resumed), resume=True)["losses"] == summary["losses"][2:]
+    ours = DFlashDrafter.from_pretrained(out / "drafter")
+    assert ours.kind == "dflash2"
+    theirs = zlab.DFlash2DraftModel.from_pretrained(out / "drafter", dtype=torch.float32).eval()
+    feats, emb = torch.randn(1, 6, ours.fc.in_features), torch.randn(1, ours.block_size, ours.config.hidden_size)
+    pos = torch.arange(6 + ours.block_size)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(position_ids=pos, noise_embedding=emb, target_hidden=feats),
+                                   ours(feats, emb, pos, sdpa_attention(None)), rtol=1e-5, atol=1e-5)
+    where = tmp_path / "eval"
+    assert eval_main(["--run", str(out), "--out", str(where)]) == 0
+    report = json.loads((where / "eval.json").read_text())["sets"]["held-out"]
+    assert report["outputs_equal"] == 2 and report["tau"] == summary["tau_after"]
