@@ -219,3 +219,39 @@ def test_a_tiny_dflash2_run_trains_resumes_publishes_and_is_evaluated(tiny_targe
     assert eval_main(["--run", str(out), "--out", str(where)]) == 0
     report = json.loads((where / "eval.json").read_text())["sets"]["held-out"]
     assert report["outputs_equal"] == 2 and report["tau"] == summary["tau_after"]
+
+
+@pytest.mark.slow
+def test_a_dflash2_layer_traces_whole_as_the_compile_step_compiles_it():
+    """COMPILED_LAYER's settings (one graph, no break, static shapes) on a DFlash 2 layer: the convolutions
+    trace with it, and forward and backward equal the eager layer's (aot_eager: the trace without a C++
+    compiler; the GPU compile step runs Inductor with flex_attention)."""
+    from dflash_trainer.model.objective import call_layer
+
+    model = dflash2()
+    compiled = torch.compile(call_layer, fullgraph=True, dynamic=False, backend="aot_eager")
+    x, context = torch.randn(1, 2 * BLOCK, 64, requires_grad=True), torch.randn(1, 10, 64)
+    cos, sin = model.rotary_emb(x, torch.arange(10 + 2 * BLOCK)[None])
+    for layer in model.layers:
+        got = compiled(layer, x, context, cos, sin, sdpa_attention(None))
+        (grad,) = torch.autograd.grad(got.sum(), x)
+        want = call_layer(layer, x, context, cos, sin, sdpa_attention(None))
+        (want_grad,) = torch.autograd.grad(want.sum(), x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(grad, want_grad)
+
+
+def test_init_from_a_dflash2_drafter_refuses_another_kind_or_selector(tmp_path):
+    from dflash_trainer.config import check_init_from
+
+    dflash2().save_pretrained(tmp_path / "d2")
+
+    def config(*settings):
+        return load_config("embedded", [f"drafter.init_from={tmp_path / 'd2'}", f"drafter.block_size={BLOCK}",
+                                        *settings])
+
+    check_init_from(config("drafter.kind=dflash2", "drafter.selector_rank=8"))  # what the drafter has: accepted
+    with pytest.raises(ConfigError, match=r'drafter.kind = "dflash", the drafter in it is "dflash2"'):
+        check_init_from(config("drafter.kind=dflash"))
+    with pytest.raises(ConfigError, match=r"drafter.selector_rank = 64, the drafter in it has 8"):
+        check_init_from(config("drafter.kind=dflash2", "drafter.selector_rank=64"))

@@ -568,6 +568,7 @@ DRAFTER_FILE_KEYS = {
     "dflash_config.target_layer_ids": "drafter.target_layer_ids",
     "dflash_config.mask_token_id": "drafter.mask_token_id",
     "intermediate_size": "drafter.intermediate_size",
+    **{f"dflash_config.{name}": f"drafter.{name}" for name in DFLASH2_SETTINGS if name != "selector_loss_weight"},
 }
 
 
