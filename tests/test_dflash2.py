@@ -34,7 +34,7 @@ def dflash2(seed=0, **shape):
 
 def test_a_new_dflash2_drafter_starts_as_the_dflash_one():
     """speculators' initialisation: identity convolutions, so the same weights give DFlash's outputs."""
-    shape = dict(num_layers=2, block_size=BLOCK, mask_token_id=7)
+    shape = {"num_layers": 2, "block_size": BLOCK, "mask_token_id": 7}
     one = DFlashDrafter.initialised(drafter_config(TINY_TARGET, DrafterShape(**shape)), "cpu", 0)
     two = DFlashDrafter.initialised(drafter_config(TINY_TARGET, DrafterShape(**shape, kind="dflash2")), "cpu", 0)
     assert two.layers[0].attention_conv is not None and one.layers[0].attention_conv is None

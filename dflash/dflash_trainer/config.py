@@ -508,13 +508,7 @@ def semantic_problems(c: RunConfig) -> list[str]:
     elif c.data.max_length > c.data.context_buckets[-1]:
         problems.append(f"data.max_length {c.data.max_length} exceeds the largest context bucket "
                         f"{c.data.context_buckets[-1]}: raise the bucket or lower data.max_length")
-    if c.drafter.kind != "dflash2":
-        defaults = DrafterConfig()
-        stray = [f"drafter.{n}" for n in DFLASH2_SETTINGS if getattr(c.drafter, n) != getattr(defaults, n)]
-        if stray:
-            problems.append(f"{', '.join(stray)} {'is a' if len(stray) == 1 else 'are'} DFlash 2 setting"
-                            f"{'' if len(stray) == 1 else 's'}, and drafter.kind is {c.drafter.kind}: set "
-                            "drafter.kind = \"dflash2\", or remove them")
+    problems += kind_problems(c)
     if c.drafter.target_layer_ids is not None and not c.drafter.target_layer_ids:
         problems.append("drafter.target_layer_ids is empty: list target layers, or leave it out for the "
                         "published rule")
@@ -536,6 +530,20 @@ def semantic_problems(c: RunConfig) -> list[str]:
                             "parallel.drafter_sharding = fsdp (torch's AdamW steps the sharded masters and keeps "
                             "the moments in fp32): use drafter_sharding = ddp, or train.moments_dtype = float32")
     return problems
+
+
+def kind_problems(c: RunConfig) -> list[str]:
+    """A DFlash 2 setting beside another kind would do nothing: refused, not ignored."""
+    if c.drafter.kind == "dflash2":
+        return []
+    defaults = DrafterConfig()
+    stray = [f"drafter.{n}" for n in DFLASH2_SETTINGS if getattr(c.drafter, n) != getattr(defaults, n)]
+    if not stray:
+        return []
+    one = len(stray) == 1
+    problem = (f"{', '.join(stray)} {'is a DFlash 2 setting' if one else 'are DFlash 2 settings'}, and "
+               f'drafter.kind is {c.drafter.kind}: set drafter.kind = "dflash2", or remove {"it" if one else "them"}')
+    return [problem]
 
 
 def parallel_problems(c: RunConfig) -> list[str]:
