@@ -148,7 +148,8 @@ def _drafter_layer(layer, x, keys, values, cos, sin, mask):
                                              enable_gqa=True)
         return attn.o_proj(out.transpose(1, 2).reshape(b, q_len, attn.num_heads * attn.head_dim))
 
-    return layer.mlp_part(x + layer.attention_part(x, attend))
+    x = x + layer.attention_part(x, attend)
+    return x + layer.mlp_part(x)
 
 
 class Graphed:

@@ -219,11 +219,13 @@ class DrafterLayer(nn.Module):
 
     def forward(self, x, context, cos, sin, attention: AttentionFn):
         # The context is not normalised by this layer's input norm: it was fused once by hidden_norm.
-        return self.mlp_part(x + self.attention_part(x, lambda h: self.self_attn(h, context, cos, sin, attention)))
+        x = x + self.attention_part(x, lambda h: self.self_attn(h, context, cos, sin, attention))
+        return x + self.mlp_part(x)
 
     def attention_part(self, x, attend):
-        """The attention sublayer's output (before the residual add); attend: normalised x -> attention output.
-        DFlash 2 convolves its input and output (z-lab's prepare / finish)."""
+        """The attention sublayer's output, before the residual add (attend: normalised x -> attention output,
+        so that decoding can attend to its cached context). DFlash 2 convolves its input and output (z-lab's
+        prepare / finish)."""
         h = self.input_layernorm(x)
         if self.attention_conv is None:
             return attend(h)
@@ -231,11 +233,12 @@ class DrafterLayer(nn.Module):
         return self.attention_conv.finish(attend(h), kernel)
 
     def mlp_part(self, x):
+        """The MLP sublayer's output, before the residual add (DFlash 2: convolved as attention's)."""
         h = self.post_attention_layernorm(x)
         if self.mlp_conv is None:
-            return x + self.mlp(h)
+            return self.mlp(h)
         h, kernel = self.mlp_conv.prepare(h)
-        return x + self.mlp_conv.finish(self.mlp(h), kernel)
+        return self.mlp_conv.finish(self.mlp(h), kernel)
 
 
 class DFlashDrafter(nn.Module):
