@@ -73,7 +73,10 @@ bench: venv ## drafter-step benchmark (GPU); prints step time, tokens/s, MFU, pe
 bench-startup: venv ## time to first step of the real trainer (torchrun, offline drafter ranks), cold then warm compile cache (STARTUP_ARGS="--drafter-ranks 2")
 	$(PY) -m dflash_trainer.bench.startup $(STARTUP_ARGS)
 
-.PHONY: regenerate bench-regenerate bench-startup
+.PHONY: regenerate bench-regenerate bench-startup bench-quality
+bench-quality: venv ## drafter quality against SpecForge and speculators on Gemma 3 270M, ShareGPT and HumanEval (GPU): tau per prompt set, per slot, a table and a figure (QUALITY_ARGS="--out DIR ...")
+	$(PY) -m dflash_trainer.bench.quality $(QUALITY_ARGS)
+
 regenerate: venv ## the target writes the training answers: REGEN_ARGS="--target DIR --data FILE --out DIR" (see README); INVENTORY=...: in the containers, detached
 ifeq ($(ON_CONTAINER),)
 	$(PY) -m dflash_trainer.regenerate $(REGEN_ARGS)

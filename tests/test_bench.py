@@ -6,8 +6,9 @@ import pytest
 from dflash_trainer.bench import step as bench
 
 
-@pytest.mark.parametrize("extra", [[], ["--grad-accum", "2", "--with-target"], ["--moments-dtype", "bfloat16"]],
-                         ids=["drafter", "accum+target", "bf16-moments"])
+@pytest.mark.parametrize("extra", [[], ["--grad-accum", "2", "--with-target"], ["--moments-dtype", "bfloat16"],
+                                   ["--with-target", "--set", "train.loss_ce=0.1", "--set", "train.loss_tv=0.9"]],
+                         ids=["drafter", "accum+target", "bf16-moments", "tv-loss+target"])
 def test_tiny_bench_reports_a_consistent_result(tmp_path, extra):
     out = tmp_path / "bench.json"
     assert bench.main(["--preset", "tiny", "--seq", "128", "--anchors", "8", "--steps", "2", "--untimed-steps", "1",

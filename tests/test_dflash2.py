@@ -10,7 +10,7 @@ from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.model.anchors import build_blocks
 from dflash_trainer.model.dflash2.objective import predecessors, selector_ce, training_candidates
 from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config, shape_logits
-from dflash_trainer.model.loss import chunked_block_loss
+from dflash_trainer.model.loss import Objective, chunked_block_loss, scored_rows
 from dflash_trainer.model.objective import block_attention, drafter_loss, sdpa_attention
 from transformers import Qwen3Config
 
@@ -90,7 +90,57 @@ def test_zlab_loads_our_dflash2_directory_and_agrees(tmp_path):
         head = torch.randn(300, 64, generator=g)
         anchors = torch.tensor([5, 9])
         drafted, _, _ = theirs.propose(hidden[:, 1:], anchors, lambda h: F.linear(h, head), 0.0)
-        assert torch.equal(model.propose(ours[:, 1:], anchors, head), drafted)
+        assert torch.equal(model.propose(ours[:, 1:], anchors, head)[0], drafted)
+
+
+def test_sampled_drafts_use_zlabs_selector_distribution(monkeypatch):
+    """At a temperature > 0 the selector draws each position from z-lab's q (softmax of its candidates' scores
+    at T, given the token drawn before it): along our drawn path, z-lab's select (made to draw our tokens) gives
+    the same q, which ours returns spread over the vocabulary, zero off the candidates, and the draws follow q."""
+    zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is installed by `make venv`")
+    model = dflash2()
+    theirs = zlab.DFlash2DraftModel(model.config).eval()
+    theirs.load_state_dict({k.replace("codebook", "codebook.weight"): v for k, v in model.state_dict().items()})
+    g = torch.Generator().manual_seed(3)
+    hidden, head = torch.randn(2, BLOCK - 1, 64, generator=g), torch.randn(300, 64, generator=g)
+    anchors, temperature = torch.tensor([5, 9]), torch.tensor(0.7)
+    noise = torch.empty(2, BLOCK - 1, 300).exponential_(generator=g)
+    with torch.no_grad():
+        tokens, q = model.propose(hidden, anchors, head, temperature, noise)
+        logits = model.logits(hidden, head)
+        candidates = torch.topk(logits, 5, dim=-1, sorted=False).indices
+        drawn = iter(range(BLOCK - 1))
+        monkeypatch.setattr(zlab, "_sample_probs", lambda _q: (candidates[:, (p := next(drawn))]
+                                                                 == tokens[:, p, None]).long().argmax(-1))
+        path, their_candidates, their_q = theirs.propose(hidden, anchors, lambda h: F.linear(h, head), 0.7)
+    assert torch.equal(path, tokens) and torch.equal(their_candidates, candidates)
+    torch.testing.assert_close(q.gather(-1, candidates), their_q)
+    torch.testing.assert_close(q.sum(-1), torch.ones(2, BLOCK - 1))
+    assert (q.gather(-1, tokens[..., None]) > 0).all()
+    assert ((q > 0).sum(-1) <= 5).all()
+
+
+def test_automodel_builds_dflash2_from_the_published_directory(tmp_path):
+    """AutoModel with trust_remote_code builds DFlash2DraftModel from a dflash2 directory, every weight loaded,
+    with our forward and greedy drafts."""
+    from transformers import AutoModel
+
+    model = dflash2()
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["auto_map"] == {
+        "AutoModel": "modeling_dflash.DFlash2DraftModel"}
+    hub, info = AutoModel.from_pretrained(tmp_path, trust_remote_code=True, dtype="auto", output_loading_info=True)
+    assert type(hub).__name__ == "DFlash2DraftModel"
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    g = torch.Generator().manual_seed(1)
+    feats, emb = torch.randn(2, 10, 128, generator=g), torch.randn(2, BLOCK, 64, generator=g)
+    pos = torch.arange(10 + BLOCK).expand(2, -1)
+    with torch.no_grad():
+        ours = model(feats, emb, pos, sdpa_attention(None))
+        theirs = hub(target_hidden=feats, noise_embedding=emb, position_ids=pos)
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+        head, anchors = torch.randn(300, 64, generator=g), torch.tensor([5, 9])
+        assert torch.equal(hub.propose(theirs[:, 1:], anchors, head)[0], model.propose(ours[:, 1:], anchors, head)[0])
 
 
 def test_the_selector_path_follows_its_predecessor():
@@ -102,7 +152,7 @@ def test_the_selector_path_follows_its_predecessor():
     with torch.no_grad():
         model.candidate_selector.predecessor_codebook.normal_(0, 3.0)
         model.candidate_selector.successor_codebook.normal_(0, 3.0)
-    paths = {tuple(model.propose(hidden, torch.tensor([a]), head)[0].tolist()) for a in range(8, 40)}
+    paths = {tuple(model.propose(hidden, torch.tensor([a]), head)[0][0].tolist()) for a in range(8, 40)}
     assert len(paths) > 1
     assert any(p != tuple(model.logits(hidden, head).argmax(-1)[0].tolist()) for p in paths)
 
@@ -157,11 +207,62 @@ def test_drafter_loss_adds_the_selector_term_and_returns_the_unary_candidates():
     plain = chunked_block_loss(model(feats, F.embedding(blocks.token_ids, embed),
                                      torch.cat([torch.arange(24)[None], blocks.position_ids], 1), attention),
                                head, blocks.labels, blocks.weights, BLOCK)
-    torch.testing.assert_close(unary.weighted_ce, plain.weighted_ce)
-    assert both.weighted_ce > unary.weighted_ce and unary.candidates.shape == (2 * (BLOCK - 1), 5)
-    both.weighted_ce.backward()
+    torch.testing.assert_close(unary.weighted_loss, plain.weighted_loss)
+    assert both.weighted_loss > unary.weighted_loss and unary.candidates.shape == (2 * (BLOCK - 1), 5)
+    both.weighted_loss.backward()
     assert model.candidate_selector.successor_codebook.grad.abs().sum() > 0
     assert model.layers[0].attention_conv.kernel_projection.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("objective", [Objective(ce=0.0, kl=1.0), Objective(ce=0.1, tv=0.9),
+                                       Objective(dpace_alpha=0.5), Objective(ce=0.0, kl=1.0, dpace_alpha=0.5)])
+def test_the_unary_term_is_the_loss_mixture_and_the_selector_stays_its_own_term(objective):
+    """DFlash 2's unary term is train.loss_*'s objective against the target's distribution (the target's final
+    hidden state one position before each block slot), as DFlash's loss; the selector's CE is added beside it,
+    each position weighted as the unary term weighs it (D-PACE's weights where it chose them)."""
+    model = dflash2()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(8, 300, (1, 24), generator=g)
+    blocks = build_blocks(ids, torch.ones_like(ids), torch.tensor([[3, 11]]), torch.ones(1, 2, dtype=torch.bool),
+                          BLOCK, 7)
+    embed, head = torch.randn(300, 64, generator=g), torch.randn(300, 64, generator=g)
+    feats, final = torch.randn(1, 24, 128, generator=g), torch.randn(1, 24, 64, generator=g)
+    attention = block_attention("sdpa", blocks, 24, BLOCK, model.config)
+    unary = drafter_loss(model, embed, head, feats, blocks, attention, objective=objective, target_hidden=final,
+                         selector_loss_weight=0.0)
+    both = drafter_loss(model, embed, head, feats, blocks, attention, objective=objective, target_hidden=final,
+                        selector_loss_weight=0.5)
+    hidden = model(feats, F.embedding(blocks.token_ids, embed),
+                   torch.cat([torch.arange(24)[None], blocks.position_ids], 1), attention)
+    before = final.gather(1, (blocks.position_ids - 1).clamp(0, 23).unsqueeze(-1).expand(-1, -1, 64))
+    plain = chunked_block_loss(hidden, head, blocks.labels, blocks.weights, BLOCK, objective=objective,
+                               target_hidden=before, top_k=5)
+    torch.testing.assert_close(unary.weighted_loss, plain.weighted_loss)
+    rows = scored_rows(blocks.weights, BLOCK) if plain.row_weights is None else plain.row_weights
+    if objective.dpace_alpha is not None:
+        torch.testing.assert_close(both.weight, plain.row_weights.sum())  # what the step divides by
+        assert not torch.equal(rows, scored_rows(blocks.weights, BLOCK))
+    selector, _ = selector_ce(model.candidate_selector, scored_rows(hidden, BLOCK), head,
+                              scored_rows(blocks.labels, BLOCK), rows, scored_rows(predecessors(blocks.labels, BLOCK),
+                                                                                   BLOCK), plain.candidates)
+    torch.testing.assert_close(both.weighted_loss, plain.weighted_loss + 0.5 * selector)
+    both.weighted_loss.backward()
+    assert model.candidate_selector.successor_codebook.grad.abs().sum() > 0
+
+
+def test_a_tiny_dflash2_run_learns_with_the_kl_to_the_target(tiny_target, tmp_path):
+    """drafter.kind = dflash2 with train.loss_kl (speculators' DFlash 2 default): the final hidden states reach
+    the step, and the loss (KL + the selector's CE) falls."""
+    from dflash_trainer.train import run
+
+    summary = run(load_config("embedded", [
+        f"target.path={tiny_target['target']}", f"data.train={json.dumps([tiny_target['train']])}",
+        f"data.eval={json.dumps([tiny_target['eval']])}", f"output_dir={tmp_path / 'run'}", "drafter.kind=dflash2",
+        "drafter.selector_rank=16", "drafter.selector_top_k=8", "train.loss_ce=0", "train.loss_kl=1",
+        "train.steps=8", "train.lr=3e-3", "train.micro_batch=4", "train.num_anchors=8", "train.checkpoint_every=0",
+        "train.log_every=1", "eval.prompts=2", "eval.max_new_tokens=8"]))
+    assert len(summary["losses"]) == 8
+    assert summary["final_loss"] < summary["first_loss"]
 
 
 @pytest.mark.parametrize(("settings", "refusal"), [
@@ -185,7 +286,7 @@ def test_shapes_dflash2_cannot_build_are_refused():
 def test_a_tiny_dflash2_run_trains_resumes_publishes_and_is_evaluated(tiny_target, tmp_path):
     """drafter.kind = dflash2 through the trainer: the loss falls, a resume repeats the losses, the published
     directory loads in z-lab's DFlash2DraftModel with our forward, the serving check passes and dflash-eval
-    --run decodes it to the target's own tokens with the run's tau."""
+    --run decodes it to the target's own tokens with the run's tau, and samples with it at a temperature."""
     zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is installed by `make venv`")
     import shutil
 
@@ -216,9 +317,12 @@ def test_a_tiny_dflash2_run_trains_resumes_publishes_and_is_evaluated(tiny_targe
         torch.testing.assert_close(theirs(position_ids=pos, noise_embedding=emb, target_hidden=feats),
                                    ours(feats, emb, pos, sdpa_attention(None)), rtol=1e-5, atol=1e-5)
     where = tmp_path / "eval"
-    assert eval_main(["--run", str(out), "--out", str(where)]) == 0
-    report = json.loads((where / "eval.json").read_text())["sets"]["held-out"]
+    assert eval_main(["--run", str(out), "--out", str(where), "--temperature", "0", "0.8"]) == 0
+    evaluated = json.loads((where / "eval.json").read_text())
+    report = evaluated["sets"]["held-out"]
     assert report["outputs_equal"] == 2 and report["tau"] == summary["tau_after"]
+    sampled = evaluated["by_temperature"]["0.8"]["sets"]["held-out"]  # the selector sampling along the block
+    assert sampled["outputs_equal"] is None and 1.0 <= sampled["tau"] <= ours.block_size
 
 
 @pytest.mark.slow

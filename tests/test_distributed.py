@@ -83,6 +83,20 @@ def test_one_target_two_drafters_match_one_process(tiny_target, tmp_path, coloca
     assert recorded == Path(colocated_accum2["eval_prompts"]).read_text()  # the same held-out prompts
 
 
+def test_a_loss_against_the_target_takes_its_final_states_from_the_target_rank(tiny_target, tmp_path):
+    """train.loss_tv: the target rank sends its final hidden states beside the features; the losses are those
+    of one process with the same loss."""
+    tv = ["train.loss_ce=0.1", "train.loss_tv=0.9"]
+    colocated = run(load_config("embedded", overrides(tiny_target, tmp_path / "colocated") + tv
+                                + ["train.grad_accum=2"]))
+    out = tmp_path / "t1d2"
+    sets = [x for o in overrides(tiny_target, out) + tv for x in ("--set", o)]
+    torchrun(3, ["--config", "embedded", *sets, "--target-gpus", "1", "--drafter-gpus", "2"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["losses"] == pytest.approx(colocated["losses"], rel=1e-4)
+    assert summary["first_loss"] < 2.0  # 0.9 TV + 0.1 CE, not the CE alone
+
+
 def test_two_targets_one_drafter(tiny_target, tmp_path, colocated_accum2):
     out = tmp_path / "t2d1"
     sets = [x for o in overrides(tiny_target, out) + ["train.grad_accum=2"] for x in ("--set", o)]

@@ -22,7 +22,8 @@ EXAMPLE_SETTINGS = REPO / "inventory" / "example" / "group_vars" / "all" / "prox
 
 # The programs the docs show, by the module that parses their command line.
 CONSOLE_SCRIPTS = {"dflash-train": "dflash_trainer.train", "dflash-eval": "dflash_trainer.eval.cli",
-                   "dflash-regenerate": "dflash_trainer.regenerate", "dflash-doctor": "dflash_image.doctor"}
+                   "dflash-regenerate": "dflash_trainer.regenerate", "dflash-doctor": "dflash_image.doctor",
+                   "dflash-export": "dflash_trainer.export.cli"}
 # make variables that carry a module's flags (Makefile).
 MAKE_ARGS = {"TRAIN_ARGS": "dflash_trainer.train", "EVAL_ARGS": "dflash_trainer.eval.cli",
              "REGEN_ARGS": "dflash_trainer.regenerate", "BENCH_ARGS": "dflash_trainer.bench.step",

@@ -96,12 +96,16 @@ def test_tau_equals_the_training_runs_tau(training_run, evaluated, tiny_target, 
     assert held_out["prompts"] == PROMPTS and report["max_new_tokens"] == NEW
     assert held_out["tau"] == summary["tau_after"]
     assert 1.2 < held_out["tau"] < BLOCK  # some blocks accepted, not all: the comparison means something
+    card = (out / "drafter" / "README.md").read_text()  # the drafter's model card carries the last evaluation's tau
+    assert f"| held-out | {PROMPTS} | {held_out['tau']:.2f} |" in card and "measured by dflash-eval" in card
     # The same prompts from the chat file itself (rendered by the chat template) give the same figure.
     again = tmp_path / "again"
     assert main(["--drafter", str(out / "drafter"), "--target", tiny_target["target"], "--prompts",
                  tiny_target["eval"], "--limit", str(PROMPTS), "--max-new-tokens", str(NEW), "--dtype", "float32",
                  "--out", str(again)]) == 0
     assert json.loads((again / "eval.json").read_text())["sets"]["eval"]["tau"] == summary["tau_after"]
+    card = (out / "drafter" / "README.md").read_text()
+    assert f"| eval | {PROMPTS} | {summary['tau_after']:.2f} |" in card and "| held-out |" not in card
 
 
 def zlab_generate(drafter_path, model, tokenizer, prompts):
@@ -204,6 +208,30 @@ def test_eval_json_has_every_field_and_eval_png_is_a_readable_figure(evaluated):
         im.verify()
 
 
+def test_sampled_temperatures_report_tau_each_seeded(drafter_dir, tiny_target, tmp_path):
+    """--temperature 0 0.8: greedy (outputs checked) then speculative sampling (not compared), tau for each; a
+    temperature's outputs depend on the seed alone, not on the temperatures evaluated before it."""
+    argv = ["--drafter", str(drafter_dir), "--target", tiny_target["target"], "--prompts", tiny_target["eval"],
+            "--limit", str(PROMPTS), "--max-new-tokens", str(NEW), "--dtype", "float32", "--seed", "3"]
+    assert main([*argv, "--temperature", "0", "0.8", "--out", str(tmp_path / "both")]) == 0
+    report = json.loads((tmp_path / "both" / "eval.json").read_text())
+    assert report["temperatures"] == [0.0, 0.8] and report["temperature"] == 0.0 and report["seed"] == 3
+    greedy, sampled = report["by_temperature"]["0"], report["by_temperature"]["0.8"]
+    assert greedy["sets"] == report["sets"] and greedy["sets"]["eval"]["outputs_equal"] == PROMPTS
+    assert sampled["sets"]["eval"]["outputs_equal"] is None and sampled["overall"]["outputs_equal"] is None
+    assert 1.0 <= sampled["sets"]["eval"]["tau"] <= BLOCK and sampled["sets"]["eval"]["speedup"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "both" / "requests.jsonl").read_text().splitlines()]
+    assert [r["temperature"] for r in rows] == [0.0] * PROMPTS + [0.8] * PROMPTS
+    assert all(r["equal_to_target_only"] is None for r in rows[PROMPTS:])
+    assert png_size(tmp_path / "both" / "eval.png")[0] > 0
+    assert main([*argv, "--temperature", "0.8", "--out", str(tmp_path / "alone")]) == 0
+    alone = [json.loads(line) for line in (tmp_path / "alone" / "requests.jsonl").read_text().splitlines()]
+    assert [r["output_ids"] for r in alone] == [r["output_ids"] for r in rows[PROMPTS:]]
+    assert main([*argv[:-1], "4", "--temperature", "0.8", "--out", str(tmp_path / "other")]) == 0
+    other = [json.loads(line) for line in (tmp_path / "other" / "requests.jsonl").read_text().splitlines()]
+    assert [r["output_ids"] for r in other] != [r["output_ids"] for r in alone]  # the seed matters
+
+
 # ---- bad input: a clear error naming the fix, nothing written ------------------------------------
 
 @pytest.fixture(scope="module")
@@ -240,7 +268,8 @@ def bad_inputs(tiny_target, drafter_dir, tmp_path_factory):
     ("missing_prompts", [], "does not exist: fix the path"),
     ("no_prompt", [], r"holds no usable prompt \(1 x no prompt field \(row \d\); 1 x no user turn \(row \d\)\)"),
     ("max_new_tokens", ["--max-new-tokens", "0"], "argument --max-new-tokens: 0: must be >= 1"),
-    ("temperature", ["--temperature", "0.7"], "decodes greedily"),
+    ("temperature", ["--temperature", "0.7", "0.7"], "a temperature is given twice; give each once"),
+    ("negative_temperature", ["--temperature", "-1"], "argument --temperature: -1: must be >= 0"),
     ("fp8_fp32", ["--target-quantization", "fp8", "--dtype", "float32"], "fp8 needs a bf16 target.*add --dtype bfloat16"),
 ])
 def test_bad_input_is_a_clear_error_and_writes_nothing(case, extra, message, bad_inputs, drafter_dir, tiny_target,

@@ -73,8 +73,39 @@ def test_fast_loops_replayed_as_cuda_graphs_equal_the_reference_loops(family, tm
     for batch in (1, 2):
         loops = FastDecoding(target, drafter, batch)
         fast = loops.speculative(prompts, 40)
-        assert loops._decoders[True][1].spec_step.graph is not None  # replayed, not run eagerly
+        assert loops._decoders[True, False][1].spec_step.graph is not None  # replayed, not run eagerly
         assert [r.tokens for r in fast] == [r.tokens for r in reference] == greedy
         assert [r.accept_lengths for r in fast] == [r.accept_lengths for r in reference]
         assert loops.greedy(prompts, 40) == greedy
-        assert loops._decoders[False][1].greedy_step.graph is not None
+        assert loops._decoders[False, False][1].greedy_step.graph is not None
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_sampled_loops_replayed_as_cuda_graphs_equal_the_reference_loops(family, tmp_path):
+    """Speculative sampling on a GPU: the recorded steps read their noise and temperature from buffers the seeded
+    generator fills outside them; in float32 at batch 1 they consume the reference loop's draws and give its
+    tokens, at two temperatures from one recording."""
+    from dflash_trainer.decoding.fast import FastDecoding
+    from dflash_trainer.decoding.speculative import Sampling, greedy_generate, speculative_generate
+
+    from tests.helpers.families import tokenizer_for_tests
+    from tests.test_speculative_fast import target_and_drafter
+
+    tokenizer = tokenizer_for_tests()
+    target, drafter = target_and_drafter(family, tokenizer, tmp_path)
+    target.model.cuda()
+    drafter.cuda()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(len(tokenizer), (n,), generator=g).tolist() for n in (30, 11, 5)]
+    loops = FastDecoding(target, drafter, 1)
+    for temperature in (1.0, 0.6):
+        fast = loops.speculative(prompts, 40, sampling=Sampling(temperature, 7, "cuda"))
+        assert loops._decoders[True, True][1].spec_step.graph is not None
+        sampling = Sampling(temperature, 7, "cuda")
+        reference = [speculative_generate(drafter, target, p, 40, sampling=sampling) for p in prompts]
+        assert [r.tokens for r in fast] == [r.tokens for r in reference]
+        assert [r.accept_lengths for r in fast] == [r.accept_lengths for r in reference]
+        own = loops.greedy(prompts, 40, sampling=Sampling(temperature, 7, "cuda"))
+        assert loops._decoders[False, True][1].greedy_step.graph is not None
+        sampling = Sampling(temperature, 7, "cuda")
+        assert own == [greedy_generate(target, p, 40, sampling=sampling) for p in prompts]

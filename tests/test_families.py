@@ -104,6 +104,11 @@ def test_features_and_borrowed_weights_are_the_targets_own(family, targets):
                                out.hidden_states[0], rtol=1e-6, atol=1e-6)
     last = target.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(drafter.logits(last, target.head_weight), out.logits, rtol=1e-5, atol=1e-5)
+    # A loss against the target's distribution (train.loss_kl, loss_tv): the same features, and the final hidden
+    # states whose logits, shaped as the drafter's are, are the target's own.
+    feats, final = target.features_and_final(ids, mask)
+    torch.testing.assert_close(feats, got)
+    torch.testing.assert_close(drafter.logits(final, target.head_weight)[real], out.logits[real], rtol=1e-5, atol=1e-5)
 
 
 @family_names
@@ -233,13 +238,13 @@ def test_the_soft_capped_loss_has_the_autograd_gradient():
     weights = torch.rand(1, 12, dtype=torch.float64)
     sums = chunked_block_loss(hidden, head, labels, weights, block_size=4, chunk_rows=5, output_multiplier=0.5,
                               final_logit_softcapping=3.0)
-    (grad,) = torch.autograd.grad(sums.weighted_ce, hidden)
+    (grad,) = torch.autograd.grad(sums.weighted_loss, hidden)
     scored = torch.arange(12) % 4 != 0
     logits = shape_logits(F.linear(hidden[0, scored], head), 0.5, 3.0)
     ce = F.cross_entropy(logits, labels[0, scored], reduction="none")
     reference = (ce * weights[0, scored]).sum()
     (want,) = torch.autograd.grad(reference, hidden)
-    torch.testing.assert_close(sums.weighted_ce.double(), reference.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sums.weighted_loss.double(), reference.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6)  # the CE runs in fp32
 
 

@@ -63,12 +63,37 @@ def test_compiled_loss_kernel_equals_the_reference_on_gpu():
     weights = torch.rand(1, 1024, device="cuda", generator=g)
     weights.view(1, 64, 16)[:, :, 0] = 0  # slot 0, the anchor, never carries loss
     sums = chunked_block_loss(hidden, head, labels, weights, block_size=16, chunk_rows=256)
-    (grad,) = torch.autograd.grad(sums.weighted_ce, hidden)
+    (grad,) = torch.autograd.grad(sums.weighted_loss, hidden)
     ref_h = hidden.detach().float().requires_grad_()
     ref = (F.cross_entropy(ref_h[0] @ head.float().T, labels[0], reduction="none") * weights[0]).sum()
     (ref_grad,) = torch.autograd.grad(ref, ref_h)
-    torch.testing.assert_close(sums.weighted_ce, ref, rtol=2e-3, atol=0.5)
+    torch.testing.assert_close(sums.weighted_loss, ref, rtol=2e-3, atol=0.5)
     torch.testing.assert_close(grad.float(), ref_grad, rtol=0.05, atol=2e-3)
+
+
+@pytest.mark.parametrize("objective", ["dpace", "tv", "dspark+dpace"])
+def test_objectives_on_gpu_equal_the_cpu_path(objective):
+    """train.loss_* and train.position_weighting = dpace on a GPU (D-PACE's per-row losses from the Triton
+    kernel; KL / TV in torch) against the same loss on the CPU, in fp32."""
+    from dflash_trainer.model.loss import Objective, chunked_block_loss
+
+    chosen = {"dpace": Objective(dpace_alpha=0.5), "tv": Objective(ce=0.0, tv=1.0),
+              "dspark+dpace": Objective(ce=0.1, tv=0.9, dpace_alpha=0.5)}[objective]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 512, 64, generator=g)
+    target = torch.randn(1, 512, 64, generator=g)
+    head = torch.randn(3000, 64, generator=g) * 0.2
+    labels = torch.randint(3000, (1, 512), generator=g)
+    weights = torch.rand(1, 512, generator=g)
+    weights.view(1, 32, 16)[:, :, 0] = 0
+    results = []
+    for device in ("cpu", "cuda"):
+        h = hidden.to(device).requires_grad_()
+        sums = chunked_block_loss(h, head.to(device), labels.to(device), weights.to(device), 16, chunk_rows=100,
+                                  objective=chosen, target_hidden=target.to(device))
+        results.append((sums.weighted_loss.cpu(), torch.autograd.grad(sums.weighted_loss, h)[0].cpu()))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-3, atol=1e-5)
 
 
 def test_triton_ce_kernel_equals_the_reference_on_gpu():

@@ -103,3 +103,43 @@ def test_rope_stays_exact_float32_in_a_bf16_drafter(tmp_path):
     cos, _ = loaded.rotary_emb(x, torch.tensor([[1000]]))
     want = torch.cos(1000 * exact).to(torch.bfloat16)
     assert torch.equal(cos[0, 0, :128], want)
+
+
+def test_automodel_with_trust_remote_code_builds_the_drafter_and_gives_our_outputs(tmp_path):
+    """A hub user's `AutoModel.from_pretrained(dir, trust_remote_code=True)` builds the drafter class shipped
+    beside the weights (not a plain Qwen3Model), every weight loaded, our hidden states and logits, including
+    a Gemma-like target's embedding scale, logit multiplier and softcap."""
+    from transformers import AutoModel
+
+    borrowed = {"input_embedding_scale": 8.0, "output_multiplier": 0.5, "final_logit_softcapping": 30.0}
+    torch.manual_seed(0)
+    model = DFlashDrafter(drafter_config(TINY_TARGET, DrafterShape(num_layers=2, block_size=4, mask_token_id=7),
+                                         borrowed))
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    model.float().save_pretrained(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"} and cfg["dtype"] == "float32"
+    assert cfg["logit_scale"] == 0.5  # the key vLLM's DFlash model reads for the logit multiplier
+    hub, info = AutoModel.from_pretrained(tmp_path / "d", trust_remote_code=True, dtype="auto",
+                                          output_loading_info=True)
+    assert type(hub).__name__ == "DFlashDraftModel" and hub.dtype == torch.float32
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    assert hub.target_layer_ids == [1, 5] and hub.block_size == 4 and hub.mask_token_id == 7
+    feats, emb, pos = _inputs()
+    with torch.no_grad():
+        ours = model(feats, emb, pos, sdpa_attention(None))
+        theirs = hub(target_hidden=feats, noise_embedding=emb, position_ids=pos)
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+        head = torch.randn(300, 64)
+        torch.testing.assert_close(hub.compute_logits(theirs, head), model.logits(ours, head), rtol=1e-5, atol=1e-5)
+
+
+def test_published_weights_are_readable_by_other_users(tmp_path):
+    import os
+
+    _drafter().save_pretrained(tmp_path)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("config.json", "model.safetensors", "modeling_dflash.py"):
+        assert oct((tmp_path / name).stat().st_mode & 0o777) == oct(0o666 & ~umask), name

@@ -112,19 +112,19 @@ def test_chunked_loss_equals_the_full_computation():
     scale = torch.tensor(0.37, requires_grad=True)  # the backward must apply the incoming gradient
     x = hidden * scale  # and flow on to what produced the hidden states
     sums = chunked_block_loss(x, head, labels, weights, block_size=4, chunk_rows=7)
-    grad_chunked = torch.autograd.grad(3.0 * sums.weighted_ce, (hidden, scale))
+    grad_chunked = torch.autograd.grad(3.0 * sums.weighted_loss, (hidden, scale))
     x = hidden * scale
     logits = x @ head.T
     full = (F.cross_entropy(logits.view(-1, 50), labels.view(-1), reduction="none") * weights.view(-1)).sum()
     grad_full = torch.autograd.grad(3.0 * full, (hidden, scale))
-    torch.testing.assert_close(sums.weighted_ce, full)
+    torch.testing.assert_close(sums.weighted_loss, full)
     torch.testing.assert_close(grad_chunked, grad_full)
     hit = (logits.argmax(-1) == labels) & (weights > 0)
     assert sums.slot_correct.tolist() == hit.view(-1, 4).sum(0).float().tolist()
     assert sums.slot_count.tolist() == (weights > 0).view(-1, 4).sum(0).float().tolist()
     with torch.no_grad():  # evaluation: same sums, no gradient work
         again = chunked_block_loss(x, head, labels, weights, block_size=4, chunk_rows=5)
-    torch.testing.assert_close(again.weighted_ce, full.detach())
+    torch.testing.assert_close(again.weighted_loss, full.detach())
     assert again.slot_correct.tolist() == sums.slot_correct.tolist()
 
 
@@ -136,12 +136,12 @@ def test_chunked_loss_in_bf16_matches_the_fp32_reference():
     weights = torch.rand(1, 40, generator=g)
     weights.view(1, 5, 8)[:, :, 0] = 0  # slot 0, the anchor, never carries loss
     sums = chunked_block_loss(hidden.unsqueeze(0), head, labels, weights, block_size=8, chunk_rows=16)
-    (grad,) = torch.autograd.grad(sums.weighted_ce, hidden)
+    (grad,) = torch.autograd.grad(sums.weighted_loss, hidden)
     ref_h = hidden.detach().float().requires_grad_()
     ref = (F.cross_entropy(ref_h @ head.float().T, labels[0], reduction="none") * weights[0]).sum()
     (ref_grad,) = torch.autograd.grad(ref, ref_h)
     assert grad.dtype == torch.bfloat16
-    torch.testing.assert_close(sums.weighted_ce, ref, rtol=2e-3, atol=1e-2)
+    torch.testing.assert_close(sums.weighted_loss, ref, rtol=2e-3, atol=1e-2)
     torch.testing.assert_close(grad.float(), ref_grad, rtol=0.05, atol=2e-3)
 
 

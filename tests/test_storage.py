@@ -92,3 +92,21 @@ def test_dumped_features_read_back_and_a_full_disk_is_said_in_words(tmp_path):
                                                        r"left on device\), [\d.,]+ MiB free there\. Free space"):
             features.write_shard(mnt / "feats", 0, big)
         assert list((mnt / "feats").iterdir()) == []  # no temporary, no half shard
+
+
+def test_published_files_are_readable_by_other_users_as_open_would_make_them(tmp_path):
+    """safetensors writes its file 0600 and mkstemp/mkdtemp make 0600/0700: a server running as another user
+    could not read the weights. Published files get open()'s and mkdir's permissions (umask respected)."""
+    import torch
+    from safetensors.torch import save_file
+
+    def weights(directory):
+        (directory / "sub").mkdir(mode=0o700)
+        save_file({"w": torch.zeros(2)}, str(directory / "sub" / "model.safetensors"))
+
+    final = storage.publish_dir(tmp_path / "drafter", weights)
+    single = storage.publish_file(tmp_path / "one.safetensors", lambda tmp: save_file({"w": torch.zeros(2)}, str(tmp)))
+    umask = storage._umask()
+    assert oct((final / "sub" / "model.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~umask)
+    assert oct(single.stat().st_mode & 0o777) == oct(0o666 & ~umask)
+    assert oct((final / "sub").stat().st_mode & 0o777) == oct(0o777 & ~umask)

@@ -44,6 +44,28 @@ def test_run_reports_and_exports(full_run):
     assert any((out / "tb").iterdir())  # tensorboard event file
 
 
+def test_the_published_drafter_is_complete_and_readable_by_other_users(full_run):
+    """model card with the run's tau and the serve commands, the modelling file, dtype, open()'s file modes."""
+    import os
+
+    from transformers import AutoModel
+
+    out, summary = full_run
+    drafter = out / "drafter"
+    card = (drafter / "README.md").read_text()
+    assert "library_name: transformers" in card and "- dflash" in card  # the hub's front matter
+    assert f"| held-out | 2 | {summary['tau_after']:.2f} |" in card
+    assert '"method": "dflash"' in card and '"num_speculative_tokens": 7' in card  # block 8
+    assert "--speculative-algorithm DFLASH" in card and "--speculative-num-draft-tokens 8" in card
+    assert json.loads((drafter / "config.json").read_text())["dtype"] == "float32"
+    model, info = AutoModel.from_pretrained(drafter, trust_remote_code=True, output_loading_info=True)
+    assert type(model).__name__ == "DFlashDraftModel" and not (info["missing_keys"] or info["unexpected_keys"])
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in drafter.iterdir()} == \
+        {name: oct(0o666 & ~umask) for name in ("README.md", "config.json", "model.safetensors", "modeling_dflash.py")}
+
+
 def test_resume_continues_with_the_same_losses(full_run, tiny_target, tmp_path):
     out, summary = full_run
     resumed = tmp_path / "resumed"

@@ -161,6 +161,19 @@ class TrainConfig:
     # masters still); needs low-precision parameters and no FSDP sharding (docs/configuration.md)
     moments_dtype: Annotated[str, Rule(choices=MOMENTS_DTYPE_NAMES)] = "float32"
     attention: Annotated[str, Rule(choices=("auto", "flex", "sdpa"))] = "auto"  # auto: flex on CUDA, sdpa on CPU
+    # The loss per scored block position is a weighted sum of three terms: loss_ce, the cross-entropy on the
+    # data's token; loss_kl, the KL divergence from the target's distribution to the drafter's; loss_tv, their
+    # total variation (one minus the chance that speculative sampling accepts the drafted token). DSpark's
+    # 0.1 CE + 0.9 TV is loss_ce = 0.1, loss_tv = 0.9. KL and TV read the target's logits at every block
+    # position: the target then runs all its layers, and dumped features must hold its final hidden states
+    loss_ce: Annotated[float, NOT_NEGATIVE] = 1.0
+    loss_kl: Annotated[float, NOT_NEGATIVE] = 0.0  # weight of KL(target || drafter); see loss_ce
+    loss_tv: Annotated[float, NOT_NEGATIVE] = 0.0  # weight of the total variation between the two; see loss_ce
+    # How the block positions are weighted: exp-decay, exp(-(k-1)/drafter.gamma) by slot k (DFlash); dpace,
+    # D-PACE's adaptive weights from the drafter's confidence in each slot's token (speculators' dpace): a slot
+    # weighs as much as the run of accepted tokens it can still start
+    position_weighting: Annotated[str, Rule(choices=("exp-decay", "dpace"))] = "exp-decay"
+    dpace_alpha: Annotated[float, FRACTION] = 0.5  # D-PACE's confidence smoothing (position_weighting = dpace)
     loss_chunk_rows: Annotated[int, Rule(ge=1, le=1 << 24)] = 2048  # token rows per chunk of the LM head + CE
     compile_layers: bool = True  # flex backend: compile each drafter layer whole (fused norms/RoPE/SwiGLU), and the norms after fc and at the end
     log_every: Annotated[int, STEPS] = 10  # steps between progress lines and metrics
@@ -519,6 +532,15 @@ def semantic_problems(c: RunConfig) -> list[str]:
                         f"features), and target.dtype is {c.target.dtype}: set target.dtype = bfloat16, or "
                         "target.quantization = none")
     problems += parallel_problems(c)
+    return problems + train_problems(c)
+
+
+def train_problems(c: RunConfig) -> list[str]:
+    """The train section's combinations: the loss's weights, the moments' dtype."""
+    problems = []
+    if c.train.loss_ce + c.train.loss_kl + c.train.loss_tv == 0:
+        problems.append("train.loss_ce, train.loss_kl and train.loss_tv are all 0, so the loss is 0 and nothing "
+                        "trains: give at least one a positive weight (the default is loss_ce = 1)")
     if c.train.moments_dtype != "float32":
         # Only the one-pass update stores moments apart from the fp32 masters (model/optim.py).
         if c.train.dtype == "float32":

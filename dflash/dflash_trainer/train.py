@@ -14,6 +14,7 @@ finish (the published drafter, tau, the summary).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -49,7 +50,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .model.flops import peak_flops
     from .model.optim import MasterWeightAdamW, warmup_cosine
     from .run import checkpoint as ckpt
-    from .run import run_dir
+    from .run import model_card, run_dir
     from .run.compile_step import check_dense_fits, compile_cache_dir, compile_drafter_step
     from .run.evaluate import evaluate, evaluate_before, evaluate_saved, record_eval_prompts
     from .run.loading import (
@@ -63,6 +64,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
         feature_buckets,
         load_data,
         load_target,
+        loss_objective,
         new_drafter,
         read_target_files,
         repeated_taps_note,
@@ -166,7 +168,8 @@ def colocated_features(cfg: RunConfig, ctx: parallel.Context, drafter: DFlashDra
     stream, eval_stream, prompts = load_data(cfg, target_files.tokenizer)
     buckets = compiled_buckets(cfg, stream, say=ctx.leads_drafters and attention_backend(cfg, ctx.device) == "flex")
     startup.mark("data")
-    return FeatureSide(local_source(stream, target, my_batches, dtype, ctx.device), "target", len(stream.dataset),
+    source = local_source(stream, target, my_batches, dtype, ctx.device, with_final=loss_objective(cfg).needs_target)
+    return FeatureSide(source, "target", len(stream.dataset),
                        embed, head, target, eval_stream, prompts, buckets=buckets)
 
 
@@ -223,7 +226,7 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
                        gamma=cfg.drafter.gamma, chunk_rows=train.loss_chunk_rows, backend=backend,
                        compiled_layers=backend == "flex" and train.compile_layers and shard.compiled_layers,
                        vocab_size=drafter.config.vocab_size, model=shard.module,
-                       gradient_sync=shard.gradient_sync, scheduler=scheduler,
+                       gradient_sync=shard.gradient_sync, scheduler=scheduler, objective=loss_objective(cfg),
                        selector_loss_weight=cfg.drafter.selector_loss_weight)
     run = DrafterRun(cfg, ctx, drafter, shard, optimizer, scheduler, step, side.source, side.wait_kind, start_step,
                      latest, side.target, target_files.tokenizer, side.eval_stream, side.prompts, side.borrowed,
@@ -455,10 +458,14 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
            "train.checkpoint_every = 0 kept no checkpoint to publish it from: free space, then train again "
            "with --overwrite.")
     with storage.explained(f"publishing the drafter to {out / 'drafter'}", out, fix):
-        final_dir = storage.publish_dir(out / "drafter", lambda d: run.drafter.save_pretrained(d, weights))
+        final_dir = storage.publish_dir(out / "drafter", lambda d: publish_drafter(run, weights, d))
     summary = run_summary(run, history, report, compile_s, startup, final_dir)
     if run.ctx.colocated:
         summary.update(evaluate_published(run, before, final_dir))
+        with storage.explained(f"writing {final_dir / model_card.CARD}", out, "The drafter is published; free space."):
+            model_card.update_tau(final_dir, [model_card.TauRow("held-out", len(run.prompts), summary["tau_after"])],
+                                  f"measured by the training run on its held-out prompts (greedy, up to "
+                                  f"{cfg.eval.max_new_tokens} new tokens)")
     with storage.explained(f"writing {out / 'summary.json'}", out, "The drafter is published; free space."):
         if run.ctx.colocated:  # what `dflash-eval --run` reads
             summary["eval_prompts"] = str(record_eval_prompts(out, run.prompts))
@@ -466,6 +473,14 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
     metrics.summary(summary)
     metrics.close()
     return summary
+
+
+def publish_drafter(run: DrafterRun, weights: dict | None, directory: Path) -> None:
+    """The drafter's directory: its weights, config, modelling file and model card."""
+    run.drafter.save_pretrained(directory, weights)
+    cfg = run.cfg
+    model_card.write_card(directory, json.loads((directory / "config.json").read_text()), cfg.target.path,
+                          cfg.data.train, cfg.train.steps)
 
 
 def run_summary(run: DrafterRun, history: History, report: CompileReport | None, compile_s: float,

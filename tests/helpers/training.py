@@ -13,7 +13,7 @@ def sdpa_step(drafter, optimizer, target, ids, loss_mask, features, num_anchors:
     mb = prepare_micro_batch(ids, loss_mask, num_anchors, drafter.config, drafter.mask_token_id, None, "sdpa",
                              torch.Generator().manual_seed(seed))
     sums = drafter_loss(drafter, target.embed_weight, target.head_weight, features, mb.blocks, mb.attention)
-    sums.weighted_ce.backward()
+    sums.weighted_loss.backward()
     optimizer.step(1.0 / mb.blocks.total_weight)
     optimizer.zero_grad()
 

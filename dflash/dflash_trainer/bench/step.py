@@ -35,6 +35,7 @@ from ..model.flops import peak_flops
 from ..model.mask import dflash_block_mask
 from ..model.optim import MOMENTS, MasterWeightAdamW
 from ..run.compile_step import compile_drafter_step
+from ..run.loading import loss_objective
 from ..run.step import DrafterStep, StepClock, phase
 
 PRESETS = {
@@ -173,23 +174,31 @@ def setup(args, cfg: RunConfig, device: torch.device) -> Setup:
     attention = "flex" if device.type == "cuda" else "sdpa"
     step = DrafterStep(drafter, embed, head, opt, num_anchors=cfg.train.num_anchors, gamma=None,
                        chunk_rows=cfg.train.loss_chunk_rows, backend=attention,
-                       compiled_layers=attention == "flex" and cfg.train.compile_layers, vocab_size=tcfg.vocab_size)
+                       compiled_layers=attention == "flex" and cfg.train.compile_layers, vocab_size=tcfg.vocab_size,
+                       objective=loss_objective(cfg))
     return Setup(device, dtype, tcfg, dcfg, frozen, drafter, opt, step, attention)
 
 
 def feature_batches(s: Setup, ids: torch.Tensor, loss_mask: torch.Tensor):
-    """Features from the target (its GPU time measured between two events) or random, endlessly."""
+    """Features from the target (its GPU time measured between two events) or random, endlessly; with the
+    target's final hidden states where the loss reads its distribution (train.loss_kl, train.loss_tv)."""
     b, seq = ids.shape
     feat_dim = len(s.drafter.target_layer_ids) * s.dcfg.hidden_size
+    with_final = s.step.objective is not None and s.step.objective.needs_target
     while True:
         if s.frozen is not None:
             wait = Wait.interval(s.device)
+            final = None
             with phase("target"):
-                feats = s.frozen.features(ids)
-            yield FeatureBatch(feats, ids, loss_mask, b * seq, 0, wait.stop())
+                if with_final:
+                    feats, final = s.frozen.features_and_final(ids)
+                else:
+                    feats = s.frozen.features(ids)
+            yield FeatureBatch(feats, ids, loss_mask, b * seq, 0, wait.stop(), final)
         else:
+            final = torch.randn(b, seq, s.dcfg.hidden_size, device=s.device, dtype=s.dtype) if with_final else None
             yield FeatureBatch(torch.randn(b, seq, feat_dim, device=s.device, dtype=s.dtype), ids, loss_mask, b * seq,
-                               0, Wait(within_step=False))
+                               0, Wait(within_step=False), final)
 
 
 def timed_steps(args, s: Setup, batches, grad_accum: int) -> tuple[list, ClockSampler]:
@@ -238,6 +247,7 @@ def bench_result(args, cfg: RunConfig, s: Setup, figures: list, sampler: ClockSa
         "moments_dtype": sorted({str(st[k].dtype).removeprefix("torch.") for st in states for k in MOMENTS}),
         "optimizer_state_gib": sum(t.numel() * t.element_size() for st in states for t in st.values()) / 2**30,
         "drafter_params_m": s.drafter.num_params() / 1e6,
+        "loss": {"ce": cfg.train.loss_ce, "kl": cfg.train.loss_kl, "tv": cfg.train.loss_tv},
         "compile_s": compile_s,
         "compile_cache_hits": report.cache_hits if report else None,
         "compile_cache_misses": report.cache_misses if report else None,

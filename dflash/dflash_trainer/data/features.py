@@ -18,6 +18,9 @@ from safetensors.torch import load_file, save_file
 from ..infra import storage
 
 META = "meta.json"
+# The shard key of the target's final normed hidden states, [b, S, H]: dumped only for a loss that reads the
+# target's distribution (train.loss_kl, train.loss_tv); meta.json says whether a dump holds them.
+TARGET_HIDDEN = "target_hidden"
 
 
 def shard_path(root: Path, index: int) -> Path:
@@ -33,9 +36,9 @@ def target_fingerprint(text_config) -> dict:
 
 
 def write_meta(root: Path, target: str, layer_ids: list[int], count: int, micro_batch: int,
-               quantization: str = "none", fingerprint: dict | None = None) -> None:
+               quantization: str = "none", fingerprint: dict | None = None, target_hidden: bool = False) -> None:
     meta = {"target": target, "target_layer_ids": layer_ids, "micro_batches": count, "micro_batch": micro_batch,
-            "target_quantization": quantization, "target_config": fingerprint}
+            "target_quantization": quantization, "target_config": fingerprint, TARGET_HIDDEN: target_hidden}
     with _explained(root):
         root.mkdir(parents=True, exist_ok=True)
         storage.write_text_atomic(root / META, json.dumps(meta, indent=2))
@@ -68,6 +71,11 @@ class FeatureShards:
         if missing:
             raise FileNotFoundError(f"{root}: {len(missing)} of {self.count} shards missing (first: "
                                     f"{shard_path(self.root, missing[0]).name}); the dump did not finish")
+
+    @property
+    def has_target_hidden(self) -> bool:
+        """The shards hold the target's final hidden states (TARGET_HIDDEN)."""
+        return bool(self.meta.get(TARGET_HIDDEN))
 
     def shapes(self) -> set[tuple[int, int, int]]:
         """The (rows, context length, feature width) of every micro-batch, from the shards' headers (no tensor

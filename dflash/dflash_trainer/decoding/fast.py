@@ -1,11 +1,13 @@
-"""Greedy speculative and target-only decoding run the way serving engines run them.
+"""Speculative and target-only decoding (greedy, or sampled at a temperature) run the way serving engines run them.
 
 The same decoding as decoding/speculative.py's reference loops (the same tokens, the same acceptance lengths), on
 fixed shapes: the target's KV cache is a static buffer of `length` slots, the drafter keeps the K/V of its
 fused context per layer in slots beside it, and every tensor a step reads is allocated once per batch shape.
 On a GPU one speculative step (drafter block, target verify, acceptance, drafter context update) and one
 target-only step are each recorded once as a CUDA graph and replayed; the host reads back only each step's
-target tokens and acceptance lengths. On a CPU the same steps run eagerly.
+target tokens and acceptance lengths. On a CPU the same steps run eagerly. Sampled decoding (speculative.Sampling)
+draws its noise into fixed buffers before each step, from the seeded generator outside the recorded step, in
+the reference loop's order and shapes: at batch 1 both loops consume the same random numbers.
 
 Slots: every verify writes its B tokens to the slots [w, w + B) of every row; `slot_pos[row, slot]` holds the
 true position of the token a slot holds, or INVALID. The attention masks are built from these positions (a
@@ -26,9 +28,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
 from ..model.drafter import DFlashDrafter
+from ..model.sampling import race, temperature_probs
 from ..target.frozen import FrozenTarget, text_config
 from .buckets import bucket
-from .speculative import SpecResult, cache_argument
+from .speculative import Sampling, SpecResult, cache_argument, rejection_sample
 
 INVALID = -1  # slot_pos of a slot that holds no token a query may see
 
@@ -203,7 +206,8 @@ class StaticDecoder:
     drafter None: target-only decoding only."""
 
     def __init__(self, target: FrozenTarget, drafter: DFlashDrafter | None, batch: int, length: int,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, sampled: bool = False):
+        """sampled: the steps sample (a Sampling is given with each call) instead of taking the argmax."""
         self.target, self.drafter, self.model = target, drafter, target.model
         self.batch, self.length = batch, length
         self.device = target.embed_weight.device
@@ -223,6 +227,15 @@ class StaticDecoder:
         self.context = None
         if drafter is not None:
             self.context = DrafterContext(drafter, batch, length, self.device, drafter.fc.weight.dtype)
+        # Sampled steps read the temperature and their noise from these buffers (Sampling fills them per step).
+        self.sampled, self.sampling = sampled, None
+        vocab = target.head_weight.shape[0]
+        floats = {"dtype": torch.float32, "device": self.device}
+        self.temperature = torch.ones((), **floats)
+        if sampled:
+            self.step_noise = torch.ones(batch, vocab, **floats)  # the replacement, bonus or target-only token
+            self.draft_noise = torch.ones(batch, self.block - 1, vocab, **floats)
+            self.uniforms = torch.zeros(batch, self.block - 1, **floats)
         self.written = 0  # the host's copy of the write pointer
         self.packs = 0  # times the valid slots were packed to the front (_make_room)
         self._warm_cache()
@@ -246,13 +259,15 @@ class StaticDecoder:
         torch.add(self.offsets[:1], self.base, out=self.greedy_slots)
         positions = self.anchor_pos[:, None]
         self.slot_pos.index_copy_(1, self.greedy_slots, positions)
-        token = self._forward(self.anchor[:, None], positions, hidden=False).logits[:, -1].argmax(-1)
+        logits = self._forward(self.anchor[:, None], positions, hidden=False).logits[:, -1]
+        token = race(temperature_probs(logits, self.temperature), self.step_noise) if self.sampled else logits.argmax(-1)
         self.anchor.copy_(token)
         self.anchor_pos.add_(1)
         return token
 
-    def _draft(self, positions, in_block) -> torch.Tensor:
-        """The drafter's guesses for the block's slots 1..B-1: [b, B-1] (DFlash 2: its selector's path)."""
+    def _draft(self, positions, in_block) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafter's guesses for the block's slots 1..B-1 [b, B-1] (DFlash 2: its selector's path), and when
+        sampling their distribution q [b, B-1, V]."""
         drafter, embed = self.drafter, self.target.embed_weight
         ids = torch.full_like(positions, drafter.mask_token_id)
         ids[:, 0] = self.anchor
@@ -265,10 +280,12 @@ class StaticDecoder:
         mask = torch.cat([context, in_block], 1)[:, None, None, :]
         for layer, keys, values in zip(drafter.layers, self.context.keys, self.context.values, strict=True):
             x = _drafter_layer(layer, x, keys, values, cos, sin, mask)
-        return drafter.propose(drafter.norm(x)[:, 1:], self.anchor, self.target.head_weight)
+        sampled = (self.temperature, self.draft_noise) if self.sampled else (None, None)
+        return drafter.propose(drafter.norm(x)[:, 1:], self.anchor, self.target.head_weight, *sampled)
 
     def _spec_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft, verify, accept, update the drafter's context: (the target's tokens [b, B], accepted [b])."""
+        """Draft, verify, accept, update the drafter's context: (tokens [b, B], accepted [b]); a row keeps its
+        first accepted + 1 tokens (the accepted drafts, then the target's next token)."""
         drafter = self.drafter
         self.cache.slots = self.step_slots
         torch.add(self.offsets, self.base, out=self.step_slots)
@@ -276,11 +293,16 @@ class StaticDecoder:
         self.slot_pos.index_copy_(1, self.step_slots, positions)
         # The reference loop's last block is cut to the tokens left: slots past it are hidden from the drafter.
         in_block = self.offsets < (self.limit_pos - self.anchor_pos)[:, None]
-        drafts = self._draft(positions, in_block)
+        drafts, draft_probs = self._draft(positions, in_block)
         out = self._forward(torch.cat([self.anchor[:, None], drafts], 1), positions, hidden=True)
-        posterior = out.logits.argmax(-1)
-        agree = (drafts == posterior[:, :-1]) & in_block[:, 1:]
-        accepted = agree.long().cumprod(1).sum(1)
+        if self.sampled:
+            accepted, following = rejection_sample(draft_probs, temperature_probs(out.logits, self.temperature),
+                                                   drafts, self.uniforms, self.step_noise, in_block[:, 1:].sum(1))
+            posterior = torch.cat([drafts, following[:, None]], 1).scatter(1, accepted[:, None], following[:, None])
+        else:
+            posterior = out.logits.argmax(-1)
+            agree = (drafts == posterior[:, :-1]) & in_block[:, 1:]
+            accepted = agree.long().cumprod(1).sum(1)
         features = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
         self.context.write(drafter, drafter.fuse(features.to(drafter.fc.weight.dtype)), positions, self.step_slots)
         keep = self.offsets <= accepted[:, None]  # the rejected drafts' slots are rolled back on every layer
@@ -313,7 +335,12 @@ class StaticDecoder:
             features = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
             self.context.write(drafter, drafter.fuse(features.to(drafter.fc.weight.dtype)), positions,
                                self.cache.slots)
-        self.anchor.copy_(out.logits[:, -1].argmax(-1))
+        last = out.logits[:, -1]
+        if self.sampled:  # the first token, sampled as the reference loop samples it
+            last = race(self.sampling.probs(last), self.sampling.noise(self.batch, last.shape[-1], device=self.device))
+        else:
+            last = last.argmax(-1)
+        self.anchor.copy_(last)
         self.anchor_pos.copy_(lengths)
         self.limit_pos.copy_(lengths + max_new_tokens)
         self._set_pointer(width)
@@ -339,13 +366,32 @@ class StaticDecoder:
         self._set_pointer(used)
         self.packs += 1
 
-    def speculative(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[SpecResult]:
+    def _use(self, sampling: Sampling | None) -> None:
+        if (sampling is not None) != self.sampled:
+            raise ValueError("this decoder was built for " + ("sampled" if self.sampled else "greedy") + " decoding")
+        self.sampling = sampling
+        if sampling is not None:
+            self.temperature.fill_(sampling.temperature)
+
+    def _draw(self, *buffers: torch.Tensor) -> None:
+        """The next step's noise, in the reference loop's order: Exp(1) noise, and uniforms for acceptance."""
+        for buffer in buffers:
+            if buffer is self.uniforms:
+                self.sampling.uniform_(buffer)
+            else:
+                self.sampling.exponential_(buffer)
+
+    def speculative(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                    sampling: Sampling | None = None) -> list[SpecResult]:
+        self._use(sampling)
         first = self._prefill(prompts, max_new_tokens, hidden=True)
         results = [SpecResult(tokens=list(p) + [t]) for p, t in zip(prompts, first, strict=True)]
         limits = [len(p) + max_new_tokens for p in prompts]
         active = [len(r.tokens) < n and r.tokens[-1] not in stop_ids for r, n in zip(results, limits, strict=True)]
         while any(active):
             self._make_room()
+            if self.sampled:
+                self._draw(self.draft_noise, self.uniforms, self.step_noise)
             posterior, accepted = self.spec_step()
             rows = torch.cat([posterior, accepted[:, None]], 1).tolist()  # the step's one read
             grown = 0
@@ -361,12 +407,17 @@ class StaticDecoder:
             self._set_pointer(self.written + grown)
         return results
 
-    def greedy(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[list[int]]:
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+               sampling: Sampling | None = None) -> list[list[int]]:
+        """Target-only decoding: greedy, or sampled (sampling)."""
+        self._use(sampling)
         first = self._prefill(prompts, max_new_tokens, hidden=False)
         seqs = [list(p) + [t] for p, t in zip(prompts, first, strict=True)]
         limits = [len(p) + max_new_tokens for p in prompts]
         active = [len(s) < n and s[-1] not in stop_ids for s, n in zip(seqs, limits, strict=True)]
         while any(active):
+            if self.sampled:
+                self._draw(self.step_noise)
             tokens = self.greedy_step().tolist()
             self._set_pointer(self.written + 1)
             for i, token in enumerate(tokens[: len(prompts)]):
@@ -377,31 +428,35 @@ class StaticDecoder:
 
 
 class FastDecoding:
-    """Speculative and target-only greedy decoding for many prompts, `batch_size` at a time, on static shapes
-    (one StaticDecoder, so one recording of each step, per batch size and slot count)."""
+    """Speculative and target-only decoding (greedy, or sampled with a speculative.Sampling) for many prompts,
+    `batch_size` at a time, on static shapes (one StaticDecoder, so one recording of each step, per batch size,
+    slot count and kind: greedy or sampled, any temperature)."""
 
     def __init__(self, target: FrozenTarget, drafter: DFlashDrafter | None = None, batch_size: int = 1,
                  log: Callable[[str], None] = print):
         self.target, self.drafter, self.batch_size, self.log = target, drafter, batch_size, log
-        self._decoders: dict[bool, tuple[tuple[int, int], StaticDecoder]] = {}  # speculative or not -> the last
+        # (speculative, sampled) -> the last decoder of that kind, with its shape
+        self._decoders: dict[tuple[bool, bool], tuple[tuple[int, int], StaticDecoder]] = {}
         self.setup_s = 0.0  # time spent building decoders (allocating, recording the steps): not decoding
 
-    def decoder(self, prompts: list[list[int]], max_new_tokens: int, speculative: bool, batch: int) -> StaticDecoder:
+    def decoder(self, prompts: list[list[int]], max_new_tokens: int, speculative: bool, batch: int,
+                sampled: bool = False) -> StaticDecoder:
         """The decoder of this shape, kept while shapes repeat; one per kind, so a new shape frees the old."""
         block = self.drafter.block_size if speculative else 1
         shape = (batch, cache_length(max(map(len, prompts)), max_new_tokens, block, batch))
-        kept = self._decoders.get(speculative)
+        kind = (speculative, sampled)
+        kept = self._decoders.get(kind)
         if kept is None or kept[0] != shape:
-            self._decoders.pop(speculative, None)
+            self._decoders.pop(kind, None)
             if self.target.embed_weight.is_cuda:
                 torch.cuda.empty_cache()
             drafter = self.drafter if speculative else None
             started = time.perf_counter()
-            self._decoders[speculative] = (shape, StaticDecoder(self.target, drafter, *shape, log=self.log))
+            self._decoders[kind] = (shape, StaticDecoder(self.target, drafter, *shape, log=self.log, sampled=sampled))
             if self.target.embed_weight.is_cuda:
                 torch.cuda.synchronize(self.target.embed_weight.device)
             self.setup_s += time.perf_counter() - started
-        return self._decoders[speculative][1]
+        return self._decoders[kind][1]
 
     def describe(self) -> str:
         """How the steps ran, for the report: replayed CUDA graphs, or eagerly on the static cache."""
@@ -416,18 +471,22 @@ class FastDecoding:
 
     @torch.inference_mode()
     def speculative(self, prompts: list[list[int]], max_new_tokens: int,
-                    stop_ids: Iterable[int] = frozenset()) -> list[SpecResult]:
+                    stop_ids: Iterable[int] = frozenset(), sampling: Sampling | None = None) -> list[SpecResult]:
+        """sampling: speculative sampling at its temperature, from its generator; None: greedy."""
         if self.drafter is None:
             raise ValueError("speculative decoding needs a drafter: FastDecoding(target, drafter)")
         out, rows = [], min(self.batch_size, len(prompts))
         for batch in self.batches(prompts):
-            out += self.decoder(batch, max_new_tokens, True, rows).speculative(batch, max_new_tokens, set(stop_ids))
+            decoder = self.decoder(batch, max_new_tokens, True, rows, sampled=sampling is not None)
+            out += decoder.speculative(batch, max_new_tokens, set(stop_ids), sampling)
         return out
 
     @torch.inference_mode()
     def greedy(self, prompts: list[list[int]], max_new_tokens: int,
-               stop_ids: Iterable[int] = frozenset()) -> list[list[int]]:
+               stop_ids: Iterable[int] = frozenset(), sampling: Sampling | None = None) -> list[list[int]]:
+        """Target-only decoding: greedy, or sampled at sampling's temperature."""
         out, rows = [], min(self.batch_size, len(prompts))
         for batch in self.batches(prompts):
-            out += self.decoder(batch, max_new_tokens, False, rows).greedy(batch, max_new_tokens, set(stop_ids))
+            decoder = self.decoder(batch, max_new_tokens, False, rows, sampled=sampling is not None)
+            out += decoder.greedy(batch, max_new_tokens, set(stop_ids), sampling)
         return out

@@ -1,12 +1,25 @@
-"""Greedy speculative decoding against the target, target-only greedy decoding, and acceptance statistics.
+"""Speculative decoding against the target (greedy, or sampled at a temperature), target-only decoding, and
+acceptance statistics.
 
 The one decoding loop that the trainer's tau (run/evaluate.py) and `dflash-eval` (eval/cli.py) share; it is
-z-lab's `dflash_generate` at temperature 0, step for step (a DFlash 2 drafter's candidate selector included). Each verify step: the drafter fills a block
+z-lab's `dflash_generate`, step for step (top-p and top-k off; a DFlash 2 drafter's candidate selector
+included). Each verify step: the drafter fills a block
 [anchor, MASK x (B-1)] from the fused target features of every verified token; the target checks the
 B tokens in one forward; the agreeing prefix plus the target's bonus token are kept. The acceptance
 length of a step is the number of tokens it adds (accepted + 1, at most B; less when the token limit or
 a stop token cuts the step short, as z-lab counts it). The target keeps a KV cache; the drafter keeps
 its fused context (fc + hidden_norm, computed once per token) and recomputes the layers' K/V from it.
+
+At a temperature > 0 (`Sampling`) the step is speculative sampling (Leviathan et al. 2023, Chen et al. 2023),
+as z-lab's loop and vLLM's rejection sampler run it: the drafter samples each slot from its softmax q at the
+temperature (one pass fills the block, so q of slot k is the drafter's at slot k; a DFlash 2 drafter's
+selector samples along the block as z-lab's does, each slot from the softmax at T of its top-k candidates'
+scores given the token drawn before it, and q is that softmax, zero off the candidates); draft x is accepted when
+u * q(x) < p(x), u uniform in [0, 1), p the target's softmax at the same temperature; the first rejected slot
+is replaced by a sample of norm(max(0, p - q)), and a block accepted whole gets a bonus token sampled from p.
+The output is distributed as the target's own sampling. Every random draw comes from one seeded
+torch.Generator, in a fixed order and shape per step (`Sampling`), so a run is reproducible and the fast loop
+(decoding/fast.py) at batch 1 consumes the same numbers as this one.
 """
 
 from __future__ import annotations
@@ -22,7 +35,64 @@ from transformers import DynamicCache
 from ..data.rows import DataError
 from ..model.drafter import DFlashDrafter
 from ..model.objective import sdpa_attention
+from ..model.sampling import race, temperature_probs
 from ..target.frozen import FrozenTarget
+
+
+class Sampling:
+    """Sampling at `temperature` (> 0) from one seeded generator. A token is drawn by the exponential race
+    (model/sampling.py: argmax(pr / E), E ~ Exp(1) per token), so each draw is a fixed-shape tensor of noise
+    that a CUDA graph can read. Per prefill:
+    Exp noise [b, V]; per verify step: Exp noise [b, B-1, V] (the drafts), uniforms [b, B-1] (acceptance),
+    Exp noise [b, V] (the replacement or bonus token); per target-only step: Exp noise [b, V]."""
+
+    def __init__(self, temperature: float, seed: int, device):
+        if not temperature > 0:
+            raise ValueError(f"temperature {temperature}: sampling needs a temperature > 0 (0 decodes greedily)")
+        self.temperature, self.seed = float(temperature), int(seed)
+        self.generator = torch.Generator(device=device).manual_seed(self.seed)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return temperature_probs(logits, torch.full((), self.temperature, device=logits.device))
+
+    def exponential_(self, out: torch.Tensor) -> torch.Tensor:
+        # An Exp(1) draw of exactly 0 would make pr / E infinite (or NaN where pr = 0): the smallest float instead.
+        return out.exponential_(generator=self.generator).clamp_min_(torch.finfo(out.dtype).tiny)
+
+    def uniform_(self, out: torch.Tensor) -> torch.Tensor:
+        return out.uniform_(generator=self.generator)
+
+    def noise(self, *shape: int, device) -> torch.Tensor:
+        return self.exponential_(torch.empty(shape, device=device))
+
+
+def accept_draft(p_draft: torch.Tensor, q_draft: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Whether each draft token x is accepted: u * q(x) < p(x), i.e. with probability min(1, p(x) / q(x))."""
+    return uniforms * q_draft < p_draft
+
+
+def rejection_sample(draft_probs: torch.Tensor, target_probs: torch.Tensor, drafts: torch.Tensor,
+                     uniforms: torch.Tensor, noise: torch.Tensor, drafted: torch.Tensor | None = None):
+    """One verify step's speculative sampling for b rows of D draft slots: (accepted [b], next token [b]).
+
+    draft_probs [b, D, V] (q), target_probs [b, D + 1, V] (p, the last for the bonus), drafts [b, D], uniforms
+    [b, D], noise [b, V]; drafted [b]: slots that hold a draft (a block cut at the token limit has fewer; None:
+    all D). The next token replaces the first rejected draft (a sample of max(0, p - q), or of p where that is
+    all 0, as z-lab's loop falls back), or is the bonus sampled from p after a block accepted whole."""
+    d = drafts.shape[1]
+    pick = drafts.unsqueeze(-1)
+    ok = accept_draft(target_probs[:, :d].gather(-1, pick)[..., 0], draft_probs.gather(-1, pick)[..., 0], uniforms)
+    slots = torch.arange(d, device=drafts.device)
+    if drafted is not None:
+        ok = ok & (slots < drafted[:, None])
+    accepted = ok.long().cumprod(1).sum(1)
+    vocab = target_probs.shape[-1]
+    p_next = target_probs.gather(1, accepted.view(-1, 1, 1).expand(-1, 1, vocab))[:, 0]
+    q_next = draft_probs.gather(1, accepted.clamp(max=d - 1).view(-1, 1, 1).expand(-1, 1, vocab))[:, 0]
+    rejected = accepted < (d if drafted is None else drafted)
+    residual = (p_next - q_next).clamp_min(0)
+    use_residual = rejected[:, None] & (residual.sum(-1, keepdim=True) > 0)
+    return accepted, race(torch.where(use_residual, residual, p_next), noise)
 
 
 @dataclass
@@ -98,7 +168,9 @@ def speculative_generate(
     prompt_ids: list[int],
     max_new_tokens: int,
     stop_ids: Iterable[int] = frozenset(),
+    sampling: Sampling | None = None,
 ) -> SpecResult:
+    """sampling: speculative sampling at its temperature; None: greedy."""
     model, block, stop_ids = target.model, drafter.block_size, set(stop_ids)
     embed, head = target.embed_weight, target.head_weight
     device, dtype = embed.device, drafter.fc.weight.dtype
@@ -106,7 +178,7 @@ def speculative_generate(
     _crop(cache, len(prompt_ids))
     # The fused context of every verified token except the newest (its feature comes with the next verify).
     context = drafter.fuse(_features(out.hidden_states, drafter.target_layer_ids).to(dtype))
-    seq = list(prompt_ids) + [int(out.logits[0, -1].argmax())]
+    seq = list(prompt_ids) + [_next_token(out.logits[:, -1], sampling)]
     limit = len(prompt_ids) + max_new_tokens
     result = SpecResult(tokens=seq)
     attention = sdpa_attention(None)  # the block sees its whole context and itself
@@ -117,11 +189,25 @@ def speculative_generate(
         draft[0, 0] = seq[start]
         pos = torch.arange(start + size, device=device).unsqueeze(0)
         hidden = drafter(None, F.embedding(draft, embed).to(dtype), pos, attention, context=context)
-        draft[0, 1:] = drafter.propose(hidden[:, 1:], draft[:, 0], head)[0]
+        temperature = noise = uniforms = final_noise = None
+        if sampling is not None:  # the step's draws at full block shape whatever the cut, as the fast loop draws them
+            draft_noise = sampling.noise(1, block - 1, head.shape[0], device=device)
+            uniforms = sampling.uniform_(torch.empty(1, block - 1, device=device))
+            final_noise = sampling.noise(1, head.shape[0], device=device)
+            noise = draft_noise[:, : size - 1]
+            temperature = torch.full((), sampling.temperature, device=device)
+        drafts, draft_probs = drafter.propose(hidden[:, 1:], draft[:, 0], head, temperature, noise)
+        draft[0, 1:] = drafts[0]
         out = model(draft, **{cache_argument(model): cache}, use_cache=True, output_hidden_states=True)
-        posterior = out.logits[0].argmax(-1)
-        accepted = int((draft[0, 1:] == posterior[:-1]).cumprod(0).sum())
-        new = draft[0, 1 : accepted + 1].tolist() + [int(posterior[accepted])]
+        if sampling is None:
+            posterior = out.logits[0].argmax(-1)
+            accepted = int((draft[0, 1:] == posterior[:-1]).cumprod(0).sum())
+            following = int(posterior[accepted])
+        else:
+            accepted_t, token = rejection_sample(draft_probs, sampling.probs(out.logits), draft[:, 1:],
+                                                 uniforms[:, : size - 1], final_noise)
+            accepted, following = int(accepted_t[0]), int(token[0])
+        new = draft[0, 1 : accepted + 1].tolist() + [following]
         stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
         if stop is not None:
             new = new[: stop + 1]
@@ -134,18 +220,26 @@ def speculative_generate(
     return result
 
 
+def _next_token(logits: torch.Tensor, sampling: Sampling | None) -> int:
+    """The target's next token from its [1, V] logits: the argmax, or a sample at the temperature."""
+    if sampling is None:
+        return int(logits[0].argmax())
+    return int(race(sampling.probs(logits), sampling.noise(1, logits.shape[-1], device=logits.device))[0])
+
+
 @torch.inference_mode()
 def greedy_generate(target: FrozenTarget, prompt_ids: list[int], max_new_tokens: int,
-                    stop_ids: Iterable[int] = frozenset()) -> list[int]:
-    """Target-only greedy decoding, one token per forward: the reference speculative decoding must equal."""
+                    stop_ids: Iterable[int] = frozenset(), sampling: Sampling | None = None) -> list[int]:
+    """Target-only decoding, one token per forward: greedy (the reference speculative decoding must equal), or
+    sampled at sampling's temperature (what speculative sampling must match in distribution)."""
     model, stop_ids = target.model, set(stop_ids)
     device = target.embed_weight.device
     cache, out = _prefill(model, prompt_ids, device, hidden=False)
-    seq = list(prompt_ids) + [int(out.logits[0, -1].argmax())]
+    seq = list(prompt_ids) + [_next_token(out.logits[:, -1], sampling)]
     limit = len(prompt_ids) + max_new_tokens
     while len(seq) < limit and seq[-1] not in stop_ids:
         out = model(torch.tensor([[seq[-1]]], device=device), **{cache_argument(model): cache}, use_cache=True)
-        seq.append(int(out.logits[0, -1].argmax()))
+        seq.append(_next_token(out.logits[:, -1], sampling))
     return seq
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.features import FeatureShards
+from ..data.features import TARGET_HIDDEN, FeatureShards
 from ..data.rows import MicroBatches
 from ..target.frozen import FrozenTarget
 
@@ -67,16 +67,24 @@ class FeatureBatch:
     tokens: int | torch.Tensor  # real (non-padding) context tokens; a device tensor avoids a host sync
     index: int  # global micro-batch id
     wait: Wait
+    # [b, S, H] the target's final normed hidden states, where the loss compares with its distribution; else None
+    target_hidden: torch.Tensor | None = None
 
 
-def local_source(stream: MicroBatches, target: FrozenTarget, indices, dtype, device) -> Iterator[FeatureBatch]:
+def local_source(stream: MicroBatches, target: FrozenTarget, indices, dtype, device,
+                 with_final: bool = False) -> Iterator[FeatureBatch]:
+    """with_final: also the target's final hidden states (FrozenTarget.features_and_final)."""
     for i in indices:
         batch = stream.batch(i)
         tokens = int(batch.attention_mask.sum())  # on the host, before the copy: no device sync
         batch = batch.to(device)
         wait = Wait.interval(device)
-        feats = target.features(batch.input_ids, batch.attention_mask).to(dtype)
-        yield FeatureBatch(feats, batch.input_ids, batch.loss_mask, tokens, i, wait.stop())
+        final = None
+        if with_final:
+            feats, final = target.features_and_final(batch.input_ids, batch.attention_mask)
+        else:
+            feats = target.features(batch.input_ids, batch.attention_mask)
+        yield FeatureBatch(feats.to(dtype), batch.input_ids, batch.loss_mask, tokens, i, wait.stop(), final)
 
 
 def remote_source(receiver, dtype) -> Iterator[FeatureBatch]:
@@ -89,7 +97,7 @@ def remote_source(receiver, dtype) -> Iterator[FeatureBatch]:
             return
         wait.stop()
         yield FeatureBatch(got["features"].to(dtype), got["input_ids"], got["loss_mask"],
-                           got["attention_mask"].sum(), receiver.last_index, wait)
+                           got["attention_mask"].sum(), receiver.last_index, wait, got.get(TARGET_HIDDEN))
 
 
 def disk_source(shards: FeatureShards, indices, dtype, device) -> Iterator[FeatureBatch]:
@@ -97,4 +105,5 @@ def disk_source(shards: FeatureShards, indices, dtype, device) -> Iterator[Featu
         t0 = time.perf_counter()
         got = shards.load(i, device)
         yield FeatureBatch(got["features"].to(dtype), got["input_ids"], got["loss_mask"],
-                           got["attention_mask"].sum(), i, Wait.host(time.perf_counter() - t0, device))
+                           got["attention_mask"].sum(), i, Wait.host(time.perf_counter() - t0, device),
+                           got.get(TARGET_HIDDEN))

@@ -1,14 +1,16 @@
 """dflash-eval: judge a drafter the way it will be served: tau per prompt set, speedup, a figure.
 
     dflash-eval --drafter DIR --target PATH --prompts FILE_OR_DATASET... --out DIR
-                [--max-new-tokens N] [--limit N] [--temperature 0] [--name NAME=SOURCE ...]
+                [--max-new-tokens N] [--limit N] [--temperature 0 [T ...]] [--seed N] [--name NAME=SOURCE ...]
     dflash-eval --run OUTPUT        # a training run: its drafter, target and held-out prompts
 
-Every prompt is decoded twice, greedily: by speculative decoding (decoding/speculative.py, the loop the trainer's
-tau uses) and by the target alone. The outputs must be equal token for token (greedy speculative
-decoding is lossless); a divergence is an error unless the target's two candidates were within
-rounding of each other (a near tie, reported). Inputs are all checked before anything runs, and
-nothing is written to --out unless the evaluation completes.
+Every prompt is decoded twice at each temperature: by speculative decoding (decoding/speculative.py, the loop the
+trainer's tau uses) and by the target alone. At temperature 0 (greedy, the default) the outputs must be equal
+token for token (greedy speculative decoding is lossless); a divergence is an error unless the target's two
+candidates were within rounding of each other (a near tie, reported). At a temperature > 0 both sample, seeded
+(--seed): speculative sampling's output is distributed as the target's own (tests/test_speculative_sampling.py
+checks it), so the two outputs differ and only tau and the speeds are compared. Inputs are all checked before
+anything runs, and nothing is written to --out unless the evaluation completes.
 """
 
 from __future__ import annotations
@@ -26,10 +28,17 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     import torch
 
     from .. import cli_args
-    from ..config import TARGET_QUANTIZATIONS, ConfigError, RunConfig, drafter_file_problems, given_keys
+    from ..config import (
+        MAX_SEED,
+        TARGET_QUANTIZATIONS,
+        ConfigError,
+        RunConfig,
+        drafter_file_problems,
+        given_keys,
+    )
     from ..data.prompt_sets import PromptSet, load_prompt_set, name_sources
     from ..decoding.fast import FastDecoding
-    from ..decoding.speculative import AcceptanceStats, stop_token_ids
+    from ..decoding.speculative import AcceptanceStats, Sampling, stop_token_ids
     from ..infra import storage
     from ..infra.console import console, plain_output_off_a_terminal
     from ..infra.dtypes import DTYPES
@@ -37,6 +46,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..infra.metrics import PlainProgress, say_progress
     from ..model.drafter import DFLASH2_DEFAULTS
     from ..run import checkpoint as ckpt
+    from ..run import model_card
     from ..run import run_dir as run_dir_lib
     from ..run.evaluate import EVAL_PROMPTS_FILE
     from ..run.loading import check_target, check_tokenizer_files, family_problem
@@ -49,6 +59,8 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
 # tokens differ by less than this share of the largest logit: the rounding a one-token forward and a block
 # forward can disagree by in that dtype (bf16 keeps 8 significant bits, and the error grows over the layers).
 TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+# Above this the softmax is all but uniform over the vocabulary: no serving setting, a typo (70 for 0.7).
+MAX_TEMPERATURE = 10.0
 
 
 class EvalError(ValueError):
@@ -78,6 +90,8 @@ class Plan:
     sets: list[PromptSet] = field(default_factory=list)
     trust_remote_code: bool = False
     batch_size: int = 1
+    temperatures: list[float] = field(default_factory=lambda: [0.0])  # each evaluated in turn; 0: greedy
+    seed: int = 0  # sampling's generator (temperatures > 0)
 
 
 EVAL_FP8_SETTING = ("--target-quantization fp8", "give --target-quantization none")
@@ -101,7 +115,11 @@ def parser() -> argparse.ArgumentParser:
     cli_args.key_flag(p, "--max-new-tokens", "eval.max_new_tokens",
                       "tokens to generate per prompt (default 256 unless --config or --set gives it; --run: the run's)")
     p.add_argument("--limit", type=cli_args.PROMPTS, help="the first N usable prompts of each set (default: all)")
-    p.add_argument("--temperature", type=cli_args.number(), default=0.0, help="0 only: greedy decoding")
+    p.add_argument("--temperature", type=cli_args.number(ge=0, le=MAX_TEMPERATURE), nargs="+", default=[0.0],
+                   metavar="T", help="decoding temperatures, each evaluated in turn (default 0: greedy, outputs "
+                   "checked against the target's; > 0: speculative sampling, seeded, tau per temperature)")
+    p.add_argument("--seed", type=cli_args.integer(ge=0, le=MAX_SEED), default=0,
+                   help="seed of the sampling at temperatures > 0 (default 0): the same seed, the same outputs")
     cli_args.key_flag(p, "--dtype", "target.dtype", "target dtype, and the drafter's unless train.dtype is given "
                       "(auto, the default: bfloat16 on CUDA, float32 on CPU; --run: the run's)", choices=["auto", *DTYPES])
     cli_args.key_flag(p, "--target-quantization", "target.quantization", "the target's decoder GEMMs: none, or fp8 "
@@ -315,9 +333,9 @@ def check_request(args, s: Settings) -> None:
         raise EvalError(f"missing {', '.join(missing)}: give them, or --run OUTPUT for a training run's")
     if s.missing_prompts:
         raise EvalError(s.missing_prompts)
-    if args.temperature != 0:
-        raise EvalError(f"--temperature {args.temperature}: dflash-eval decodes greedily (0), where speculative "
-                        "decoding must reproduce the target's own output token for token")
+    if len(set(args.temperature)) != len(args.temperature):
+        raise EvalError(f"--temperature {' '.join(f'{t:g}' for t in args.temperature)}: a temperature is given twice; "
+                        "give each once")
     out = Path(s.out)
     if out.exists() and not out.is_dir():
         raise EvalError(f"--out {out} is a file: give a directory")
@@ -414,7 +432,8 @@ def plan(args, cfg: RunConfig | None = None) -> Plan:
             for name, source in name_sources(args.prompts, s.names)]
     tolerance = args.tie_tolerance if args.tie_tolerance is not None else TIE_TOLERANCE[target_dtype]
     return Plan(drafter_dir, s.target, Path(s.out), device, target_dtype, drafter_dtype, s.quantization,
-                s.max_new_tokens, s.limit, tolerance, raw, tokenizer, sets, s.trust_remote_code, args.batch_size)
+                s.max_new_tokens, s.limit, tolerance, raw, tokenizer, sets, s.trust_remote_code, args.batch_size,
+                list(args.temperature), args.seed)
 
 
 def load_models(p: Plan):
@@ -475,15 +494,35 @@ def compare(target: FrozenTarget, prompt_len: int, spec: list[int], ref: list[in
     return where
 
 
-def _decode_batch(p: Plan, loops: FastDecoding, batch: list[list[int]], stop: set[int]):
+@dataclass
+class Samplers:
+    """One temperature's decoding: None for greedy, else the speculative and the target-only loop's seeded
+    sampling (each its own generator, so the speculative outputs do not depend on the baseline's)."""
+
+    temperature: float
+    speculative: Sampling | None = None
+    target_only: Sampling | None = None
+
+    @classmethod
+    def at(cls, temperature: float, seed: int, device: torch.device) -> Samplers:
+        if temperature == 0:
+            return cls(0.0)
+        return cls(temperature, Sampling(temperature, seed, device), Sampling(temperature, seed, device))
+
+    @property
+    def sampled(self) -> bool:
+        return self.speculative is not None
+
+
+def _decode_batch(p: Plan, loops: FastDecoding, batch: list[list[int]], stop: set[int], samplers: Samplers):
     """Speculative and target-only decoding of one batch, each timed without the recording of a new shape."""
-    def timed(fn):
+    def timed(fn, sampling):
         setup = loops.setup_s
-        result, seconds = _timed(p.device, fn, batch, p.max_new_tokens, stop)
+        result, seconds = _timed(p.device, lambda: fn(batch, p.max_new_tokens, stop, sampling=sampling))
         return result, seconds - (loops.setup_s - setup)
 
-    specs, spec_s = timed(loops.speculative)
-    refs, ref_s = timed(loops.greedy)
+    specs, spec_s = timed(loops.speculative, samplers.speculative)
+    refs, ref_s = timed(loops.greedy, samplers.target_only)
     return specs, spec_s, refs, ref_s
 
 
@@ -497,44 +536,51 @@ def _check_request(p: Plan, target: FrozenTarget, prompts: PromptSet, rid, promp
 
 
 def evaluate_set(p: Plan, loops: FastDecoding, target: FrozenTarget, prompts: PromptSet, stop: set[int],
-                 requests: list[dict]) -> SetResult:
+                 requests: list[dict], samplers: Samplers) -> SetResult:
     from tqdm import tqdm
 
     result = SetResult(prompts.name, prompts.source, len(prompts.prompts), prompts.skipped,
-                       AcceptanceStats(loops.drafter.block_size))
+                       AcceptanceStats(loops.drafter.block_size), sampled=samplers.sampled)
+    label = prompts.name + (f" T={samplers.temperature:g}" if samplers.sampled or len(p.temperatures) > 1 else "")
     # A terminal shows a bar per set; a log gets a plain line at the first prompt, every 30 s and at the last.
     said = PlainProgress(len(prompts.prompts))
     pairs = list(zip(prompts.ids, prompts.prompts, strict=True))
-    bar = tqdm(total=len(pairs), desc=prompts.name, leave=False, disable=None)
+    bar = tqdm(total=len(pairs), desc=label, leave=False, disable=None)
     for start in range(0, len(pairs), p.batch_size):
         batch = pairs[start : start + p.batch_size]
-        specs, spec_s, refs, ref_s = _decode_batch(p, loops, [prompt for _, prompt in batch], stop)
+        specs, spec_s, refs, ref_s = _decode_batch(p, loops, [prompt for _, prompt in batch], stop, samplers)
         result.speculative_s += spec_s
         result.target_only_s += ref_s
         for (rid, prompt), spec, ref in zip(batch, specs, refs, strict=True):
-            tie = _check_request(p, target, prompts, rid, prompt, spec, ref)
-            _record(p, result, requests, prompts.name, rid, prompt, spec, ref, tie)
+            # Sampled outputs differ from the target-only ones by design: only greedy outputs are compared.
+            tie = None if samplers.sampled else _check_request(p, target, prompts, rid, prompt, spec, ref)
+            _record(p, result, requests, prompts.name, rid, prompt, spec, ref, tie, samplers.temperature)
         bar.update(len(batch))
         done = start + len(batch)
         if said.due(done):
-            say_progress(f"eval: {prompts.name} {done}/{said.total} prompts | tau {result.stats.tau:.2f} | "
+            say_progress(f"eval: {label} {done}/{said.total} prompts | tau {result.stats.tau:.2f} | "
                          f"{said.timing(done)}")
     bar.close()
     return result
 
 
-def _record(p: Plan, result: SetResult, requests: list[dict], set_name: str, rid, prompt, spec, ref, tie) -> None:
+def _record(p: Plan, result: SetResult, requests: list[dict], set_name: str, rid, prompt, spec, ref, tie,
+            temperature: float) -> None:
     new = len(spec.tokens) - len(prompt)
     result.stats.add(spec.accept_lengths, new)
     result.target_only_tokens += len(ref) - len(prompt)
-    if tie is None:
+    if result.sampled:
+        equal = None  # not compared: both sample
+    elif tie is None:
         result.outputs_equal += 1
+        equal = True
     else:
         result.near_ties.append({"id": rid, **tie})
+        equal = False
     requests.append({
-        "set": set_name, "id": rid, "prompt_tokens": len(prompt), "new_tokens": new,
+        "set": set_name, "id": rid, "temperature": temperature, "prompt_tokens": len(prompt), "new_tokens": new,
         "accept_lengths": spec.accept_lengths,
-        "tau": sum(spec.accept_lengths) / max(1, len(spec.accept_lengths)), "equal_to_target_only": tie is None,
+        "tau": sum(spec.accept_lengths) / max(1, len(spec.accept_lengths)), "equal_to_target_only": equal,
         "output_ids": spec.tokens[len(prompt):], "output": p.tokenizer.decode(spec.tokens[len(prompt):]),
     })
 
@@ -545,16 +591,21 @@ def evaluate(p: Plan) -> tuple[dict, list[dict]]:
     loops = FastDecoding(target, drafter, p.batch_size, log=lambda line: console.print(line, markup=False))
     if p.device.type == "cuda":  # kernels, allocator and cuBLAS handles warm before anything is timed
         first = p.sets[0].prompts[: p.batch_size]
-        loops.speculative(first, p.max_new_tokens, stop)
-        loops.greedy(first, p.max_new_tokens, stop)
+        for sampled in sorted({t > 0 for t in p.temperatures}):  # greedy and sampled steps are recorded apart
+            sampling = Sampling(1.0, p.seed, p.device) if sampled else None  # a throwaway generator
+            loops.speculative(first, p.max_new_tokens, stop, sampling=sampling)
+            loops.greedy(first, p.max_new_tokens, stop, sampling=sampling)
     requests: list[dict] = []
-    results = [evaluate_set(p, loops, target, s, stop, requests) for s in p.sets]
+    results = {}
+    for temperature in p.temperatures:  # one generator pair per temperature: each reproducible on its own
+        samplers = Samplers.at(temperature, p.seed, p.device)
+        results[temperature] = [evaluate_set(p, loops, target, s, stop, requests, samplers) for s in p.sets]
     meta = {
         "drafter": str(p.drafter_dir), "target": p.target_path,
         "device": torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu",
         "dtype": str(p.target_dtype).removeprefix("torch."), "drafter_dtype": str(p.drafter_dtype).removeprefix("torch."),
         "target_quantization": p.target_quantization, "target_attention": target.attention,
-        "block_size": drafter.block_size, "max_new_tokens": p.max_new_tokens, "limit": p.limit, "temperature": 0.0,
+        "block_size": drafter.block_size, "max_new_tokens": p.max_new_tokens, "limit": p.limit, "seed": p.seed,
         "stop_token_ids": sorted(stop), "torch": torch.__version__, "batch_size": p.batch_size,
         "decoding": loops.describe(),
     }
@@ -590,7 +641,21 @@ def write_results(p: Plan, report: dict, requests: list[dict]) -> int:
         return cli_args.FAULT
     console.print(table(report))
     console.print(f"eval.json, requests.jsonl and eval.png in {p.out}", markup=False)
+    update_card(p, report)
     return 0
+
+
+def update_card(p: Plan, report: dict) -> None:
+    """The drafter's model card (a published drafter's README.md) gets this evaluation's tau per prompt set."""
+    rows = [model_card.TauRow(name, r["prompts"], r["tau"]) for name, r in report["sets"].items()]
+    source = (f"measured by dflash-eval ({report['device']}, target in {report['dtype']}, greedy, up to "
+              f"{report['max_new_tokens']} new tokens)")
+    try:
+        if model_card.update_tau(p.drafter_dir, rows, source):
+            console.print(f"tau per prompt set written into {p.drafter_dir / model_card.CARD}", markup=False)
+    except OSError as exc:  # the results are written; the card is a copy of them
+        console.print(f"note: the model card {p.drafter_dir / model_card.CARD} was left as it was ({exc})",
+                      markup=False)
 
 
 def print_settings(args, cfg: RunConfig) -> None:
@@ -605,7 +670,8 @@ def print_settings(args, cfg: RunConfig) -> None:
               "train": {"dtype": s.drafter_dtype or target_dtype}, "eval": {"max_new_tokens": s.max_new_tokens}}
     sets = name_sources(args.prompts, s.names) if args.prompts or s.names else []
     own = {"--drafter": s.drafter, "--prompts": " ".join(f"{name}={source}" for name, source in sets) or None,
-           "--out": s.out, "--limit": s.limit, "--batch-size": args.batch_size}
+           "--out": s.out, "--limit": s.limit, "--batch-size": args.batch_size,
+           "--temperature": " ".join(f"{t:g}" for t in args.temperature), "--seed": args.seed}
     lines = [f"# {flag} {value}" if value is not None else f"# {flag} is unset" for flag, value in own.items()]
     read = f" and --run {args.run}" if args.run else ""
     print(f"# The run-config keys dflash-eval reads, merged: flags, --config / --set{read}, its defaults "

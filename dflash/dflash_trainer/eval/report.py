@@ -24,12 +24,19 @@ DEFINITIONS = {
     "slot_acceptance": "entry k-1: P(draft slot k accepted), the share of verify steps that kept slot k (k = 1..B-1)",
     "acceptance_length_histogram": "entry n: share of verify steps that added n tokens (n = 0..B; entry 0 is "
                                    "always 0, kept so the index is the length, as z-lab prints it)",
-    "outputs_equal": "requests whose speculative output equals target-only greedy decoding token for token",
+    "outputs_equal": "requests whose speculative output equals target-only greedy decoding token for token (null at "
+                     "a temperature > 0: both sample, and speculative sampling matches the target's output "
+                     "distribution, not its tokens)",
+    "temperature": "the temperature of the top-level sets and overall (the first of temperatures); by_temperature "
+                   "holds every temperature's, keyed by its value; 0 is greedy, > 0 speculative sampling (seeded by "
+                   "seed): drafts accepted with probability min(1, p/q), a rejected slot resampled from "
+                   "max(0, p - q), a bonus token from p",
     "near_tie_divergences": "requests that diverged where the target's two candidate tokens were within rounding "
                             "of each other in this dtype (see README 'Evaluate a drafter'); any other divergence "
                             "is an error",
-    "speedup": "wall time of target-only greedy decoding / wall time of speculative decoding on the same "
-               "prompts (prefill included in both; computed from tokens/s when a near tie made lengths differ)",
+    "speedup": "wall time of target-only decoding / wall time of speculative decoding on the same prompts at the "
+               "same temperature (prefill included in both; computed from tokens/s, as the lengths of sampled "
+               "outputs, or of greedy ones after a near tie, differ)",
 }
 
 
@@ -47,6 +54,7 @@ class SetResult:
     target_only_tokens: int = 0
     outputs_equal: int = 0
     near_ties: list[dict] = field(default_factory=list)
+    sampled: bool = False  # decoded at a temperature > 0: outputs are not compared
 
     def to_json(self) -> dict:
         s = self.stats
@@ -60,7 +68,7 @@ class SetResult:
             "verify_steps": s.verify_steps, "tokens": s.tokens,
             "slot_acceptance": s.slot_acceptance,
             "acceptance_length_histogram": s.length_histogram, "acceptance_length_counts": s.length_counts,
-            "outputs_equal": self.outputs_equal, "near_tie_divergences": self.near_ties,
+            "outputs_equal": None if self.sampled else self.outputs_equal, "near_tie_divergences": self.near_ties,
             "speculative_s": self.speculative_s, "target_only_s": self.target_only_s,
             "speculative_tokens_per_s": spec_rate, "target_only_tokens_per_s": target_rate,
             "speedup": spec_rate / target_rate if spec_rate and target_rate else None,
@@ -68,7 +76,7 @@ class SetResult:
 
 
 def overall(results: list[SetResult], block_size: int) -> SetResult:
-    pooled = SetResult("all", "", 0, {}, AcceptanceStats(block_size))
+    pooled = SetResult("all", "", 0, {}, AcceptanceStats(block_size), sampled=any(r.sampled for r in results))
     for r in results:
         pooled.prompts += r.prompts
         pooled.stats.per_request += r.stats.per_request
@@ -81,13 +89,28 @@ def overall(results: list[SetResult], block_size: int) -> SetResult:
     return pooled
 
 
-def build_report(meta: dict, results: list[SetResult], block_size: int) -> dict:
+def _view(results: list[SetResult], block_size: int) -> dict:
     everything = overall(results, block_size).to_json()
     everything.pop("source")
     everything.pop("skipped")
     everything.pop("skipped_rows")
-    return {**meta, "sets": {r.name: r.to_json() for r in results}, "overall": everything,
-            "definitions": DEFINITIONS}
+    return {"sets": {r.name: r.to_json() for r in results}, "overall": everything}
+
+
+def build_report(meta: dict, results: dict[float, list[SetResult]], block_size: int) -> dict:
+    """results: each temperature's sets, in the order evaluated; the first's are the top-level sets and overall."""
+    views = {temperature: _view(sets, block_size) for temperature, sets in results.items()}
+    first = next(iter(views))
+    return {**meta, "temperature": first, "temperatures": list(views), **views[first],
+            "by_temperature": {f"{t:g}": view for t, view in views.items()}, "definitions": DEFINITIONS}
+
+
+def _views(report: dict) -> list[tuple[str, dict]]:
+    """(temperature label, its view) of every temperature; one unlabelled view for a greedy-only report."""
+    by = report.get("by_temperature") or {f"{report.get('temperature', 0):g}": report}
+    if list(by) == ["0"]:
+        return [("", by["0"])]
+    return [(f"T={t}", view) for t, view in by.items()]
 
 
 def write_json(path: Path, data) -> None:
@@ -99,24 +122,32 @@ def write_requests(path: Path, rows: list[dict]) -> None:
 
 
 def table(report: dict) -> Table:
+    views = _views(report)
+    how = "greedy" if views[0][0] == "" else "temperature " + ", ".join(label[2:] for label, _ in views)
     t = Table(title=f"DFlash drafter evaluation ({report['device']}, {report['dtype']}, block {report['block_size']}, "
-                    f"greedy, up to {report['max_new_tokens']} new tokens)",
+                    f"{how}, up to {report['max_new_tokens']} new tokens)",
               caption="tau: mean over verify steps; tau/req: mean of per-request means (z-lab's benchmark); "
-                      "equal: outputs equal to target-only greedy decoding")
-    for col in ("set", "prompts", "tau", "tau/req", "steps", "tokens", "spec tok/s", "target tok/s", "speedup",
-                "equal"):
+                      "equal: outputs equal to target-only greedy decoding"
+                      + ("" if views[0][0] == "" else " (n/a when sampled); T: temperature"))
+    columns = ("set", *(("T",) if views[0][0] else ()), "prompts", "tau", "tau/req", "steps", "tokens", "spec tok/s",
+               "target tok/s", "speedup", "equal")
+    for col in columns:
         t.add_column(col, justify="left" if col == "set" else "right")
-    rows = list(report["sets"].items()) + ([("all", report["overall"])] if len(report["sets"]) > 1 else [])
-    for name, r in rows:
-        rate = lambda v: "n/a" if v is None else f"{v:,.1f}"
-        ties = f" (+{len(r['near_tie_divergences'])} near ties)" if r["near_tie_divergences"] else ""
-        if name == "all":
+    for i, (label, view) in enumerate(views):
+        rows = list(view["sets"].items()) + ([("all", view["overall"])] if len(view["sets"]) > 1 else [])
+        if i:
             t.add_section()
-        t.add_row(escape(name), str(r["prompts"]),  # a set named mt[bench] is text, not markup
-                  f"{r['tau']:.2f}", f"{r['tau_per_request_mean']:.2f}",
-                  str(r["verify_steps"]), str(r["tokens"]), rate(r["speculative_tokens_per_s"]),
-                  rate(r["target_only_tokens_per_s"]),
-                  "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x", f"{r['outputs_equal']}{ties}")
+        for name, r in rows:
+            rate = lambda v: "n/a" if v is None else f"{v:,.1f}"
+            ties = f" (+{len(r['near_tie_divergences'])} near ties)" if r["near_tie_divergences"] else ""
+            if name == "all":
+                t.add_section()
+            equal = "n/a" if r["outputs_equal"] is None else f"{r['outputs_equal']}{ties}"
+            t.add_row(escape(name), *((label[2:],) if label else ()), str(r["prompts"]),  # mt[bench] is text
+                      f"{r['tau']:.2f}", f"{r['tau_per_request_mean']:.2f}",
+                      str(r["verify_steps"]), str(r["tokens"]), rate(r["speculative_tokens_per_s"]),
+                      rate(r["target_only_tokens_per_s"]),
+                      "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x", equal)
     return t
 
 
@@ -128,7 +159,9 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     block = report["block_size"]
-    sets = report["sets"]
+    # every (set, temperature): one line on the left, one bar group on the right
+    sets = {(f"{name} {label}" if label else name): r for label, view in _views(report)
+            for name, r in view["sets"].items()}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=110, constrained_layout=True)
     slots = list(range(1, block))
     width = 0.8 / max(1, len(sets))
@@ -149,8 +182,9 @@ def plot(report: dict, path: Path) -> None:
         ax.legend(fontsize="small")
     speed = report["overall"]["speedup"]
     short = lambda p: "/".join(Path(p).parts[-2:])
+    at = f" at T={report['temperature']:g}" if report.get("temperature") else ""
     fig.suptitle(f"{short(report['drafter'])} on {short(report['target'])}: "
-                 f"tau {report['overall']['tau']:.2f}"
+                 f"tau {report['overall']['tau']:.2f}{at}"
                  + (f", {speed:.2f}x vs target-only on {report['device']}" if speed else ""))
     try:  # in one step, and a full disk leaves no half-written figure behind
         storage.publish_file(path, lambda tmp: fig.savefig(tmp, format="png"))  # tmp's name ends in .tmp-*

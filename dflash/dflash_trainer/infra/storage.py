@@ -128,6 +128,23 @@ def _umask() -> int:
         return 0o022
 
 
+FILE_MODE, DIR_MODE = 0o666, 0o777  # less the umask: what open() and mkdir give
+
+
+def readable_tree(root: Path) -> None:
+    """Every file and directory under root (root too) with the permissions open() and mkdir would have given
+    them: temporary files and directories (mkstemp, mkdtemp) and safetensors' writes are 0600 / 0700."""
+    umask = _umask()
+    root.chmod(DIR_MODE & ~umask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            (Path(dirpath) / name).chmod(DIR_MODE & ~umask)
+        for name in filenames:
+            file = Path(dirpath) / name
+            if not file.is_symlink():
+                file.chmod(FILE_MODE & ~umask)
+
+
 def publish_file(path: Path, write: Callable[[Path], None]) -> Path:
     """write(tmp) fills a hidden file beside `path` (.<name>.tmp-random), which is fsynced and then
     replaces `path` in one step, with the permissions open() would have given it; a failed write
@@ -136,8 +153,10 @@ def publish_file(path: Path, write: Callable[[Path], None]) -> Path:
     os.close(fd)
     tmp = Path(name)
     try:
-        tmp.chmod(0o666 & ~_umask())  # as open() would have made it (mkstemp makes 0600)
         write(tmp)
+        # After the write: mkstemp makes 0600, and writers such as safetensors replace the file with
+        # their own 0600 one, so a server running as another user could not read what we publish.
+        tmp.chmod(FILE_MODE & ~_umask())
         fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -196,8 +215,8 @@ def publish_dir(final: Path, write: Callable[[Path], None], prefix: str | None =
     .<name>.tmp-), which then replaces `final` whole, with the permissions mkdir would have given it."""
     tmp = Path(tempfile.mkdtemp(prefix=prefix or f".{final.name}.tmp-", dir=final.parent))
     try:
-        tmp.chmod(0o777 & ~_umask())  # as mkdir would have made it (mkdtemp makes 0700)
         write(tmp)
+        readable_tree(tmp)
         fsync_tree(tmp)
         replace_dir(tmp, final)
     except BaseException:

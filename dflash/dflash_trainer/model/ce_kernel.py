@@ -57,6 +57,12 @@ def _ce_and_grad_kernel(logits, row_stride, labels, weights, ce_out, hit_out, vo
 
 def ce_and_grad_(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
     """sum(w * CE), the gradient (the logits tensor, overwritten), argmax == label; as loss.ce_and_grad."""
+    ce, grad, hit = ce_rows_and_grad_(logits, labels, weights)
+    return ce.sum(), grad, hit
+
+
+def ce_rows_and_grad_(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+    """w * CE per row, the gradient (the logits tensor, overwritten), argmax == label; as loss.ce_rows_and_grad."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("ce_and_grad_ needs row-major logits (stride 1 along the vocabulary)")
@@ -64,4 +70,4 @@ def ce_and_grad_(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
     hit = torch.empty(rows, device=logits.device, dtype=torch.int8)
     _ce_and_grad_kernel[(rows,)](logits, logits.stride(0), labels, weights, ce, hit, vocab, BLOCK=BLOCK,
                                  num_warps=NUM_WARPS)
-    return ce.sum(), logits, hit.bool()
+    return ce, logits, hit.bool()

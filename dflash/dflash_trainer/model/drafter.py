@@ -11,7 +11,9 @@ it borrows the target's (frozen) ones, and returns normalised hidden states.
 
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +30,11 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from ..infra import storage
 from ..target.frozen import borrowed_scales, drafter_rope, text_config
+from . import modeling_dflash
 from .dflash2.modules import CandidateSelector, GroupedDynamicCausalConv
+from .sampling import race, temperature_probs
 
 # The attention kernel is injected: (q [b,h,Q,d], k [b,kv,S+Q,d], v) -> [b,h,Q,d].
 # Training passes the compiled flex_attention with the DFlash BlockMask, inference and the
@@ -47,6 +52,10 @@ def drafter_kind(config) -> str:
     """dflash or dflash2, from a drafter config's architectures."""
     names = list(getattr(config, "architectures", None) or [ARCHITECTURE])
     return "dflash2" if ARCHITECTURES["dflash2"] in names else "dflash"
+# What `AutoModel.from_pretrained(dir, trust_remote_code=True)` builds, per kind: the class in the modelling file
+# that save_pretrained writes beside the weights (z-lab's published drafters name theirs the same way).
+MODELING_FILE = Path(modeling_dflash.__file__).name
+AUTO_MAP = {kind: {"AutoModel": f"{Path(MODELING_FILE).stem}.{name}"} for kind, name in ARCHITECTURES.items()}
 
 
 def build_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -145,6 +154,9 @@ def drafter_config(target_config, shape: DrafterShape, borrowed: dict | None = N
         dflash_config={"mask_token_id": shape.mask_token_id, "target_layer_ids": layer_ids,
                        **{k: v for k, v in borrowed.items() if v != IDENTITY_SCALES[k]}, **kind_settings},
     )
+    if borrowed.get("output_multiplier", 1.0) != 1.0:
+        # vLLM's DFlash model scales the draft logits by the top-level logit_scale, not by output_multiplier.
+        config.logit_scale = borrowed["output_multiplier"]
     # Serving engines that predate transformers 5 read rope_theta at the top level.
     rope = getattr(config, "rope_parameters", None) or {}
     if "rope_theta" in rope:
@@ -315,13 +327,22 @@ class DFlashDrafter(nn.Module):
         """Logits through the target's LM head and its logit transform (z-lab's compute_logits)."""
         return shape_logits(F.linear(hidden, head_weight), self.output_multiplier, self.final_logit_softcapping)
 
-    def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts [b, n] for the block's positions 1..n (hidden [b, n, H], anchors [b] the block's first
-        token): the logits' argmax, or DFlash 2's candidate selector along the block, as z-lab serves them."""
+    def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, head_weight: torch.Tensor,
+                temperature: torch.Tensor | None = None,
+                noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts [b, n] for the block's positions 1..n (hidden [b, n, H], anchors [b] the block's first token),
+        as z-lab serves them, and the distribution q [b, n, V] they were drawn from (None when greedy).
+
+        temperature None: greedy (the logits' argmax, or DFlash 2's candidate selector along the block). A 0-dim
+        fp32 temperature > 0 with Exp(1) noise [b, n, V]: sampled by the exponential race (model/sampling.py),
+        each slot from softmax(logits / T), or DFlash 2's selector sampling along the block."""
         logits = self.logits(hidden.to(head_weight.dtype), head_weight)
-        if self.candidate_selector is None:
-            return logits.argmax(-1)
-        return self.candidate_selector.select(hidden, logits, anchors)
+        if self.candidate_selector is not None:
+            return self.candidate_selector.select(hidden, logits, anchors, temperature, noise)
+        if temperature is None:
+            return logits.argmax(-1), None
+        probs = temperature_probs(logits, temperature)
+        return race(probs, noise), probs
 
     # ---- Hugging Face directory in the published drafters' format -------------------------------
 
@@ -329,9 +350,14 @@ class DFlashDrafter(nn.Module):
         """state_dict: the weights to write when this module holds only a shard of them (FSDP)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.config.save_pretrained(directory)
         state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
-        save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+        config = copy.deepcopy(self.config)
+        config.auto_map = dict(AUTO_MAP[self.kind])
+        config.dtype = next(v.dtype for v in state.values() if v.is_floating_point())  # what dtype="auto" loads
+        config.save_pretrained(directory)
+        shutil.copyfile(modeling_dflash.__file__, directory / MODELING_FILE)
+        storage.publish_file(directory / "model.safetensors",
+                             lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
         return directory
 
     @classmethod

@@ -11,6 +11,12 @@ a third of the head's GEMM work, the largest GEMM of the step.
 The elementwise part (log-softmax, CE, softmax - one-hot, argmax) runs as one Triton kernel on GPUs
 (`ce_kernel.ce_and_grad_`, which writes the gradient over the logits) and eagerly on CPUs and in
 no-grad passes (`ce_and_grad`, the reference).
+
+Against the target's distribution (`Objective`: kl, tv, mixed with ce as DSpark's 0.1 CE + 0.9 TV): the
+target's logits at each block position come from its final normed hidden state through the same head,
+chunk by chunk beside the drafter's, and the mixture and its gradient are computed in torch
+(`mixture_and_grad`) on chunks capped at MIXTURE_CHUNK_LOGITS logits, since that path holds a few fp32
+[rows, vocab] tensors at once. A pure CE objective takes the CE path above, unchanged.
 """
 
 from __future__ import annotations
@@ -25,14 +31,23 @@ import torch.nn.functional as F
 class LossSums:
     """Additive terms of one micro-batch; divide by the step's total weight at the end."""
 
-    weighted_ce: torch.Tensor  # scalar, carries the graph
+    weighted_loss: torch.Tensor  # scalar, carries the graph
     slot_correct: torch.Tensor  # [B] argmax == label where weight > 0
     slot_count: torch.Tensor  # [B] positions with weight > 0
+    # the sum of the position weights the loss chose (D-PACE's); None: the blocks' own weights (Blocks.total_weight)
+    weight: torch.Tensor | None = None
     candidates: torch.Tensor | None = None  # [rows, k] the top-k tokens of each scored row (DFlash 2's selector)
+    row_weights: torch.Tensor | None = None  # [rows] D-PACE's weight of each scored row, where it chose them
 
 
 def ce_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, with_grad: bool):
     """sum(w * CE), d(that)/d(logits) in the logits' dtype (or None), argmax == label, for [rows, V] logits."""
+    ce, grad, hit = ce_rows_and_grad(logits, labels, weights, with_grad)
+    return ce.sum(), grad, hit
+
+
+def ce_rows_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, with_grad: bool):
+    """w * CE per row, d(sum of it)/d(logits) in the logits' dtype (or None), argmax == label."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     ce = lse.squeeze(-1) - x.gather(1, labels.unsqueeze(1)).squeeze(1)
@@ -41,49 +56,166 @@ def ce_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
     if with_grad:
         one_hot = torch.arange(x.shape[1], device=x.device) == labels.unsqueeze(1)
         grad = ((torch.exp(x - lse) - one_hot.float()) * weights.unsqueeze(1)).to(logits.dtype)
-    return (ce * weights).sum(), grad, hit
+    return ce * weights, grad, hit
+
+
+# Logits per chunk of the KL / TV path: six fp32 [rows, vocab] tensors of 512 MiB each at most (512 rows
+# of Gemma 3's 262,144-token vocabulary).
+MIXTURE_CHUNK_LOGITS = 1 << 27
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The loss per scored position, a weighted sum of: ce, the cross-entropy on the data's token (the
+    default, alone); kl, KL(target || drafter), the forward KL from the target's softmax to the drafter's;
+    tv, the total variation between the two, 1 - sum_v min(p_v, q_v), which is one minus the chance that
+    speculative sampling accepts the drafter's token (so it optimises acceptance directly). Both
+    distributions at temperature 1, as speculators' `kl_div` and `tv` losses."""
+
+    ce: float = 1.0
+    kl: float = 0.0
+    tv: float = 0.0
+    # None: the per-slot weights the blocks carry (exp(-(k-1)/gamma)); a number: D-PACE's weights instead
+    # (dpace_weights), with this smoothing constant
+    dpace_alpha: float | None = None
+
+    @property
+    def needs_target(self) -> bool:
+        """The loss reads the target's distribution: the features must carry its final hidden states."""
+        return self.kl > 0 or self.tv > 0
+
+
+def dpace_weights(ce_rows: torch.Tensor, scored: torch.Tensor, slots: int, alpha: float) -> torch.Tensor:
+    """D-PACE's per-position weights (speculators' dpace_loss_decay), no gradient: per block of `slots` scored
+    positions, the drafter's confidence c_k = exp(-CE_k) in its token, smoothed to s_k = (1 - alpha) c_k + alpha
+    (1 where a position carries no loss), prefix products P_k = s_1 ... s_k, and weight_k = the sum of P_j over
+    the positions j >= k that carry loss: a slot weighs as much as the accepted run it can still start."""
+    carries = scored.view(-1, slots).float()
+    smooth = torch.where(carries > 0, (1 - alpha) * torch.exp(-ce_rows.view(-1, slots)) + alpha, 1.0)
+    prefix = smooth.cumprod(-1) * carries
+    return (prefix.flip(-1).cumsum(-1).flip(-1) * carries).reshape(-1)
+
+
+def mixture_and_grad(logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                     objective: Objective, with_grad: bool):
+    """w * (ce * CE + kl * KL(p || q) + tv * TV(p, q)) per row, its sum's gradient over the drafter's logits in
+    their dtype (or None), argmax == label, and the CE per row (unweighted); q the drafter's softmax, p the
+    target's, for [rows, V] logits."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    log_q = x - lse
+    q = log_q.exp()
+    log_p = torch.log_softmax(target_logits.float(), dim=-1)
+    p = log_p.exp()
+    loss = torch.zeros(x.shape[0], device=x.device)
+    grad = torch.zeros_like(x) if with_grad else None
+    ce = -log_q.gather(1, labels.unsqueeze(1)).squeeze(1)
+    if objective.ce:
+        loss += objective.ce * ce
+        if with_grad:
+            grad += objective.ce * q
+            grad.scatter_add_(1, labels.unsqueeze(1), torch.full_like(labels, -objective.ce, dtype=x.dtype).unsqueeze(1))
+    if objective.kl:
+        # p * (log p - log q) summed; a token the target gives no mass adds nothing (0 * log 0 = 0).
+        loss += objective.kl * torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
+        if with_grad:
+            grad += objective.kl * (q - p)
+    if objective.tv:
+        below = q < p  # the tokens where min(p, q) is the drafter's own q
+        loss += objective.tv * (1 - torch.minimum(p, q).sum(-1))
+        if with_grad:  # d(-sum_{v in below} q_v) / dx_j = q_j * (sum_{below} q - [j in below])
+            grad += objective.tv * q * (torch.where(below, q, 0.0).sum(-1, keepdim=True) - below.float())
+    if with_grad:
+        grad = (grad * weights.unsqueeze(1)).to(logits.dtype)
+    return loss * weights, grad, x.argmax(-1) == labels, ce
+
+
+def _chunk_kernel(mixture: Objective | None, head_weight, shaping, on_gpu_with_grad: bool, with_grad: bool):
+    """f(logits, labels, weights, target_rows) -> (w * loss per row, gradient, argmax == label, CE per row)."""
+    if mixture is not None:
+        def mixture_kernel(logits, labels, weights, target_rows):
+            target_logits = F.linear(target_rows, head_weight)  # shaped as the target's own head shapes them
+            if shaping is not None:
+                target_logits = _shaped_with_slope(target_logits, *shaping)[0]
+            return mixture_and_grad(logits, target_logits, labels, weights, mixture, with_grad)
+        return mixture_kernel
+    if on_gpu_with_grad:
+        from .ce_kernel import ce_rows_and_grad_
+
+        def ce_kernel(logits, labels, weights, _target_logits):
+            ce, grad, hit = ce_rows_and_grad_(logits, labels, weights)
+            return ce, grad, hit, ce
+        return ce_kernel
+
+    def ce_reference(logits, labels, weights, _target_logits):  # CPUs and no-grad passes (evaluation)
+        ce, grad, hit = ce_rows_and_grad(logits, labels, weights, with_grad)
+        return ce, grad, hit, ce
+    return ce_reference
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
-    """sum(weights * CE(hidden @ head^T, labels)) with d/d(hidden) computed chunk by chunk in the forward."""
+    """sum(weights * CE(hidden @ head^T, labels)), or the objective's mixture against the target's logits
+    (target_hidden @ head^T), with d/d(hidden) computed chunk by chunk in the forward.
+
+    mixture: the objective against the target (None: CE); dpace: (alpha, scale): each row's loss and gradient
+    computed unweighted, then weighted by D-PACE's weights (times scale) once every row's CE is known (the
+    gradient is linear in a row's weight); None: by `weights`. top_k > 0: also each row's top_k tokens, from the
+    same logits (DFlash 2's selector candidates)."""
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad, shaping, top_k):
-        if hidden.is_cuda and with_grad:
-            from .ce_kernel import ce_and_grad_ as kernel
-        else:  # CPUs and no-grad passes (evaluation): the reference
-            def kernel(logits, labels, weights):
-                return ce_and_grad(logits, labels, weights, with_grad)
+    def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad, shaping,
+                mixture, target_hidden, dpace, top_k):
+        if mixture is not None:  # the torch mixture holds several fp32 [rows, vocab] tensors: smaller chunks
+            chunk_rows = max(1, min(chunk_rows, MIXTURE_CHUNK_LOGITS // head_weight.shape[0]))
+        kernel = _chunk_kernel(mixture, head_weight, shaping, hidden.is_cuda and with_grad, with_grad)
+        scored = weights > 0
+        if dpace is not None:
+            weights = scored.float()
+            row_loss, row_ce = (torch.zeros(hidden.shape[0], device=hidden.device) for _ in range(2))
         total = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.zeros(block_size, device=hidden.device)
         count = torch.zeros(block_size, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if with_grad else None
         candidates = torch.zeros(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device)
-        scored = weights > 0
         for start in range(0, hidden.shape[0], chunk_rows):
             sl = slice(start, start + chunk_rows)
             logits = F.linear(hidden[sl], head_weight)
             if shaping is not None:  # the target's logit transform (Gemma 2's soft-cap): chain rule through it
                 logits, slope = _shaped_with_slope(logits, *shaping)
-            if top_k:  # before the kernel, which writes the gradient over the logits
+            if top_k:  # before the kernel, which may write the gradient over the logits
                 candidates[sl] = torch.topk(logits, top_k, dim=-1).indices
-            part, grad_logits, hit = kernel(logits, labels[sl], weights[sl])
+            part, grad_logits, hit, ce = kernel(logits, labels[sl], weights[sl],
+                                                None if target_hidden is None else target_hidden[sl])
             del logits
             if with_grad:
                 if shaping is not None:
                     grad_logits = grad_logits * slope
                 torch.mm(grad_logits, head_weight, out=grad_hidden[sl])
-            total += part
+            if dpace is None:
+                total += part.sum()
+            else:
+                row_loss[sl], row_ce[sl] = part, ce
             correct.index_add_(0, slots[sl], (hit & scored[sl]).float())
             count.index_add_(0, slots[sl], scored[sl].float())
+        row_weights = total.new_zeros(0)  # each row's weight where D-PACE chose them (else the caller's own)
+        if dpace is not None:
+            total, row_weights = _weigh_by_dpace(row_loss, row_ce, scored, block_size, grad_hidden, *dpace)
         ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(correct, count, candidates)
-        return total, correct, count, candidates
+        ctx.mark_non_differentiable(correct, count, row_weights, candidates)
+        return total, correct, count, row_weights, candidates
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct, _grad_count, _grad_candidates):
+    def backward(ctx, grad_total, _grad_correct, _grad_count, _grad_weights, _grad_candidates):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None, None, None
+        return (grad_hidden * grad_total.to(grad_hidden.dtype), *[None] * 12)
+
+
+def _weigh_by_dpace(row_loss, row_ce, scored, block_size: int, grad_hidden, alpha: float, scale: float):
+    """The loss and (in place) the rows' gradients weighted by D-PACE (times scale); (the loss, the weights)."""
+    position_weights = dpace_weights(row_ce, scored, block_size - 1, alpha)
+    if grad_hidden is not None:
+        grad_hidden.mul_((position_weights * scale).unsqueeze(1).to(grad_hidden.dtype))
+    return (position_weights * scale * row_loss).sum(), position_weights
 
 
 def _shaped_with_slope(raw: torch.Tensor, multiplier: float, softcap: float | None):
@@ -110,6 +242,9 @@ def chunked_block_loss(
     chunk_rows: int = 2048,
     output_multiplier: float = 1.0,  # the target's logit transform (model.shape_logits), as serving applies it
     final_logit_softcapping: float | None = None,
+    objective: Objective | None = None,  # None, or ce alone: the CE path
+    target_hidden: torch.Tensor | None = None,  # [b, N*B, H] the target's final normed hidden state before each
+    # block position (the one whose logits predict its token); needed where objective.needs_target
     top_k: int = 0,  # > 0: also the top_k tokens of each scored row (LossSums.candidates), from the same logits
 ) -> LossSums:
     if head_weight.requires_grad:
@@ -125,7 +260,18 @@ def chunked_block_loss(
     with_grad = torch.is_grad_enabled() and h.requires_grad
     shaping = (None if output_multiplier == 1.0 and not final_logit_softcapping
                else (output_multiplier, final_logit_softcapping))
-    total, correct, count, candidates = _HeadCrossEntropy.apply(
+    mixture = objective if objective is not None and objective.needs_target else None  # else the CE path
+    if mixture is not None and target_hidden is None:
+        raise ValueError(f"{objective} compares the drafter with the target's distribution: give target_hidden, "
+                         "the target's final hidden states at the block positions")
+    ce_scale = objective.ce if mixture is None and objective is not None else 1.0  # ce alone, scaled
+    dpace = None if objective is None or objective.dpace_alpha is None else (objective.dpace_alpha, ce_scale)
+    if dpace is None and ce_scale != 1.0:
+        weights = weights * ce_scale
+    target_rows = scored(target_hidden.to(head_weight.dtype)) if mixture is not None else None
+    total, correct, count, row_weights, candidates = _HeadCrossEntropy.apply(
         h, head_weight, scored(labels), scored(weights).to(torch.float32), slots, block_size, chunk_rows, with_grad,
-        shaping, top_k)
-    return LossSums(total, correct, count, candidates if top_k else None)
+        shaping, mixture, target_rows, dpace, top_k)
+    chosen = dpace is not None
+    return LossSums(total, correct, count, row_weights.sum() if chosen else None, candidates if top_k else None,
+                    row_weights if chosen else None)

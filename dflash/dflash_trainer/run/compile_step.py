@@ -75,7 +75,11 @@ def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir
             target.features(ids)
         loss_mask = torch.ones(micro_batch, ctx_len, dtype=torch.uint8, device=device)
         features = torch.randn(micro_batch, ctx_len, feat_dim, device=device, dtype=drafter.fc.weight.dtype)
-        step.forward_backward(ids, loss_mask, features, bare=True)
+        target_hidden = None  # an objective against the target's distribution reads its final hidden states
+        if step.objective is not None and step.objective.needs_target:
+            target_hidden = torch.randn(micro_batch, ctx_len, config.hidden_size, device=device,
+                                        dtype=drafter.fc.weight.dtype)
+        step.forward_backward(ids, loss_mask, features, bare=True, target_hidden=target_hidden)
         drafter.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
         step.optimizer.precompile()

@@ -24,6 +24,7 @@ from ..model.drafter import (
     build_target_layer_ids,
     drafter_config,
 )
+from ..model.loss import Objective
 from ..target.fp8 import check_fp8_device, check_not_prequantized
 from ..target.frozen import (
     FrozenTarget,
@@ -281,6 +282,13 @@ def new_drafter(cfg: RunConfig, target_config, tokenizer, device="cpu", initiali
     return DFlashDrafter.initialised(config, device, cfg.train.seed)
 
 
+def loss_objective(cfg: RunConfig) -> Objective:
+    """The loss's terms and weights (train.loss_ce, loss_kl, loss_tv) and its position weighting."""
+    t = cfg.train
+    return Objective(ce=t.loss_ce, kl=t.loss_kl, tv=t.loss_tv,
+                     dpace_alpha=t.dpace_alpha if t.position_weighting == "dpace" else None)
+
+
 def load_target(cfg: RunConfig, layer_ids: list[int], device, config=None) -> FrozenTarget:
     """config: the target's config, where the caller has read it already."""
     from transformers import AutoModelForCausalLM
@@ -357,6 +365,11 @@ def feature_buckets(cfg: RunConfig, shards: FeatureShards, target_config, layer_
         raise ConfigError(f"{shards.root} holds features of target layers {shards.meta['target_layer_ids']} but the "
                           f"drafter taps {list(layer_ids)}: set drafter.target_layer_ids = "
                           f"{shards.meta['target_layer_ids']} {fix}")
+    if loss_objective(cfg).needs_target and not shards.has_target_hidden:
+        raise ConfigError(f"{shards.root} holds no final hidden states of the target, which train.loss_kl and "
+                          "train.loss_tv compare the drafter with: dump the features again with this loss set "
+                          f"(--dump-features with the same --set train.loss_*), or set train.loss_kl = 0 and "
+                          "train.loss_tv = 0 (with a positive train.loss_ce) to train on these")
     if lead and Path(shards.meta["target"]).expanduser().resolve() != Path(cfg.target.path).expanduser().resolve():
         console.print(f"note: {shards.root} was dumped from {shards.meta['target']}; this run reads the embedding "
                       f"and head of {cfg.target.path}, a model of the same shape", markup=False, soft_wrap=True)

@@ -2,7 +2,7 @@
 all run it, so the compile step compiles exactly the step that trains.
 
 - `forward_backward`: one micro-batch: random anchors -> blocks + attention -> drafter -> chunked
-  weighted CE over the frozen LM head -> backward. Returns un-normalised sums as device tensors.
+  weighted loss over the frozen LM head (CE, or the objective's mix against the target) -> backward. Returns un-normalised sums as device tensors.
 - `optimizer_step`: the step's loss normalisation (grad scale), clipped AdamW on the fp32 masters,
   the LR schedule, gradients dropped.
 - `run`: one optimizer step over `grad_accum` micro-batches: the above, with the loss normalised by the
@@ -26,6 +26,7 @@ from torch.profiler import record_function
 
 from ..distributed.sources import FeatureBatch, Wait
 from ..model.flops import drafter_step_flops
+from ..model.loss import Objective
 from ..model.objective import drafter_loss, prepare_micro_batch
 from ..model.optim import MasterWeightAdamW
 
@@ -34,7 +35,7 @@ from ..model.optim import MasterWeightAdamW
 class MicroBatchSums:
     """One micro-batch's additive terms (device tensors)."""
 
-    weighted_ce: torch.Tensor  # sum of w * CE, detached
+    weighted_loss: torch.Tensor  # sum of w * loss (CE by default), detached
     weight: torch.Tensor  # sum of w
     slot_correct: torch.Tensor  # [B]
     slot_count: torch.Tensor  # [B]
@@ -77,11 +78,11 @@ class StepResult:
     def read(self) -> StepFigures:
         if self._ready is not None:
             self._ready.synchronize()
-        ce_sum, weight_sum, tokens, votes, flops, grad_norm, *slots = self._host.tolist()
+        loss_sum, weight_sum, tokens, votes, flops, grad_norm, *slots = self._host.tolist()
         block = len(slots) // 2
         correct, count = slots[:block], slots[block:]
         waits = [(w.seconds(), w.within_step) for w in self._waits]
-        return StepFigures(ce_sum / max(weight_sum, 1e-6), int(tokens), votes, flops, grad_norm,
+        return StepFigures(loss_sum / max(weight_sum, 1e-6), int(tokens), votes, flops, grad_norm,
                            [c / max(n, 1.0) for c, n in zip(correct, count)], sum(t for t, _ in waits),
                            sum(t for t, within in waits if within), self._lr)
 
@@ -127,12 +128,13 @@ class DrafterStep:
     def __init__(self, drafter, embed_weight: torch.Tensor, head_weight: torch.Tensor,
                  optimizer: MasterWeightAdamW, *, num_anchors: int, gamma: float | None, chunk_rows: int,
                  backend: str, compiled_layers: bool, vocab_size: int, model=None, gradient_sync=None,
-                 scheduler=None, selector_loss_weight: float = 1.0):
+                 scheduler=None, objective: Objective | None = None, selector_loss_weight: float = 1.0):
         self.drafter = drafter
         self.embed_weight, self.head_weight = embed_weight, head_weight
         self.optimizer, self.scheduler = optimizer, scheduler
         self.num_anchors, self.gamma, self.chunk_rows = num_anchors, gamma, chunk_rows
         self.backend, self.compiled_layers, self.vocab_size = backend, compiled_layers, vocab_size
+        self.objective = objective  # the loss's terms; None: CE alone
         self.selector_loss_weight = selector_loss_weight  # DFlash 2: its selector's CE beside the unary CE
         self.model = model or drafter  # what runs the forward: the drafter, or its DDP/FSDP wrapper
         # gradient_sync(enabled) -> context: skip the gradient reduction on all but a step's last micro-batch
@@ -140,9 +142,10 @@ class DrafterStep:
 
     def forward_backward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, features: torch.Tensor,
                          generator: torch.Generator | None = None, sync_gradients: bool = True,
-                         bare: bool = False) -> MicroBatchSums:
+                         bare: bool = False, target_hidden: torch.Tensor | None = None) -> MicroBatchSums:
         """bare: run the drafter itself, not its DDP wrapper (the compile step: a gradient all-reduce
-        inside the compile lock would wait for ranks that are waiting for the lock)."""
+        inside the compile lock would wait for ranks that are waiting for the lock). target_hidden: the
+        target's final hidden states, for an objective against its distribution."""
         config = self.drafter.config
         with phase("blocks"):
             mb = prepare_micro_batch(input_ids, loss_mask, self.num_anchors, config, self.drafter.mask_token_id,
@@ -151,14 +154,15 @@ class DrafterStep:
             with phase("forward"):
                 sums = drafter_loss(self.drafter, self.embed_weight, self.head_weight, features, mb.blocks,
                                     mb.attention, self.chunk_rows, self.drafter if bare else self.model,
-                                    compiled_layers=self.compiled_layers,
-                                    selector_loss_weight=self.selector_loss_weight)
+                                    compiled_layers=self.compiled_layers, objective=self.objective,
+                                    target_hidden=target_hidden, selector_loss_weight=self.selector_loss_weight)
             with phase("backward"):
-                sums.weighted_ce.backward()
+                sums.weighted_loss.backward()
         batch, ctx_len = features.shape[:2]
         # A device tensor: a float() here would wait for the GPU in the middle of the step.
         flops = drafter_step_flops(config, batch, ctx_len, self.num_anchors, mb.visible_pairs, self.vocab_size)
-        return MicroBatchSums(sums.weighted_ce.detach(), mb.blocks.total_weight, sums.slot_correct,
+        weight = sums.weight if sums.weight is not None else mb.blocks.total_weight  # D-PACE chooses its own
+        return MicroBatchSums(sums.weighted_loss.detach(), weight, sums.slot_correct,
                               sums.slot_count, flops)
 
     def optimizer_step(self, grad_scale: float | torch.Tensor) -> torch.Tensor:
@@ -183,7 +187,7 @@ class DrafterStep:
         """
         device = self.embed_weight.device
         block = self.drafter.block_size
-        ce_sum, weight_sum, tokens = (torch.zeros((), device=device) for _ in range(3))
+        loss_sum, weight_sum, tokens = (torch.zeros((), device=device) for _ in range(3))
         correct, count = torch.zeros(block, device=device), torch.zeros(block, device=device)
         flops = torch.zeros((), device=device, dtype=torch.float64)
         waits = []
@@ -192,8 +196,8 @@ class DrafterStep:
             waits.append(batch.wait)
             sums = self.forward_backward(batch.input_ids, batch.loss_mask, batch.features,
                                          generator_for(batch.index) if generator_for else None,
-                                         sync_gradients=micro == grad_accum - 1)
-            ce_sum += sums.weighted_ce
+                                         sync_gradients=micro == grad_accum - 1, target_hidden=batch.target_hidden)
+            loss_sum += sums.weighted_loss
             weight_sum += sums.weight
             correct += sums.slot_correct
             count += sums.slot_count
@@ -201,7 +205,7 @@ class DrafterStep:
             tokens += batch.tokens
         # torch.full, not torch.tensor: a copy from the host would wait for the GPU.
         votes = torch.full((), float(stop_vote), device=device)
-        totals = all_reduce(torch.stack([ce_sum, weight_sum, tokens, votes]))
+        totals = all_reduce(torch.stack([loss_sum, weight_sum, tokens, votes]))
         lr = self.optimizer.opt.param_groups[0]["lr"]  # a host float: before the scheduler moves it on
         grad_norm = self.optimizer_step(num_ranks / totals[1].clamp(min=1e-6))
         return StepResult([*totals, flops, grad_norm.to(device)], correct, count, waits, lr)

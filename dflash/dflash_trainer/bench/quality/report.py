@@ -1,0 +1,125 @@
+"""The quality benchmark's table and figure, from each drafter's dflash-eval output (eval.json, requests.jsonl)
+and each trainer's wall time: one row per drafter and prompt set."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ...infra import storage
+from .loops import loops
+
+# the issue's goal, reported beside the table (a figure of this benchmark, never a test's assertion)
+GOAL_MARGIN = 1.10  # tau at least 10% above the best peer's on every prompt set
+GOAL_LAST_SLOT = 0.6  # the last slot's acceptance at least 0.6 of the first slot's
+
+
+@dataclass
+class Row:
+    drafter: str  # the trainer (and variant) that made it
+    prompt_set: str
+    tau: float
+    tau_per_request: float
+    tau_without_loops: float | None  # None: every answer loops
+    looping: float  # share of requests whose answer loops
+    last_over_first: float | None  # slot B-1's acceptance / slot 1's
+    outputs_equal: str  # "n/m" equal to target-only greedy
+    train_s: float | None  # wall time of the training process (start-up and compile step included)
+    slot_acceptance: list[float]
+
+    @property
+    def tau_per_gpu_minute(self) -> float | None:
+        return self.tau / (self.train_s / 60) if self.train_s else None
+
+
+def read_eval(eval_dir: Path) -> tuple[dict, list[dict]]:
+    report = json.loads((eval_dir / "eval.json").read_text())
+    requests = [json.loads(line) for line in (eval_dir / "requests.jsonl").read_text().splitlines() if line.strip()]
+    return report, requests
+
+
+def rows_for(drafter: str, eval_dir: Path, train_s: float | None) -> list[Row]:
+    report, requests = read_eval(eval_dir)
+    out = []
+    for name, s in report["sets"].items():
+        mine = [r for r in requests if r["set"] == name]
+        looping = [r for r in mine if loops(r["output_ids"])]
+        kept = [n for r in mine if r not in looping for n in r["accept_lengths"]]
+        slots = s["slot_acceptance"]
+        out.append(Row(
+            drafter=drafter, prompt_set=name, tau=s["tau"], tau_per_request=s["tau_per_request_mean"],
+            tau_without_loops=sum(kept) / len(kept) if kept else None,
+            looping=len(looping) / max(1, len(mine)),
+            last_over_first=slots[-1] / slots[0] if slots and slots[0] else None,
+            outputs_equal=f"{s['outputs_equal']}/{s['prompts']}", train_s=train_s, slot_acceptance=slots))
+    return out
+
+
+def _f(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+HEADER = ("drafter", "prompt set", "tau", "tau/request", "tau w/o loops", "looping", "last/first slot",
+          "= target-only", "train s", "tau per GPU-min")
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    for r in rows:
+        cells = (r.drafter, r.prompt_set, _f(r.tau, ".2f"), _f(r.tau_per_request, ".2f"),
+                 _f(r.tau_without_loops, ".2f"), _f(r.looping, ".0%"), _f(r.last_over_first, ".2f"),
+                 r.outputs_equal, _f(r.train_s, ".0f"), _f(r.tau_per_gpu_minute, ".2f"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[Row], ours: str, peers: list[str]) -> list[str]:
+    """Against the goal: per prompt set, ours / the best peer's tau, and the last slot against the first."""
+    said = []
+    for name in dict.fromkeys(r.prompt_set for r in rows):
+        mine = next((r for r in rows if r.drafter == ours and r.prompt_set == name), None)
+        theirs = [r for r in rows if r.drafter in peers and r.prompt_set == name]
+        if mine is None:
+            continue
+        if theirs:
+            best = max(theirs, key=lambda r: r.tau)
+            ratio = mine.tau / best.tau if best.tau else float("inf")
+            mark = "meets" if ratio >= GOAL_MARGIN else "misses"
+            said.append(f"{name}: {ours} tau {mine.tau:.2f} vs best peer {best.drafter} {best.tau:.2f} "
+                        f"({ratio - 1:+.1%}; goal +{GOAL_MARGIN - 1:.0%}: {mark})")
+        if mine.last_over_first is not None:
+            mark = "meets" if mine.last_over_first >= GOAL_LAST_SLOT else "misses"
+            said.append(f"{name}: {ours} last slot / first slot {mine.last_over_first:.2f} "
+                        f"(goal {GOAL_LAST_SLOT}: {mark})")
+    return said
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(dict.fromkeys(r.prompt_set for r in rows))
+    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], sets, strict=True):
+        for r in (r for r in rows if r.prompt_set == name):
+            ax.plot(range(1, len(r.slot_acceptance) + 1), r.slot_acceptance, marker="o", markersize=3,
+                    label=f"{r.drafter} (tau {r.tau:.2f})")
+        ax.set(title=f"{name}: acceptance by block position", xlabel="draft slot k (tokens after the anchor)",
+               ylabel="P(slot k accepted)", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    storage.publish_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
+def write(rows: list[Row], out: Path, meta: dict, said: list[str]) -> None:
+    storage.write_text_atomic(out / "quality.json", json.dumps(
+        {**meta, "rows": [asdict(r) | {"tau_per_gpu_minute": r.tau_per_gpu_minute} for r in rows], "goal": said},
+        indent=2) + "\n")
+    storage.write_text_atomic(out / "quality.md", markdown(rows) + "\n\n" + "\n".join(f"- {s}" for s in said) + "\n")
+    plot(rows, out / "quality.png")

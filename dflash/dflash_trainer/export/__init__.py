@@ -1,0 +1,1 @@
+"""dflash-export: a published drafter in another project's format (speculators' so far)."""

@@ -1,0 +1,166 @@
+"""make bench-quality: the material readers, the looping rule, the table, and the whole pipeline on a tiny target."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_trainer.bench.quality import loops, materials, report
+from tests.helpers.regenerate import chat_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the looping rule ---------------------------------------------------------------------------
+
+def test_an_answer_that_ends_in_a_cycle_loops():
+    opening = list(range(100, 160))
+    assert loops.loops(opening + [7, 8, 9] * 20)  # period 3
+    assert loops.loops(opening + [5] * 48)  # period 1
+    assert loops.loops(opening + list(range(20)) * 3)  # period 20, seen more than twice
+
+
+def test_an_answer_without_a_cycle_does_not_loop():
+    assert not loops.loops(list(range(200)))
+    assert not loops.loops([1, 2] * 10)  # shorter than the window: ended on its own
+    # a period longer than half the window is not seen twice in it
+    assert not loops.loops(list(range(30)) * 2)
+    # one token off in the tail breaks the cycle
+    tail = [7, 8, 9] * 20
+    tail[-10] = 99
+    assert not loops.loops(list(range(50)) + tail)
+
+
+# ---- ShareGPT, read object by object ------------------------------------------------------------
+
+def _conv(text, first="human"):
+    return {"id": text[:8], "conversations": [{"from": first, "value": text}, {"from": "gpt", "value": "ok"}]}
+
+
+def test_a_cut_short_json_array_yields_every_whole_object_before_the_cut():
+    convs = [_conv(f"question number {i} " + "x" * i) for i in range(40)]
+    text = json.dumps(convs, indent=2)
+    cut = text[: text.index("question number 31")]  # inside object 31
+    got = list(materials._json_objects(io.StringIO(cut), chunk=64))  # objects span many chunks
+    assert [g["conversations"][0]["value"] for g in got] == [c["conversations"][0]["value"] for c in convs[:31]]
+    whole = list(materials._json_objects(io.StringIO(text), chunk=50))
+    assert len(whole) == 40
+
+
+def test_first_turns_are_distinct_human_prompts_within_the_length():
+    convs = [_conv("a question"), _conv("a question"), _conv("  spaced  "), _conv("from the model", first="gpt"),
+             _conv("y" * 50), {"id": "x", "conversations": []}]
+    assert materials.first_turns(io.StringIO(json.dumps(convs)), max_chars=20) == ["a question", "spaced"]
+
+
+def test_the_held_out_split_is_fixed_by_prompt_text_not_file_order():
+    prompts = [f"prompt {i}" for i in range(50)]
+    held, train = materials.split_prompts(prompts, 5, 20)
+    held2, train2 = materials.split_prompts(list(reversed(prompts)), 5, 20)
+    assert (held, train) == (held2, train2)
+    assert len(held) == 5 and len(train) == 20 and not set(held) & set(train)
+    # more training prompts never move the held-out ones
+    assert materials.split_prompts(prompts, 5, None)[0] == held
+
+
+def test_dense_copy_of_a_model_keeps_its_outputs(tmp_path):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8)
+    model = Gemma3ForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 12))
+    copy = materials.dense_copy(model).eval()
+    assert copy is not model
+    with torch.no_grad():
+        assert torch.equal(copy(ids).logits, model(ids).logits)
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+def _eval_dir(path: Path, sets: dict[str, list[tuple[list[int], list[int]]]], block: int = 4) -> Path:
+    """An eval.json + requests.jsonl as dflash-eval writes them: per set, (accept lengths, output ids) per request."""
+    path.mkdir(parents=True)
+    report_sets, requests = {}, []
+    for name, reqs in sets.items():
+        lengths = [n for a, _ in reqs for n in a]
+        slots = [sum(n > k for n in lengths) / len(lengths) for k in range(1, block)]
+        report_sets[name] = {"tau": sum(lengths) / len(lengths),
+                             "tau_per_request_mean": sum(sum(a) / len(a) for a, _ in reqs) / len(reqs),
+                             "slot_acceptance": slots, "outputs_equal": len(reqs), "prompts": len(reqs)}
+        requests += [{"set": name, "id": i, "accept_lengths": a, "output_ids": o} for i, (a, o) in enumerate(reqs)]
+    (path / "eval.json").write_text(json.dumps({"sets": report_sets}))
+    (path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    return path
+
+
+def test_the_table_leaves_looping_answers_out_of_one_tau(tmp_path):
+    looping = list(range(60)) + [3, 4] * 30
+    plain = list(range(120))
+    d = _eval_dir(tmp_path / "e", {"chat": [([4, 4, 4], looping), ([1, 2, 1], plain)], "code": [([2, 2], plain)]})
+    rows = report.rows_for("ours", d, train_s=120.0)
+    chat = next(r for r in rows if r.prompt_set == "chat")
+    assert chat.looping == 0.5
+    assert chat.tau == pytest.approx(16 / 6)
+    assert chat.tau_without_loops == pytest.approx(4 / 3)  # only the plain answer's steps
+    assert chat.last_over_first == pytest.approx(chat.slot_acceptance[-1] / chat.slot_acceptance[0])
+    assert chat.tau_per_gpu_minute == pytest.approx(chat.tau / 2)
+    code = next(r for r in rows if r.prompt_set == "code")
+    assert code.looping == 0 and code.tau_without_loops == code.tau == 2
+
+
+def test_the_verdict_compares_with_the_best_peer_on_each_set(tmp_path):
+    plain = list(range(100))
+    ours = report.rows_for("ours", _eval_dir(tmp_path / "o", {"s": [([4, 4], plain)]}), None)
+    a = report.rows_for("a", _eval_dir(tmp_path / "a", {"s": [([3, 3], plain)]}), None)
+    b = report.rows_for("b", _eval_dir(tmp_path / "b", {"s": [([2, 2], plain)]}), None)
+    said = report.verdict(ours + a + b, "ours", ["a", "b"])
+    assert any("best peer a 3.00" in s and "+33.3%" in s and "meets" in s for s in said)
+    said = report.verdict(ours + report.rows_for("c", _eval_dir(tmp_path / "c", {"s": [([4, 4], plain)]}), None),
+                          "ours", ["c"])
+    assert any("+0.0%" in s and "misses" in s for s in said)
+
+
+# ---- the whole pipeline on the embedded default's tiny target -------------------------------------
+
+@pytest.mark.slow
+def test_bench_quality_end_to_end_on_a_tiny_target(tmp_path, tmp_path_factory):
+    target = chat_target(tmp_path_factory)["target"]
+    corpus = [json.loads(line) for line in (ROOT / "dflash/dflash_trainer/assets/tiny_chat.jsonl").read_text().splitlines()]
+    prompts = [{"messages": c["messages"][:1]} for c in corpus]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in prompts[40:120]))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts[:6]))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts[6:12]))
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "dflash_trainer.bench.quality", "--out", str(out), "--target", str(target),
+           "--train-prompts", str(train), "--train-count", "80", "--answer-tokens", "32",
+           "--eval-prompts", f"chat={tmp_path / 'a.jsonl'}", f"more={tmp_path / 'b.jsonl'}",
+           "--trainers", "dflash-trainer", "--data-fraction", "0.5", "--eval-tokens", "24",
+           "--config", "embedded", "--set", "train.steps=12", "--set", "train.micro_batch=8",
+           "--eval-args", "--device cpu"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "quality.json").read_text())
+    got = {(r["drafter"], r["prompt_set"]) for r in result["rows"]}
+    assert got == {(d, s) for d in ("dflash-trainer", "dflash-trainer 0.5 data") for s in ("chat", "more")}
+    for r in result["rows"]:
+        assert 1.0 <= r["tau"] <= 8 and len(r["slot_acceptance"]) == 7 and r["train_s"] > 0
+    assert (out / "quality.png").stat().st_size > 0
+    assert "| dflash-trainer | chat |" in (out / "quality.md").read_text()
+    # the half-data run read half the micro-batches, by links to the same files
+    meta = json.loads((out / "features" / "meta.json").read_text())
+    half = json.loads((out / "features-0.5" / "meta.json").read_text())
+    assert half["micro_batches"] == max(1, int(meta["micro_batches"] * 0.5))
+    # a second run reuses every stage: nothing is trained or evaluated again
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-2000:]
+    assert "train dflash-trainer" not in again.stdout and "evaluate dflash-trainer" not in again.stdout
+    assert json.loads((out / "quality.json").read_text())["rows"] == result["rows"]
