@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dflash_trainer.bench.quality import loops, materials, report
+
 from tests.helpers.regenerate import chat_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,30 +137,35 @@ def test_bench_quality_end_to_end_on_a_tiny_target(tmp_path, tmp_path_factory):
     prompts = [{"messages": c["messages"][:1]} for c in corpus]
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in prompts[40:120]))
-    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts[:6]))
-    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts[6:12]))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts[:4]))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts[6:10]))
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "dflash_trainer.bench.quality", "--out", str(out), "--target", str(target),
-           "--train-prompts", str(train), "--train-count", "80", "--answer-tokens", "32",
+           "--train-prompts", str(train), "--train-count", "48", "--answer-tokens", "24",
            "--eval-prompts", f"chat={tmp_path / 'a.jsonl'}", f"more={tmp_path / 'b.jsonl'}",
-           "--trainers", "dflash-trainer", "--data-fraction", "0.5", "--eval-tokens", "24",
-           "--config", "embedded", "--set", "train.steps=12", "--set", "train.micro_batch=8",
-           "--eval-args", "--device cpu"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+           "--trainers", "dflash-trainer", "--data-fraction", "0.5", "--eval-tokens", "16",
+           "--variant", "tv=train.loss_ce=0.1;train.loss_tv=0.9",
+           "--config", "embedded", "--set", "train.steps=8", "--set", "train.micro_batch=8",
+           "--eval-args", "--device cpu --temperature 0 1"]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "quality.json").read_text())
     got = {(r["drafter"], r["prompt_set"]) for r in result["rows"]}
-    assert got == {(d, s) for d in ("dflash-trainer", "dflash-trainer 0.5 data") for s in ("chat", "more")}
+    assert got == {(d, f"{s} T={t}") for d in ("dflash-trainer", "dflash-trainer tv", "dflash-trainer 0.5 data")
+                   for s in ("chat", "more") for t in ("0", "1")}
     for r in result["rows"]:
         assert 1.0 <= r["tau"] <= 8 and len(r["slot_acceptance"]) == 7 and r["train_s"] > 0
+        assert r["outputs_equal"] == ("sampled" if r["prompt_set"].endswith("T=1") else "4/4")
+    # the variant trained against the target's distribution: the one dump carries it
+    assert "train.loss_tv" in (out / "runs" / "dflash-trainer-tv" / "bench_wall.json").read_text()
     assert (out / "quality.png").stat().st_size > 0
-    assert "| dflash-trainer | chat |" in (out / "quality.md").read_text()
+    assert "| dflash-trainer | chat T=0 |" in (out / "quality.md").read_text()
     # the half-data run read half the micro-batches, by links to the same files
     meta = json.loads((out / "features" / "meta.json").read_text())
     half = json.loads((out / "features-0.5" / "meta.json").read_text())
     assert half["micro_batches"] == max(1, int(meta["micro_batches"] * 0.5))
     # a second run reuses every stage: nothing is trained or evaluated again
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-2000:]
     assert "train dflash-trainer" not in again.stdout and "evaluate dflash-trainer" not in again.stdout
     assert json.loads((out / "quality.json").read_text())["rows"] == result["rows"]

@@ -69,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
                    help="> 0: the target samples its answers (seeded): text that does not loop")
     p.add_argument("--trainers", nargs="+", default=[OURS, *PEERS], choices=(OURS, *PEERS))
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=KEY=VALUE[;KEY=VALUE]",
-                   help="this trainer again with these settings, e.g. 'tv=train.loss={ce = 0.1, tv = 0.9}'")
+                   help="this trainer again with these settings, e.g. 'tv=train.loss_ce=0.1;train.loss_tv=0.9'")
     p.add_argument("--data-fraction", type=float, action="append", default=[], metavar="F",
                    help="this trainer again on the first fraction F of the features (repeatable: 0.25, 0.5)")
     p.add_argument("--eval-limit", type=int, help="the first N prompts of each set (default: all)")
@@ -114,7 +114,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     label, sep, settings = text.partition("=")
     if not sep or not label or "=" not in settings:
         raise SystemExit(f"--variant {text!r}: write LABEL=KEY=VALUE[;KEY=VALUE...], e.g. "
-                         "'tv=train.loss={ce = 0.1, tv = 0.9}'")
+                         "'tv=train.loss_ce=0.1;train.loss_tv=0.9'")
     return label, [s.strip() for s in settings.split(";") if s.strip()]
 
 
@@ -191,21 +191,21 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
     if not (features / META).is_file():
         shutil.rmtree(features, ignore_errors=True)
         run_stage("features", py("dflash_trainer.train", *config_flags(args), *_sets(run_settings),
-                                 "--dump-features", str(features)), logs / "features.log")
+                                 *_sets(dump_settings(args)), "--dump-features", str(features)), logs / "features.log")
     drafters = []
     if OURS in args.trainers:
         drafters.append(Drafter(OURS, OURS, out / "runs" / OURS, features=features))
+    drafters += [Drafter(p, p, out / "runs" / p, features=features) for p in args.trainers if p in PEERS]
+    if OURS in args.trainers:
         for text in args.variant:
             label, settings = parse_variant(text)
             drafters.append(Drafter(f"{OURS} {label}", OURS, out / "runs" / f"{OURS}-{label}", settings, features))
         for fraction in args.data_fraction:
             drafters.append(Drafter(f"{OURS} {fraction:g} data", OURS, out / "runs" / f"{OURS}-data-{fraction:g}",
                                     features=fraction_features(features, fraction)))
-    drafters += [Drafter(p, p, out / "runs" / p, features=features) for p in args.trainers if p in PEERS]
-    for d in drafters:
-        train(args, d, target, run_settings, logs)
     rows = []
-    for d in drafters:
+    for d in drafters:  # each drafter trained, then judged: a stop leaves whole results behind
+        train(args, d, target, run_settings, logs)
         eval_dir = out / "eval" / d.run.name
         if not (eval_dir / "eval.json").is_file():
             run_stage(f"evaluate {d.label}", py(
@@ -223,6 +223,15 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
     return rows, meta
 
 
+def dump_settings(args) -> list[str]:
+    """What the one dump needs beyond the shared config: the target's distribution at every position when a
+    variant trains against it (train.loss_kl / train.loss_tv); a run on cross-entropy alone reads past it."""
+    against_target = [s for v in args.variant for s in parse_variant(v)[1]
+                      if s.split("=", 1)[0].strip() in ("train.loss_kl", "train.loss_tv")
+                      and float(s.split("=", 1)[1]) > 0]
+    return against_target[:1]
+
+
 def _sets(settings: list[str]) -> list[str]:
     return [x for s in settings for x in ("--set", s)]
 
@@ -237,6 +246,7 @@ def train(args, d: Drafter, target: Path, run_settings: list[str], logs: Path) -
     else:
         cmd = py("dflash_trainer.bench.peers", "--peer", d.trainer, "--features", str(d.features),
                  "--target", str(target), "--out", str(d.run), *config_flags(args))
+    shutil.rmtree(d.run, ignore_errors=True)  # what a stopped run left: each trainer starts clean
     seconds = run_stage(f"train {d.label}", cmd, logs / f"train-{d.run.name}.log")
     d.run.mkdir(parents=True, exist_ok=True)
     wall_file(d.run).write_text(json.dumps({"seconds": seconds, "command": shlex.join(cmd)}, indent=2))

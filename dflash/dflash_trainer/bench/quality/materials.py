@@ -70,7 +70,7 @@ def ensure_packages(modules: list[str], site: Path) -> None:
     wanted = [PACKAGES[m] for m in missing]
     print(f"installing {' '.join(wanted)} into {site} (the benchmark's own packages)", flush=True)
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), *wanted]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
     importlib.invalidate_caches()
     still = [m for m in missing if not _importable(m)]
     if done.returncode or still:

@@ -40,19 +40,27 @@ def read_eval(eval_dir: Path) -> tuple[dict, list[dict]]:
 
 
 def rows_for(drafter: str, eval_dir: Path, train_s: float | None) -> list[Row]:
+    """One row per prompt set and temperature (a set named "NAME T=t" when the evaluation sampled or had several)."""
     report, requests = read_eval(eval_dir)
+    views = report.get("by_temperature") or {f"{report.get('temperature', 0):g}": report}
+    labelled = len(views) > 1 or any(float(t) > 0 for t in views)
     out = []
-    for name, s in report["sets"].items():
-        mine = [r for r in requests if r["set"] == name]
-        looping = [r for r in mine if loops(r["output_ids"])]
-        kept = [n for r in mine if r not in looping for n in r["accept_lengths"]]
-        slots = s["slot_acceptance"]
-        out.append(Row(
-            drafter=drafter, prompt_set=name, tau=s["tau"], tau_per_request=s["tau_per_request_mean"],
-            tau_without_loops=sum(kept) / len(kept) if kept else None,
-            looping=len(looping) / max(1, len(mine)),
-            last_over_first=slots[-1] / slots[0] if slots and slots[0] else None,
-            outputs_equal=f"{s['outputs_equal']}/{s['prompts']}", train_s=train_s, slot_acceptance=slots))
+    for temperature, view in views.items():
+        for name, s in view["sets"].items():
+            mine = [r for r in requests
+                    if r["set"] == name and float(r.get("temperature", 0)) == float(temperature)]
+            looping = [r for r in mine if loops(r["output_ids"])]
+            kept = [n for r in mine if r not in looping for n in r["accept_lengths"]]
+            slots = s["slot_acceptance"]
+            equal = s.get("outputs_equal")
+            out.append(Row(
+                drafter=drafter, prompt_set=f"{name} T={temperature}" if labelled else name, tau=s["tau"],
+                tau_per_request=s["tau_per_request_mean"],
+                tau_without_loops=sum(kept) / len(kept) if kept else None,
+                looping=len(looping) / max(1, len(mine)),
+                last_over_first=slots[-1] / slots[0] if slots and slots[0] else None,
+                outputs_equal="sampled" if equal is None else f"{equal}/{s['prompts']}", train_s=train_s,
+                slot_acceptance=slots))
     return out
 
 
