@@ -253,3 +253,21 @@ def test_a_stopped_run_with_target_ranks_resumes_where_it_stopped(tiny_target, t
     again = torchrun(2, [*args, "--auto-resume"])
     assert " ".join(again.stderr.split()).count(f"{out} holds a finished run") == 1, again.stderr[-3000:]
     assert {p: p.lstat().st_mtime_ns for p in out.rglob("*")} == files
+
+
+def test_dflash2_drafters_train_the_same_split_by_ddp_and_fsdp(tiny_target, tmp_path):
+    """drafter.kind = dflash2 on 2 drafter ranks, replicated (DDP) and sharded (FSDP2, the selector its own
+    unit): the losses of one process with grad_accum = 2."""
+    kind = ["drafter.kind=dflash2", "drafter.selector_rank=16", "drafter.selector_top_k=8"]
+    alone = run(load_config("embedded", overrides(tiny_target, tmp_path / "alone") + kind + ["train.grad_accum=2"]))
+    feats = tmp_path / "features"
+    for sharding in ("ddp", "fsdp"):
+        out = tmp_path / sharding
+        sets = [x for o in overrides(tiny_target, out) + kind + [f"parallel.drafter_sharding={sharding}"]
+                for x in ("--set", o)]
+        if not feats.exists():
+            torchrun(2, ["--config", "embedded", *sets, "--dump-features", str(feats), "--dump-batches", "8"])
+        torchrun(2, ["--config", "embedded", *sets, "--set", f"data.features_dir={feats}", "--target-gpus", "0",
+                     "--drafter-gpus", "2"])
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["losses"] == pytest.approx(alone["losses"], rel=1e-4), sharding

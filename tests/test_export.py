@@ -94,12 +94,13 @@ def test_a_run_drafter_exports_against_the_runs_target(trained):
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(root / "target")
 
 
-@pytest.mark.parametrize("problem", ["no-target", "not-a-drafter", "scaled", "other-target", "bad-format"])
+@pytest.mark.parametrize("problem", ["no-target", "not-a-drafter", "scaled", "other-target", "bad-format", "dflash2"])
 def test_bad_input_is_refused_and_nothing_written(trained, problem, capsys):
     root, _ = trained
     args = ["--format", "speculators", str(root / "drafter"), str(root / "out"), "--target", str(root / "target")]
     expect = {"no-target": "give --target", "not-a-drafter": "not a DFlash drafter",
-              "scaled": "no key for", "other-target": "differs from --target", "bad-format": "invalid choice"}[problem]
+              "scaled": "no key for", "other-target": "differs from --target", "bad-format": "invalid choice",
+              "dflash2": "is a DFlash 2 drafter"}[problem]
     if problem == "no-target":
         args = args[:4]
     elif problem == "not-a-drafter":
@@ -112,6 +113,10 @@ def test_bad_input_is_refused_and_nothing_written(trained, problem, capsys):
     elif problem == "other-target":
         Qwen3Config(**{**TARGET.to_dict(), "hidden_size": 32}).save_pretrained(root / "t2")
         args[-1] = str(root / "t2")
+    elif problem == "dflash2":
+        DFlashDrafter(drafter_config(TARGET, DrafterShape(num_layers=2, block_size=4, mask_token_id=7, kind="dflash2",
+                                                          selector_rank=8, selector_top_k=5))).save_pretrained(
+            root / "drafter")
     else:
         args[1] = "dspark"
     assert main(args) == 2

@@ -10,13 +10,14 @@ own greedy output, with prompts and answers longer than any sliding window.
 import json
 import math
 import time
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from dflash_trainer.config import ConfigError, load_config
-from dflash_trainer.decoding.speculative import greedy_generate, stop_token_ids
+from dflash_trainer.decoding.speculative import greedy_generate, speculative_generate, stop_token_ids
 from dflash_trainer.eval.cli import main as eval_main
 from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config, shape_logits
 from dflash_trainer.model.loss import chunked_block_loss
@@ -52,6 +53,9 @@ family_names = pytest.mark.parametrize("family", list(FAMILIES))
 SERVED_FAST = "gemma3"
 served_family_names = pytest.mark.parametrize(
     "family", [f if f == SERVED_FAST else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
+# DFlash 2 on the families the issue names: Llama (full attention), Qwen3 (QK norms), Gemma 3 (sliding layers,
+# scaled embeddings, soft-capped logits).
+DFLASH2_FAMILIES = ["llama", "qwen3", "gemma3"]
 
 
 @pytest.fixture(scope="module")
@@ -133,18 +137,22 @@ def prompts_for(tokenizer, count: int = 2) -> list[list[int]]:
 
 
 def zlab_generate(drafter_dir, model, prompts, stop):
+    """z-lab's loop with the serving class its drafter's architectures name (DFlash 2: its candidate selector)."""
     zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is installed by `make venv`")
-    theirs = zlab.DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+    architecture = json.loads((Path(drafter_dir) / "config.json").read_text())["architectures"][0]
+    theirs = getattr(zlab, architecture).from_pretrained(drafter_dir, dtype=torch.float32).eval()
     with mock.patch.object(zlab, "_cuda_time", time.perf_counter):  # its stats time with CUDA syncs
         runs = [zlab.dflash_generate(theirs, model, torch.tensor([p]), NEW, stop, return_stats=True) for p in prompts]
     return [(r.output_ids[0].tolist(), r.acceptance_lengths) for r in runs]
 
 
-def trained_drafter(target: FrozenTarget, tokenizer, prompts, out, steps: int = 40):
-    """A drafter trained a little (the trainer's objective, dense attention) on the target's greedy answers."""
+def trained_drafter(target: FrozenTarget, tokenizer, prompts, out, steps: int = 40, kind: str = "dflash"):
+    """A drafter of `kind` trained a little (the trainer's objective, dense attention) on the target's greedy
+    answers."""
     config = drafter_config(target.config, DrafterShape(num_layers=1, block_size=BLOCK,
                                                          mask_token_id=tokenizer.mask_token_id,
-                                                         target_layer_ids=LAYER_IDS))
+                                                         target_layer_ids=LAYER_IDS, kind=kind, selector_rank=16,
+                                                         selector_top_k=8))
     stop = stop_token_ids(target.model, tokenizer)
     samples = []
     for prompt in prompts:
@@ -165,27 +173,60 @@ def trained_drafter(target: FrozenTarget, tokenizer, prompts, out, steps: int = 
 def test_a_trained_drafter_serves_in_dflash_eval_as_in_zlabs_loop(family, targets, tokenizer, tmp_path):
     """Prompts plus answers run past every sliding window: the verify steps are rolled back on sliding,
     hybrid and full-attention layers alike, and both loops give the target's own greedy tokens."""
+    serves_as_in_zlabs_loop(family, "dflash", 1, targets, tokenizer, tmp_path)
+
+
+@pytest.mark.parametrize("family", [f if f == SERVED_FAST else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in DFLASH2_FAMILIES])
+def test_a_trained_dflash2_drafter_serves_as_in_zlabs_loop_at_batch_1_and_batched(family, targets, tokenizer,
+                                                                                  tmp_path):
+    """DFlash 2: the selector drafts within the block in dflash-eval's fast loop (one row, and rows that accept
+    differently in one batch) and in the reference loop, token for token as z-lab's DFlash2DraftModel."""
+    drafter_dir, prompts, theirs = serves_as_in_zlabs_loop(family, "dflash2", 1, targets, tokenizer, tmp_path)
+    batched = eval_at(drafter_dir, targets(family), prompts, 2, tmp_path / "batched")
+    assert batched == [(tokens[len(p):], lengths) for p, (tokens, lengths) in zip(prompts, theirs, strict=True)]
+    target = load(targets(family))
+    drafter = DFlashDrafter.from_pretrained(drafter_dir).eval()
+    stop = stop_token_ids(target.model, tokenizer)
+    for prompt, (tokens, lengths) in zip(prompts, theirs, strict=True):
+        reference = speculative_generate(drafter, target, prompt, NEW, stop)
+        assert (reference.tokens, reference.accept_lengths) == (tokens, lengths)
+
+
+def eval_at(drafter_dir, target_dir, prompts, batch_size: int, where) -> list[tuple[list[int], list[int]]]:
+    """dflash-eval on `prompts` at `batch_size`: each request's (output_ids, accept_lengths); every output
+    equal to the target's own."""
+    (where.parent / f"{where.name}-in").mkdir()
+    prompt_file = where.parent / f"{where.name}-in" / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    assert eval_main(["--drafter", str(drafter_dir), "--target", str(target_dir), "--prompts", str(prompt_file),
+                      "--max-new-tokens", str(NEW), "--dtype", "float32", "--device", "cpu", "--out", str(where),
+                      "--batch-size", str(batch_size)]) == 0
+    report = json.loads((where / "eval.json").read_text())
+    assert report["sets"]["prompts"]["outputs_equal"] == len(prompts)  # token for token the target's own
+    requests = [json.loads(line) for line in (where / "requests.jsonl").read_text().splitlines()]
+    return [(r["output_ids"], r["accept_lengths"]) for r in requests]
+
+
+def serves_as_in_zlabs_loop(family, kind, batch_size, targets, tokenizer, tmp_path):
+    """A `kind` drafter trained a little for `family`, evaluated by dflash-eval and decoded by z-lab's loop: the
+    same tokens (the target's greedy ones) and acceptance lengths. (drafter dir, prompts, z-lab's results)"""
     target_dir = targets(family)
     target = load(target_dir)
     prompts = prompts_for(tokenizer)
     assert all(len(p) + NEW > WINDOW for p in prompts)
-    drafter_dir = trained_drafter(target, tokenizer, prompts, tmp_path / "drafter")
-    prompt_file = tmp_path / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    drafter_dir = trained_drafter(target, tokenizer, prompts, tmp_path / "drafter", kind=kind)
     where = tmp_path / "eval"
-    assert eval_main(["--drafter", str(drafter_dir), "--target", str(target_dir), "--prompts", str(prompt_file),
-                      "--max-new-tokens", str(NEW), "--dtype", "float32", "--device", "cpu", "--out", str(where)]) == 0
-    report = json.loads((where / "eval.json").read_text())
-    assert report["sets"]["prompts"]["outputs_equal"] == len(prompts)  # token for token the target's own
-    assert report["target_attention"] == target.attention
-    requests = [json.loads(line) for line in (where / "requests.jsonl").read_text().splitlines()]
+    ours = eval_at(drafter_dir, target_dir, prompts, batch_size, where)
+    assert json.loads((where / "eval.json").read_text())["target_attention"] == target.attention
     stop = stop_token_ids(target.model, tokenizer)
     theirs = zlab_generate(drafter_dir, target.model, prompts, sorted(stop))
-    for prompt, request, (tokens, lengths) in zip(prompts, requests, theirs, strict=True):
-        assert request["output_ids"] == tokens[len(prompt):]
-        assert request["accept_lengths"] == lengths
+    for prompt, (output, accepted), (tokens, lengths) in zip(prompts, ours, theirs, strict=True):
+        assert output == tokens[len(prompt):]
+        assert accepted == lengths
         assert tokens == greedy_generate(target, prompt, NEW, stop)
-    assert max(n for r in requests for n in r["accept_lengths"]) > 1  # the drafter drafts something accepted
+    assert max(n for _, accepted in ours for n in accepted) > 1  # the drafter drafts something accepted
+    return drafter_dir, prompts, theirs
 
 
 def test_the_soft_capped_loss_has_the_autograd_gradient():

@@ -35,3 +35,11 @@ def test_a_local_target_is_no_base_model_and_unserved_scales_are_said(tmp_path):
     assert "cannot serve this drafter faithfully" in text and "`input_embedding_scale` = 8.0" in text
     plain = model_card.card_text(CONFIG, "Qwen/Qwen3-8B", [], None, [], "")
     assert "The target's scales" not in plain and '"num_speculative_tokens": 7' in plain
+
+
+def test_a_dflash2_card_names_its_class_and_no_speculators_export():
+    dflash2 = {**CONFIG, "architectures": ["DFlash2DraftModel"]}
+    text = model_card.card_text(dflash2, "Qwen/Qwen3-8B", [], None, [], "")
+    assert "from dflash.model import DFlash2DraftModel" in text and "--format speculators" not in text
+    plain = model_card.card_text(CONFIG, "Qwen/Qwen3-8B", [], None, [], "")
+    assert "from dflash.model import DFlashDraftModel" in plain and "--format speculators" in plain

@@ -85,8 +85,17 @@ class TargetConfig:
     trust_remote_code: bool = False
 
 
+# What drafter.kind may be: z-lab's DFlash (DFlashDraftModel) and DFlash 2 (DFlash2DraftModel).
+DRAFTER_KINDS = ("dflash", "dflash2")
+# drafter settings only DFlash 2 reads: refused beside another kind, where they would silently do nothing.
+DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_weight")
+
+
 @dataclass
 class DrafterConfig:
+    # dflash: full-attention Qwen3 layers, hard-label CE; dflash2: each layer convolved (grouped dynamic causal
+    # convolutions around attention and the MLP) and a candidate selector re-ranking each position's top-k
+    kind: Annotated[str, Rule(choices=DRAFTER_KINDS)] = "dflash"
     num_layers: Annotated[int, Rule(ge=1, le=MAX_LAYERS)] = 5  # decoder layers of the drafter
     block_size: Annotated[int, Rule(ge=2, le=MAX_BLOCK)] = 16  # tokens per block: one known token, then block_size - 1 drafted
     mask_token_id: Annotated[int | None, NOT_NEGATIVE] = None  # None: the tokenizer's mask token
@@ -94,6 +103,14 @@ class DrafterConfig:
     intermediate_size: Annotated[int | None, Rule(ge=1, le=1 << 24)] = None  # MLP width; None: the target's
     gamma: Annotated[float | None, POSITIVE] = None  # None: 7 for B=16 (paper)
     init_from: Annotated[str | None, PATH] = None  # an existing drafter directory to continue from
+    # dflash2: causal taps of each convolution within a block (z-lab's conv_kernel_size)
+    conv_kernel_size: Annotated[int, Rule(ge=1, le=MAX_BLOCK)] = 2
+    # dflash2: hidden channels sharing one per-token kernel; must divide the hidden size
+    conv_group_size: Annotated[int, Rule(ge=1, le=1 << 16)] = 16
+    selector_rank: Annotated[int, Rule(ge=1, le=1 << 16)] = 256  # dflash2: rank of the selector's codebooks
+    selector_top_k: Annotated[int, Rule(ge=1, le=1 << 16)] = 16  # dflash2: candidates re-ranked per position
+    # dflash2: weight of the selector's CE beside the unary CE (speculators' selector_loss_alpha)
+    selector_loss_weight: Annotated[float, NOT_NEGATIVE] = 1.0
 
 
 @dataclass
@@ -504,6 +521,7 @@ def semantic_problems(c: RunConfig) -> list[str]:
     elif c.data.max_length > c.data.context_buckets[-1]:
         problems.append(f"data.max_length {c.data.max_length} exceeds the largest context bucket "
                         f"{c.data.context_buckets[-1]}: raise the bucket or lower data.max_length")
+    problems += kind_problems(c)
     if c.drafter.target_layer_ids is not None and not c.drafter.target_layer_ids:
         problems.append("drafter.target_layer_ids is empty: list target layers, or leave it out for the "
                         "published rule")
@@ -536,6 +554,20 @@ def train_problems(c: RunConfig) -> list[str]:
     return problems
 
 
+def kind_problems(c: RunConfig) -> list[str]:
+    """A DFlash 2 setting beside another kind would do nothing: refused, not ignored."""
+    if c.drafter.kind == "dflash2":
+        return []
+    defaults = DrafterConfig()
+    stray = [f"drafter.{n}" for n in DFLASH2_SETTINGS if getattr(c.drafter, n) != getattr(defaults, n)]
+    if not stray:
+        return []
+    one = len(stray) == 1
+    problem = (f"{', '.join(stray)} {'is a DFlash 2 setting' if one else 'are DFlash 2 settings'}, and "
+               f'drafter.kind is {c.drafter.kind}: set drafter.kind = "dflash2", or remove {"it" if one else "them"}')
+    return [problem]
+
+
 def parallel_problems(c: RunConfig) -> list[str]:
     """The parallel section's combinations (the target's heads are checked against target_tp once its
     config.json is read: target_tp.check_tp_shape)."""
@@ -566,6 +598,7 @@ DRAFTER_FILE_KEYS = {
     "dflash_config.target_layer_ids": "drafter.target_layer_ids",
     "dflash_config.mask_token_id": "drafter.mask_token_id",
     "intermediate_size": "drafter.intermediate_size",
+    **{f"dflash_config.{name}": f"drafter.{name}" for name in DFLASH2_SETTINGS if name != "selector_loss_weight"},
 }
 
 
@@ -623,6 +656,10 @@ def check_init_from(c: RunConfig) -> None:
         if setting_key in given and values[name] is not None and _dig(raw, key) != values[name]:
             conflicts.append(f"{setting_key} = {_shown(values[name])}, the drafter in it has "
                              f"{_shown(_dig(raw, key))} ({key})")
+    kind = "dflash2" if "DFlash2DraftModel" in (raw.get("architectures") or []) else "dflash"
+    if "drafter.kind" in given and c.drafter.kind != kind:
+        conflicts.append(f"drafter.kind = {_shown(c.drafter.kind)}, the drafter in it is {_shown(kind)} "
+                         f"(architectures {_shown(raw.get('architectures'))})")
     if conflicts:
         raise ConfigError(f"drafter.init_from {c.drafter.init_from} continues that drafter as it is, and the config "
                           "sets its shape otherwise:\n  - " + "\n  - ".join(conflicts) + "\nRemove these settings "

@@ -226,12 +226,13 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
                        gamma=cfg.drafter.gamma, chunk_rows=train.loss_chunk_rows, backend=backend,
                        compiled_layers=backend == "flex" and train.compile_layers and shard.compiled_layers,
                        vocab_size=drafter.config.vocab_size, model=shard.module,
-                       gradient_sync=shard.gradient_sync, scheduler=scheduler, objective=loss_objective(cfg))
+                       gradient_sync=shard.gradient_sync, scheduler=scheduler, objective=loss_objective(cfg),
+                       selector_loss_weight=cfg.drafter.selector_loss_weight)
     run = DrafterRun(cfg, ctx, drafter, shard, optimizer, scheduler, step, side.source, side.wait_kind, start_step,
                      latest, side.target, target_files.tokenizer, side.eval_stream, side.prompts, side.borrowed,
                      buckets=side.buckets)
     config = drafter.config
-    run.log(f"drafter: {config.num_hidden_layers} layers, hidden {config.hidden_size}, block {config.block_size}, "
+    run.log(f"drafter: {drafter.kind}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, block {config.block_size}, "
             f"target layers {drafter.target_layer_ids}, {drafter.num_params() / 1e6:.2f}M params; "
             + (f"{side.samples} training samples; " if side.samples else "")
             + f"{num_drafters} drafter rank(s) ({shard.name}); attention {backend} on {device}")

@@ -28,9 +28,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
 from ..model.drafter import DFlashDrafter
+from ..model.sampling import race, temperature_probs
 from ..target.frozen import FrozenTarget, text_config
 from .buckets import bucket
-from .speculative import Sampling, SpecResult, cache_argument, race, rejection_sample, temperature_probs
+from .speculative import Sampling, SpecResult, cache_argument, rejection_sample
 
 INVALID = -1  # slot_pos of a slot that holds no token a query may see
 
@@ -140,15 +141,18 @@ def _drafter_layer(layer, x, keys, values, cos, sin, mask):
     """DrafterLayer.forward with the context's K/V read from the slots instead of recomputed."""
     attn = layer.self_attn
     b, q_len, _ = x.shape
-    h = layer.input_layernorm(x)
-    q = attn.q_norm(attn.q_proj(h).view(b, q_len, attn.num_heads, attn.head_dim)).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(h).view(b, q_len, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
-    v = attn.v_proj(h).view(b, q_len, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    out = F.scaled_dot_product_attention(q, torch.cat([keys, k], 2), torch.cat([values, v], 2), attn_mask=mask,
-                                         enable_gqa=True)
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q_len, attn.num_heads * attn.head_dim))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def attend(h):
+        q = attn.q_norm(attn.q_proj(h).view(b, q_len, attn.num_heads, attn.head_dim)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(h).view(b, q_len, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(h).view(b, q_len, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, torch.cat([keys, k], 2), torch.cat([values, v], 2), attn_mask=mask,
+                                             enable_gqa=True)
+        return attn.o_proj(out.transpose(1, 2).reshape(b, q_len, attn.num_heads * attn.head_dim))
+
+    x = x + layer.attention_part(x, attend)
+    return x + layer.mlp_part(x)
 
 
 class Graphed:
@@ -261,8 +265,9 @@ class StaticDecoder:
         self.anchor_pos.add_(1)
         return token
 
-    def _draft(self, positions, in_block) -> torch.Tensor:
-        """The drafter's logits for the block's slots 1..B-1: [b, B-1, V]."""
+    def _draft(self, positions, in_block) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafter's guesses for the block's slots 1..B-1 [b, B-1] (DFlash 2: its selector's path), and when
+        sampling their distribution q [b, B-1, V]."""
         drafter, embed = self.drafter, self.target.embed_weight
         ids = torch.full_like(positions, drafter.mask_token_id)
         ids[:, 0] = self.anchor
@@ -275,8 +280,8 @@ class StaticDecoder:
         mask = torch.cat([context, in_block], 1)[:, None, None, :]
         for layer, keys, values in zip(drafter.layers, self.context.keys, self.context.values, strict=True):
             x = _drafter_layer(layer, x, keys, values, cos, sin, mask)
-        head = self.target.head_weight
-        return drafter.logits(drafter.norm(x)[:, 1:].to(head.dtype), head)
+        sampled = (self.temperature, self.draft_noise) if self.sampled else (None, None)
+        return drafter.propose(drafter.norm(x)[:, 1:], self.anchor, self.target.head_weight, *sampled)
 
     def _spec_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft, verify, accept, update the drafter's context: (tokens [b, B], accepted [b]); a row keeps its
@@ -288,12 +293,7 @@ class StaticDecoder:
         self.slot_pos.index_copy_(1, self.step_slots, positions)
         # The reference loop's last block is cut to the tokens left: slots past it are hidden from the drafter.
         in_block = self.offsets < (self.limit_pos - self.anchor_pos)[:, None]
-        draft_logits = self._draft(positions, in_block)
-        if self.sampled:
-            draft_probs = temperature_probs(draft_logits, self.temperature)
-            drafts = race(draft_probs, self.draft_noise)
-        else:
-            drafts = draft_logits.argmax(-1)
+        drafts, draft_probs = self._draft(positions, in_block)
         out = self._forward(torch.cat([self.anchor[:, None], drafts], 1), positions, hidden=True)
         if self.sampled:
             accepted, following = rejection_sample(draft_probs, temperature_probs(out.logits, self.temperature),

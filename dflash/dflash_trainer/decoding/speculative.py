@@ -2,7 +2,8 @@
 acceptance statistics.
 
 The one decoding loop that the trainer's tau (run/evaluate.py) and `dflash-eval` (eval/cli.py) share; it is
-z-lab's `dflash_generate`, step for step (top-p and top-k off). Each verify step: the drafter fills a block
+z-lab's `dflash_generate`, step for step (top-p and top-k off; a DFlash 2 drafter's candidate selector
+included). Each verify step: the drafter fills a block
 [anchor, MASK x (B-1)] from the fused target features of every verified token; the target checks the
 B tokens in one forward; the agreeing prefix plus the target's bonus token are kept. The acceptance
 length of a step is the number of tokens it adds (accepted + 1, at most B; less when the token limit or
@@ -11,7 +12,9 @@ its fused context (fc + hidden_norm, computed once per token) and recomputes the
 
 At a temperature > 0 (`Sampling`) the step is speculative sampling (Leviathan et al. 2023, Chen et al. 2023),
 as z-lab's loop and vLLM's rejection sampler run it: the drafter samples each slot from its softmax q at the
-temperature (one pass fills the block, so q of slot k is the drafter's at slot k); draft x is accepted when
+temperature (one pass fills the block, so q of slot k is the drafter's at slot k; a DFlash 2 drafter's
+selector samples along the block as z-lab's does, each slot from the softmax at T of its top-k candidates'
+scores given the token drawn before it, and q is that softmax, zero off the candidates); draft x is accepted when
 u * q(x) < p(x), u uniform in [0, 1), p the target's softmax at the same temperature; the first rejected slot
 is replaced by a sample of norm(max(0, p - q)), and a block accepted whole gets a bonus token sampled from p.
 The output is distributed as the target's own sampling. Every random draw comes from one seeded
@@ -32,13 +35,14 @@ from transformers import DynamicCache
 from ..data.rows import DataError
 from ..model.drafter import DFlashDrafter
 from ..model.objective import sdpa_attention
+from ..model.sampling import race, temperature_probs
 from ..target.frozen import FrozenTarget
 
 
 class Sampling:
-    """Sampling at `temperature` (> 0) from one seeded generator. A token is drawn from probabilities pr as
-    argmax(pr / E), E ~ Exp(1) per token (the exponential race: the index has probability pr, unnormalised pr
-    works alike), so each draw is a fixed-shape tensor of noise that a CUDA graph can read. Per prefill:
+    """Sampling at `temperature` (> 0) from one seeded generator. A token is drawn by the exponential race
+    (model/sampling.py: argmax(pr / E), E ~ Exp(1) per token), so each draw is a fixed-shape tensor of noise
+    that a CUDA graph can read. Per prefill:
     Exp noise [b, V]; per verify step: Exp noise [b, B-1, V] (the drafts), uniforms [b, B-1] (acceptance),
     Exp noise [b, V] (the replacement or bonus token); per target-only step: Exp noise [b, V]."""
 
@@ -60,17 +64,6 @@ class Sampling:
 
     def noise(self, *shape: int, device) -> torch.Tensor:
         return self.exponential_(torch.empty(shape, device=device))
-
-
-def temperature_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """softmax(logits / T) in fp32, T a 0-dim fp32 tensor (the fast loop's recorded step reads it from a buffer,
-    so one recording serves every temperature)."""
-    return torch.softmax(logits.float() / temperature, dim=-1)
-
-
-def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """One token per row of `probs` (unnormalised is fine), drawn by the exponential race with Exp(1) noise."""
-    return (probs / noise).argmax(-1)
 
 
 def accept_draft(p_draft: torch.Tensor, q_draft: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -196,22 +189,22 @@ def speculative_generate(
         draft[0, 0] = seq[start]
         pos = torch.arange(start + size, device=device).unsqueeze(0)
         hidden = drafter(None, F.embedding(draft, embed).to(dtype), pos, attention, context=context)
-        draft_logits = drafter.logits(hidden[0, 1:].to(head.dtype), head)
-        if sampling is None:
-            draft[0, 1:] = draft_logits.argmax(-1)
-        else:  # the step's draws at full block shape whatever the cut, as the fast loop draws them
-            draft_noise = sampling.noise(1, block - 1, draft_logits.shape[-1], device=device)
+        temperature = noise = uniforms = final_noise = None
+        if sampling is not None:  # the step's draws at full block shape whatever the cut, as the fast loop draws them
+            draft_noise = sampling.noise(1, block - 1, head.shape[0], device=device)
             uniforms = sampling.uniform_(torch.empty(1, block - 1, device=device))
-            final_noise = sampling.noise(1, draft_logits.shape[-1], device=device)
-            draft_probs = sampling.probs(draft_logits)
-            draft[0, 1:] = race(draft_probs, draft_noise[0, : size - 1])
+            final_noise = sampling.noise(1, head.shape[0], device=device)
+            noise = draft_noise[:, : size - 1]
+            temperature = torch.full((), sampling.temperature, device=device)
+        drafts, draft_probs = drafter.propose(hidden[:, 1:], draft[:, 0], head, temperature, noise)
+        draft[0, 1:] = drafts[0]
         out = model(draft, **{cache_argument(model): cache}, use_cache=True, output_hidden_states=True)
         if sampling is None:
             posterior = out.logits[0].argmax(-1)
             accepted = int((draft[0, 1:] == posterior[:-1]).cumprod(0).sum())
             following = int(posterior[accepted])
         else:
-            accepted_t, token = rejection_sample(draft_probs[None], sampling.probs(out.logits), draft[:, 1:],
+            accepted_t, token = rejection_sample(draft_probs, sampling.probs(out.logits), draft[:, 1:],
                                                  uniforms[:, : size - 1], final_noise)
             accepted, following = int(accepted_t[0]), int(token[0])
         new = draft[0, 1 : accepted + 1].tolist() + [following]

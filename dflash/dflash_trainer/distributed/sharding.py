@@ -80,8 +80,11 @@ class Sharded:
         self.drafter = drafter.to(device=device, dtype=torch.float32)
         mesh = DeviceMesh.from_group(group, device.type) if group is not None else None
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for layer in self.drafter.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        # DFlash 2's selector runs outside the drafter's forward (in the loss): its own unit gathers its weights.
+        units = [*self.drafter.layers] + ([self.drafter.candidate_selector]
+                                          if self.drafter.candidate_selector is not None else [])
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
         fully_shard(self.drafter, mesh=mesh, mp_policy=policy)
         self.module = self.drafter
 

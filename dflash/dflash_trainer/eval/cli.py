@@ -44,6 +44,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..infra.dtypes import DTYPES
     from ..infra.hub import remote_code_hint
     from ..infra.metrics import PlainProgress, say_progress
+    from ..model.drafter import DFLASH2_DEFAULTS
     from ..run import checkpoint as ckpt
     from ..run import model_card
     from ..run import run_dir as run_dir_lib
@@ -222,8 +223,11 @@ def check_drafter_dir(path: Path) -> dict:
         raise EvalError(f"{config_file} has no dflash_config (mask_token_id, target_layer_ids): not a DFlash drafter. "
                         "Point --drafter at the drafter directory, not the target or the run directory")
     if "DFlash2DraftModel" in (raw.get("architectures") or []):
-        raise EvalError(f"{path} is a DFlash 2 drafter (candidate selector, convolutions), which dflash-eval does "
-                        "not implement; evaluate it with z-lab's dflash benchmark")
+        lacking = [k for k in DFLASH2_DEFAULTS if dflash.get(k) is None]
+        if lacking:
+            raise EvalError(f"{config_file} is a DFlash 2 drafter and lacks dflash_config {lacking}: add them as "
+                            "z-lab's DFlash 2 drafters have them (defaults "
+                            + ", ".join(f"{k} {v}" for k, v in DFLASH2_DEFAULTS.items() if k in lacking) + ")")
     missing = [k for k in ("mask_token_id", "target_layer_ids") if dflash.get(k) is None] + \
         (["block_size"] if raw.get("block_size") is None else [])
     if missing:

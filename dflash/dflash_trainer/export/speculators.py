@@ -26,6 +26,10 @@ def _unserved_scales(config: dict) -> dict:
 
 
 def speculators_config(config: dict, target: str, target_cfg: dict) -> dict:
+    if "DFlash2DraftModel" in (config.get("architectures") or []):
+        raise ExportError("the drafter is a DFlash 2 drafter (DFlash2DraftModel: convolutions and a candidate "
+                          "selector), and --format speculators writes speculators' DFlash model, which has neither: "
+                          "serve this directory as it is (z-lab's dflash or AutoModel, docs/serving.md)")
     if scales := _unserved_scales(config):
         raise ExportError(f"the drafter was trained with its target's {scales}, which speculators' DFlash model has "
                           "no key for (it applies no embedding scale, logit multiplier or softcap): its export would "

@@ -1,5 +1,9 @@
 """The DFlash drafter: L Qwen3 decoder layers conditioned on a frozen target by KV injection.
 
+Two kinds, by `architectures`: DFlash (z-lab's DFlashDraftModel) and DFlash 2 (DFlash2DraftModel: every layer
+gets grouped dynamic causal convolutions around attention and the MLP, and a candidate selector re-ranks the
+top-k tokens of each block position by the token drafted before it; model/dflash2/).
+
 Parameter names and the saved directory match the published z-lab drafters, so the checkpoints
 load in z-lab's ``dflash`` package, SGLang and vLLM. The drafter owns no embedding and no LM head:
 it borrows the target's (frozen) ones, and returns normalised hidden states.
@@ -29,6 +33,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from ..infra import storage
 from ..target.frozen import borrowed_scales, drafter_rope, text_config
 from . import modeling_dflash
+from .dflash2.modules import CandidateSelector, GroupedDynamicCausalConv
+from .sampling import race, temperature_probs
 
 # The attention kernel is injected: (q [b,h,Q,d], k [b,kv,S+Q,d], v) -> [b,h,Q,d].
 # Training passes the compiled flex_attention with the DFlash BlockMask, inference and the
@@ -36,10 +42,20 @@ from . import modeling_dflash
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 ARCHITECTURE = "DFlashDraftModel"
-# What `AutoModel.from_pretrained(dir, trust_remote_code=True)` builds: the class in the modelling file that
-# save_pretrained writes beside the weights (z-lab's published drafters name theirs the same way).
+# drafter.kind -> the serving class z-lab's package picks by `architectures`.
+ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
+# DFlash 2's settings, with z-lab's and speculators' defaults; saved in dflash_config under these names.
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+
+
+def drafter_kind(config) -> str:
+    """dflash or dflash2, from a drafter config's architectures."""
+    names = list(getattr(config, "architectures", None) or [ARCHITECTURE])
+    return "dflash2" if ARCHITECTURES["dflash2"] in names else "dflash"
+# What `AutoModel.from_pretrained(dir, trust_remote_code=True)` builds, per kind: the class in the modelling file
+# that save_pretrained writes beside the weights (z-lab's published drafters name theirs the same way).
 MODELING_FILE = Path(modeling_dflash.__file__).name
-AUTO_MAP = {"AutoModel": f"{Path(MODELING_FILE).stem}.{modeling_dflash.DFlashDraftModel.__name__}"}
+AUTO_MAP = {kind: {"AutoModel": f"{Path(MODELING_FILE).stem}.{name}"} for kind, name in ARCHITECTURES.items()}
 
 
 def build_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -65,6 +81,24 @@ class DrafterShape:
     mask_token_id: int = 0
     target_layer_ids: tuple[int, ...] | None = None  # None: the published rule with num_layers ids
     intermediate_size: int | None = None  # None: the target's
+    kind: str = "dflash"  # a key of ARCHITECTURES
+    conv_kernel_size: int = DFLASH2_DEFAULTS["conv_kernel_size"]  # dflash2 only, as the three below
+    conv_group_size: int = DFLASH2_DEFAULTS["conv_group_size"]
+    selector_rank: int = DFLASH2_DEFAULTS["selector_rank"]
+    selector_top_k: int = DFLASH2_DEFAULTS["selector_top_k"]
+
+
+def _dflash2_settings(shape: DrafterShape, hidden_size: int, vocab: int) -> dict:
+    """DFlash 2's dflash_config entries, refused where z-lab's modules could not be built from them."""
+    if hidden_size % shape.conv_group_size:
+        raise ValueError(f"conv_group_size {shape.conv_group_size} does not divide the hidden size {hidden_size}: "
+                         "pick a divisor of it (16 divides every common one)")
+    if shape.conv_kernel_size > shape.block_size:
+        raise ValueError(f"conv_kernel_size {shape.conv_kernel_size} exceeds block_size {shape.block_size}: a "
+                         "convolution never reaches past its block")
+    if shape.selector_top_k > vocab:
+        raise ValueError(f"selector_top_k {shape.selector_top_k} exceeds the target's vocabulary ({vocab} tokens)")
+    return {name: int(getattr(shape, name)) for name in DFLASH2_DEFAULTS}
 
 
 def _first_attr(config, names: tuple[str, ...], default=None):
@@ -94,6 +128,9 @@ def drafter_config(target_config, shape: DrafterShape, borrowed: dict | None = N
                          "drafter.intermediate_size")
     if borrowed is None:
         borrowed = borrowed_scales(target_config)
+    if shape.kind not in ARCHITECTURES:
+        raise ValueError(f"drafter kind {shape.kind!r} is not one of {sorted(ARCHITECTURES)}")
+    kind_settings = _dflash2_settings(shape, tc.hidden_size, vocab) if shape.kind == "dflash2" else {}
     heads = tc.num_attention_heads
     config = Qwen3Config(
         vocab_size=vocab,
@@ -110,12 +147,12 @@ def drafter_config(target_config, shape: DrafterShape, borrowed: dict | None = N
         attention_bias=getattr(tc, "attention_bias", False),
         tie_word_embeddings=False,
         layer_types=["full_attention"] * shape.num_layers,
-        architectures=[ARCHITECTURE],
+        architectures=[ARCHITECTURES[shape.kind]],
         block_size=shape.block_size,
         num_target_layers=num_target_layers,
         target_model_type=tc.model_type,  # the family it drafts for: dflash-eval refuses a target of another
         dflash_config={"mask_token_id": shape.mask_token_id, "target_layer_ids": layer_ids,
-                       **{k: v for k, v in borrowed.items() if v != IDENTITY_SCALES[k]}},
+                       **{k: v for k, v in borrowed.items() if v != IDENTITY_SCALES[k]}, **kind_settings},
     )
     if borrowed.get("output_multiplier", 1.0) != 1.0:
         # vLLM's DFlash model scales the draft logits by the top-level logit_scale, not by output_multiplier.
@@ -173,6 +210,15 @@ class DrafterAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
 
+def _convolutions(config: Qwen3Config) -> tuple[GroupedDynamicCausalConv, GroupedDynamicCausalConv] | None:
+    """DFlash 2's two convolutions of a layer (around attention, around the MLP); None for DFlash."""
+    if drafter_kind(config) != "dflash2":
+        return None
+    dflash = config.dflash_config
+    return tuple(GroupedDynamicCausalConv(config.hidden_size, int(dflash["conv_kernel_size"]),
+                                          int(dflash["conv_group_size"]), int(config.block_size)) for _ in range(2))
+
+
 class DrafterLayer(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -180,11 +226,31 @@ class DrafterLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        convs = _convolutions(config)
+        self.attention_conv, self.mlp_conv = convs if convs else (None, None)
 
     def forward(self, x, context, cos, sin, attention: AttentionFn):
         # The context is not normalised by this layer's input norm: it was fused once by hidden_norm.
-        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.attention_part(x, lambda h: self.self_attn(h, context, cos, sin, attention))
+        return x + self.mlp_part(x)
+
+    def attention_part(self, x, attend):
+        """The attention sublayer's output, before the residual add (attend: normalised x -> attention output,
+        so that decoding can attend to its cached context). DFlash 2 convolves its input and output (z-lab's
+        prepare / finish)."""
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            return attend(h)
+        h, kernel = self.attention_conv.prepare(h)
+        return self.attention_conv.finish(attend(h), kernel)
+
+    def mlp_part(self, x):
+        """The MLP sublayer's output, before the residual add (DFlash 2: convolved as attention's)."""
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is None:
+            return self.mlp(h)
+        h, kernel = self.mlp_conv.prepare(h)
+        return self.mlp_conv.finish(self.mlp(h), kernel)
 
 
 class DFlashDrafter(nn.Module):
@@ -211,6 +277,11 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.kind = drafter_kind(config)
+        self.candidate_selector = None
+        if self.kind == "dflash2":
+            self.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size,
+                                                        int(dflash["selector_rank"]), int(dflash["selector_top_k"]))
         self.reset_parameters()
 
     def reset_parameters(self, std: float | None = None) -> None:
@@ -222,6 +293,11 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, Qwen3RMSNorm):
                 nn.init.ones_(module.weight)
+        for module in self.modules():  # DFlash 2: convolutions start as the identity, as speculators starts them
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.reset_parameters()
+        if self.candidate_selector is not None:
+            self.candidate_selector.reset_parameters(std)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[b, S, K*H] target features -> [b, S, H] context: per token, so decoding fuses each token once."""
@@ -251,6 +327,23 @@ class DFlashDrafter(nn.Module):
         """Logits through the target's LM head and its logit transform (z-lab's compute_logits)."""
         return shape_logits(F.linear(hidden, head_weight), self.output_multiplier, self.final_logit_softcapping)
 
+    def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, head_weight: torch.Tensor,
+                temperature: torch.Tensor | None = None,
+                noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts [b, n] for the block's positions 1..n (hidden [b, n, H], anchors [b] the block's first token),
+        as z-lab serves them, and the distribution q [b, n, V] they were drawn from (None when greedy).
+
+        temperature None: greedy (the logits' argmax, or DFlash 2's candidate selector along the block). A 0-dim
+        fp32 temperature > 0 with Exp(1) noise [b, n, V]: sampled by the exponential race (model/sampling.py),
+        each slot from softmax(logits / T), or DFlash 2's selector sampling along the block."""
+        logits = self.logits(hidden.to(head_weight.dtype), head_weight)
+        if self.candidate_selector is not None:
+            return self.candidate_selector.select(hidden, logits, anchors, temperature, noise)
+        if temperature is None:
+            return logits.argmax(-1), None
+        probs = temperature_probs(logits, temperature)
+        return race(probs, noise), probs
+
     # ---- Hugging Face directory in the published drafters' format -------------------------------
 
     def save_pretrained(self, directory: str | Path, state_dict: dict | None = None) -> Path:
@@ -259,7 +352,7 @@ class DFlashDrafter(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
         config = copy.deepcopy(self.config)
-        config.auto_map = dict(AUTO_MAP)
+        config.auto_map = dict(AUTO_MAP[self.kind])
         config.dtype = next(v.dtype for v in state.values() if v.is_floating_point())  # what dtype="auto" loads
         config.save_pretrained(directory)
         shutil.copyfile(modeling_dflash.__file__, directory / MODELING_FILE)
@@ -274,8 +367,9 @@ class DFlashDrafter(nn.Module):
         if not config_path.is_file():
             raise FileNotFoundError(f"{directory} has no config.json: not a drafter checkpoint directory")
         raw = json.loads(config_path.read_text())
-        if ARCHITECTURE not in raw.get("architectures", []):
-            raise ValueError(f"{config_path}: architectures {raw.get('architectures')} lacks {ARCHITECTURE}")
+        if not set(ARCHITECTURES.values()) & set(raw.get("architectures") or []):
+            raise ValueError(f"{config_path}: architectures {raw.get('architectures')} names none of "
+                             f"{sorted(ARCHITECTURES.values())}")
         config = Qwen3Config.from_pretrained(directory)
         with torch.device("meta"):
             model = cls(config)

@@ -42,4 +42,9 @@ def drafter_step_flops(config, batch: int, ctx_len: int, num_blocks: int, pairs:
     attention = 4 * pairs * d * nh  # QK^T and PV over the visible pairs
     fc = 2 * batch * ctx_len * k_feats * h * h
     head = 2 * batch * num_blocks * (config.block_size - 1) * h * vocab  # slot 0 (the anchor) has no head rows
-    return 3 * (layers * (per_layer + attention)) + 2 * fc + 2 * head
+    dflash, selector = config.dflash_config, 0
+    if "selector_rank" in dflash:  # DFlash 2: two kernel projections per layer, the selector's hidden projection
+        groups = h // int(dflash["conv_group_size"])
+        per_layer += 2 * 2 * q_rows * h * 2 * int(dflash["conv_kernel_size"]) * groups
+        selector = 2 * batch * num_blocks * (config.block_size - 1) * h * int(dflash["selector_rank"])
+    return 3 * (layers * (per_layer + attention) + selector) + 2 * fc + 2 * head

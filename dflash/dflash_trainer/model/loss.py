@@ -36,6 +36,8 @@ class LossSums:
     slot_count: torch.Tensor  # [B] positions with weight > 0
     # the sum of the position weights the loss chose (D-PACE's); None: the blocks' own weights (Blocks.total_weight)
     weight: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None  # [rows, k] the top-k tokens of each scored row (DFlash 2's selector)
+    row_weights: torch.Tensor | None = None  # [rows] D-PACE's weight of each scored row, where it chose them
 
 
 def ce_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, with_grad: bool):
@@ -157,11 +159,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     mixture: the objective against the target (None: CE); dpace: (alpha, scale): each row's loss and gradient
     computed unweighted, then weighted by D-PACE's weights (times scale) once every row's CE is known (the
-    gradient is linear in a row's weight); None: by `weights`."""
+    gradient is linear in a row's weight); None: by `weights`. top_k > 0: also each row's top_k tokens, from the
+    same logits (DFlash 2's selector candidates)."""
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad, shaping,
-                mixture, target_hidden, dpace):
+                mixture, target_hidden, dpace, top_k):
         if mixture is not None:  # the torch mixture holds several fp32 [rows, vocab] tensors: smaller chunks
             chunk_rows = max(1, min(chunk_rows, MIXTURE_CHUNK_LOGITS // head_weight.shape[0]))
         kernel = _chunk_kernel(mixture, head_weight, shaping, hidden.is_cuda and with_grad, with_grad)
@@ -173,11 +176,14 @@ class _HeadCrossEntropy(torch.autograd.Function):
         correct = torch.zeros(block_size, device=hidden.device)
         count = torch.zeros(block_size, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if with_grad else None
+        candidates = torch.zeros(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_rows):
             sl = slice(start, start + chunk_rows)
             logits = F.linear(hidden[sl], head_weight)
             if shaping is not None:  # the target's logit transform (Gemma 2's soft-cap): chain rule through it
                 logits, slope = _shaped_with_slope(logits, *shaping)
+            if top_k:  # before the kernel, which may write the gradient over the logits
+                candidates[sl] = torch.topk(logits, top_k, dim=-1).indices
             part, grad_logits, hit, ce = kernel(logits, labels[sl], weights[sl],
                                                 None if target_hidden is None else target_hidden[sl])
             del logits
@@ -191,25 +197,25 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 row_loss[sl], row_ce[sl] = part, ce
             correct.index_add_(0, slots[sl], (hit & scored[sl]).float())
             count.index_add_(0, slots[sl], scored[sl].float())
-        weight = total.new_zeros(())  # the weights' sum where D-PACE chose them (else the caller's own)
+        row_weights = total.new_zeros(0)  # each row's weight where D-PACE chose them (else the caller's own)
         if dpace is not None:
-            total, weight = _weigh_by_dpace(row_loss, row_ce, scored, block_size, grad_hidden, *dpace)
+            total, row_weights = _weigh_by_dpace(row_loss, row_ce, scored, block_size, grad_hidden, *dpace)
         ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(correct, count, weight)
-        return total, correct, count, weight
+        ctx.mark_non_differentiable(correct, count, row_weights, candidates)
+        return total, correct, count, row_weights, candidates
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct, _grad_count, _grad_weight):
+    def backward(ctx, grad_total, _grad_correct, _grad_count, _grad_weights, _grad_candidates):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_total.to(grad_hidden.dtype), *[None] * 11)
+        return (grad_hidden * grad_total.to(grad_hidden.dtype), *[None] * 12)
 
 
 def _weigh_by_dpace(row_loss, row_ce, scored, block_size: int, grad_hidden, alpha: float, scale: float):
-    """The loss and (in place) the rows' gradients weighted by D-PACE (times scale); (the loss, the weights' sum)."""
-    position_weights = dpace_weights(row_ce, scored, block_size - 1, alpha) * scale
+    """The loss and (in place) the rows' gradients weighted by D-PACE (times scale); (the loss, the weights)."""
+    position_weights = dpace_weights(row_ce, scored, block_size - 1, alpha)
     if grad_hidden is not None:
-        grad_hidden.mul_(position_weights.unsqueeze(1).to(grad_hidden.dtype))
-    return (position_weights * row_loss).sum(), position_weights.sum() / scale
+        grad_hidden.mul_((position_weights * scale).unsqueeze(1).to(grad_hidden.dtype))
+    return (position_weights * scale * row_loss).sum(), position_weights
 
 
 def _shaped_with_slope(raw: torch.Tensor, multiplier: float, softcap: float | None):
@@ -219,6 +225,12 @@ def _shaped_with_slope(raw: torch.Tensor, multiplier: float, softcap: float | No
         return scaled, multiplier
     capped = torch.tanh(scaled / softcap) * softcap
     return capped, (1 - (capped.float() / softcap) ** 2).mul_(multiplier).to(raw.dtype)
+
+
+def scored_rows(t: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[b, N*B, ...] -> [b*N*(B-1), ...]: every block's slots 1..B-1 (slot 0, the anchor, never carries loss)."""
+    b, rows = t.shape[:2]
+    return t.reshape(b, rows // block_size, block_size, *t.shape[2:])[:, :, 1:].reshape(-1, *t.shape[2:])
 
 
 def chunked_block_loss(
@@ -233,16 +245,15 @@ def chunked_block_loss(
     objective: Objective | None = None,  # None, or ce alone: the CE path
     target_hidden: torch.Tensor | None = None,  # [b, N*B, H] the target's final normed hidden state before each
     # block position (the one whose logits predict its token); needed where objective.needs_target
+    top_k: int = 0,  # > 0: also the top_k tokens of each scored row (LossSums.candidates), from the same logits
 ) -> LossSums:
     if head_weight.requires_grad:
         raise ValueError("the LM head is the target's and must be frozen (requires_grad=False): DFlash does "
                          "not train it, and the loss computes gradients for the drafter's hidden states only")
     # Slot 0 of every block is the anchor itself: it never carries loss (anchors.build_blocks), so its
     # rows skip the head's two GEMMs and the CE kernel (1/B of the largest GEMMs of the step).
-    b, rows = hidden.shape[:2]
-
-    def scored(t: torch.Tensor) -> torch.Tensor:  # [b, N*B, ...] -> [b*N*(B-1), ...], slot 0 dropped
-        return t.reshape(b, rows // block_size, block_size, *t.shape[2:])[:, :, 1:].reshape(-1, *t.shape[2:])
+    def scored(t: torch.Tensor) -> torch.Tensor:
+        return scored_rows(t, block_size)
 
     h = scored(hidden)
     slots = torch.arange(1, block_size, device=h.device).repeat(h.shape[0] // (block_size - 1))
@@ -258,7 +269,9 @@ def chunked_block_loss(
     if dpace is None and ce_scale != 1.0:
         weights = weights * ce_scale
     target_rows = scored(target_hidden.to(head_weight.dtype)) if mixture is not None else None
-    total, correct, count, weight = _HeadCrossEntropy.apply(
+    total, correct, count, row_weights, candidates = _HeadCrossEntropy.apply(
         h, head_weight, scored(labels), scored(weights).to(torch.float32), slots, block_size, chunk_rows, with_grad,
-        shaping, mixture, target_rows, dpace)
-    return LossSums(total, correct, count, weight if dpace is not None else None)
+        shaping, mixture, target_rows, dpace, top_k)
+    chosen = dpace is not None
+    return LossSums(total, correct, count, row_weights.sum() if chosen else None, candidates if top_k else None,
+                    row_weights if chosen else None)

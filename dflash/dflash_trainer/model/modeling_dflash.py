@@ -1,4 +1,5 @@
-"""The DFlash drafter as a Hugging Face model class, for `AutoModel.from_pretrained(dir, trust_remote_code=True)`.
+"""The DFlash and DFlash 2 drafters as Hugging Face model classes, for `AutoModel.from_pretrained(dir,
+trust_remote_code=True)`.
 
 A published drafter directory carries a copy of this file beside its weights, and config.json's
 `auto_map` names its class (as z-lab's published drafters do), so a hub user gets the drafter, not a
@@ -11,6 +12,11 @@ plain Qwen3Model. Self-contained on purpose: it imports only torch and transform
 `target_hidden`: [b, S, K*H] hidden states of the target's tapped layers (`target_layer_ids`, taken after
 each layer: `output_hidden_states[i + 1]`) for the context; `noise_embedding`: [b, Q, H] the target's
 input embedding of the block (the last verified token, then `mask_token_id`s); `position_ids`: [b, S + Q].
+
+DFlash 2 (`DFlash2DraftModel`, z-lab's): every layer convolves its attention and MLP sublayers (grouped dynamic
+causal convolutions within the block), and its candidate selector drafts the block's tokens:
+
+    tokens, candidates, q = draft.propose(hidden[:, 1:], block_ids[:, 0], target.lm_head, temperature)
 """
 
 from __future__ import annotations
@@ -66,6 +72,72 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
 
+def _grouped_dynamic_convolve(hidden, dynamic, base, group_size):
+    """A causal convolution over the block's positions (zeros before its first): a base kernel per offset plus
+    a per-token kernel shared by each group of group_size channels (z-lab's)."""
+    batch, length, hidden_size = hidden.shape
+    groups = hidden_size // group_size
+    blocks = hidden.view(batch, length, groups, group_size)
+    dynamic = dynamic.view(batch, length, base.shape[0], groups, 1)
+    output = torch.zeros_like(blocks)
+    for offset in range(min(base.shape[0], length)):
+        values = blocks if offset == 0 else F.pad(blocks[:, :-offset], (0, 0, 0, 0, offset, 0))
+        output = output + base[offset].view(1, 1, groups, group_size).to(hidden.dtype) * values
+        output = torch.addcmul(output, dynamic[:, :, offset], values)
+    return output.view_as(hidden)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """base_kernel [2, K, H] (the sublayer's input side, its output side); kernel_projection H -> 2*K*groups."""
+
+    def __init__(self, hidden_size, kernel_size, group_size):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
+
+    def prepare(self, hidden):
+        dynamic = self.kernel_projection(hidden).view(*hidden.shape[:-1], 2, self.kernel_size, -1)
+        return (_grouped_dynamic_convolve(hidden, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size),
+                dynamic[..., 1, :, :])
+
+    def finish(self, hidden, dynamic):
+        return _grouped_dynamic_convolve(hidden, dynamic, self.base_kernel[1], self.group_size)
+
+
+class CandidateSelector(nn.Module):
+    """Re-ranks each position's top-k tokens by predecessor_codebook[prev] * hidden_projection(h) .
+    successor_codebook[candidate], added to the candidate's logit."""
+
+    def __init__(self, config):
+        super().__init__()
+        rank = int(_draft_value(config, "selector_rank"))
+        self.top_k = int(_draft_value(config, "selector_top_k"))
+        self.predecessor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def select(self, hidden, logits, anchor_ids, temperature=0.0):
+        """(tokens [b, n], candidates [b, n, k], q [b, n, k] or None): the path through the block, each
+        position's candidate the best (temperature 0) or sampled from softmax(scores / T) (z-lab's select)."""
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
+        projected = self.hidden_projection(hidden)
+        predecessor, path, q_rows = anchor_ids, [], []
+        for position in range(hidden.shape[1]):
+            scores = unary[:, position] + torch.einsum(
+                "br,bkr->bk", F.embedding(predecessor, self.predecessor_codebook) * projected[:, position],
+                F.embedding(candidates[:, position], self.successor_codebook))
+            if temperature > 0:
+                q = torch.softmax(scores.float() / temperature, dim=-1)
+                index = torch.multinomial(q, 1)[:, 0]
+                q_rows.append(q)
+            else:
+                index = scores.argmax(-1)
+            predecessor = candidates[:, position].gather(-1, index[:, None])[:, 0]
+            path.append(predecessor)
+        return torch.stack(path, dim=1), candidates, torch.stack(q_rows, dim=1) if q_rows else None
+
+
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -73,10 +145,21 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None  # DFlash 2's (DFlash2DraftModel sets them)
 
     def forward(self, hidden, context, cos, sin):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        h = self.input_layernorm(hidden)
+        if self.attention_conv is None:
+            h = self.self_attn(h, context, cos, sin)
+        else:
+            h, kernel = self.attention_conv.prepare(h)
+            h = self.attention_conv.finish(self.self_attn(h, context, cos, sin), kernel)
+        hidden = hidden + h
+        h = self.post_attention_layernorm(hidden)
+        if self.mlp_conv is None:
+            return hidden + self.mlp(h)
+        h, kernel = self.mlp_conv.prepare(h)
+        return hidden + self.mlp_conv.finish(self.mlp(h), kernel)
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
@@ -116,3 +199,21 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         if softcap:
             logits = torch.tanh(logits / float(softcap)) * float(softcap)
         return logits
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash 2: each layer's attention and MLP convolved within the block, and a candidate selector."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        kernel_size, group_size = int(_draft_value(config, "conv_kernel_size")), int(_draft_value(config, "conv_group_size"))
+        for layer in self.layers:
+            layer.attention_conv = GroupedDynamicCausalConv(config.hidden_size, kernel_size, group_size)
+            layer.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, kernel_size, group_size)
+        self.candidate_selector = CandidateSelector(config)
+        self.post_init()
+
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, output_head, temperature: float = 0.0):
+        """The block's drafts after its first token: (tokens, candidates, q), as z-lab's propose."""
+        return self.candidate_selector.select(hidden, self.compute_logits(hidden, output_head), anchor_ids,
+                                              temperature)

@@ -1,5 +1,6 @@
 """One drafter micro-batch's math: anchors -> blocks + attention (prepare_micro_batch) -> drafter ->
-chunked weighted loss (drafter_loss, un-normalised sums: CE, or the objective's mix against the target). step.DrafterStep runs them (with the backward
+chunked weighted loss (drafter_loss, un-normalised sums: CE, or the objective's mix against the target; DFlash 2
+adds its selector's CE, model/dflash2/objective.py). step.DrafterStep runs them (with the backward
 and the optimizer) for the train loop, the compile step and the benchmark; evaluation uses them too.
 
 Attention backends:
@@ -18,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from .anchors import Blocks, build_blocks, sample_anchors
+from .dflash2.objective import predecessors, selector_ce
 from .drafter import AttentionFn, DFlashDrafter
 from .flops import visible_pairs
-from .loss import LossSums, Objective, chunked_block_loss
+from .loss import LossSums, Objective, chunked_block_loss, scored_rows
 from .mask import dense_mask, dflash_block_mask
 
 
@@ -121,6 +123,7 @@ def drafter_loss(
     compiled_layers: bool = False,
     objective: Objective | None = None,
     target_hidden: torch.Tensor | None = None,
+    selector_loss_weight: float = 1.0,
 ) -> LossSums:
     """`model` is what runs the forward (the DDP wrapper on drafter ranks); `drafter` by default.
 
@@ -129,6 +132,7 @@ def drafter_loss(
 
     compiled_layers: run each layer through COMPILED_LAYER, and the norms around them through COMPILED_FUSE
     and COMPILED_NORM (GPU training with the flex backend).
+    selector_loss_weight: DFlash 2's selector CE weight beside the unary term (speculators' selector_loss_alpha).
     """
     b, ctx_len = features.shape[:2]
     block_embeds = F.embedding(blocks.token_ids, embed_weight)
@@ -145,5 +149,40 @@ def drafter_loss(
         # Block position a+k predicts x[a+k]; the target predicts that token from position a+k-1.
         before = (blocks.position_ids - 1).clamp(0, ctx_len - 1)
         target_rows = target_hidden.gather(1, before.unsqueeze(-1).expand(-1, -1, target_hidden.shape[-1]))
+    selector = drafter.candidate_selector
+    sums = unary_objective(drafter, hidden, head_weight, blocks, chunk_rows, selector.top_k if selector else 0,
+                           objective, target_rows)
+    if selector is None:
+        return sums
+    return _with_selector(drafter, hidden, head_weight, blocks, sums, chunk_rows, selector_loss_weight)
+
+
+def unary_objective(drafter: DFlashDrafter, hidden, head_weight, blocks: Blocks, chunk_rows: int, top_k: int,
+                    objective: Objective | None = None, target_rows: torch.Tensor | None = None) -> LossSums:
+    """The per-position objective over the LM head's logits, for both kinds: train.loss_*'s mixture (CE on the
+    data's token, KL / TV against the target's distribution, from target_rows: the target's final hidden state
+    before each block position) with the position weighting; DFlash 2's unary term (speculators' default is its
+    KL). top_k > 0 also returns each scored row's top-k tokens (the selector's candidates)."""
     return chunked_block_loss(hidden, head_weight, blocks.labels, blocks.weights, drafter.block_size, chunk_rows,
-                              drafter.output_multiplier, drafter.final_logit_softcapping, objective, target_rows)
+                              drafter.output_multiplier, drafter.final_logit_softcapping, objective, target_rows,
+                              top_k=top_k)
+
+
+def _with_selector(drafter: DFlashDrafter, hidden, head_weight, blocks: Blocks, sums: LossSums, chunk_rows: int,
+                   weight: float) -> LossSums:
+    """DFlash 2: the selector's weighted CE added to the unary term, each position weighted as the unary term
+    weighs it (the blocks' decay, or D-PACE's weights where it chose them); the slots' accuracy becomes the
+    selector's (teacher-forced: the token serving would draft there, given the right tokens before it)."""
+    block = drafter.block_size
+
+    def rows(t):
+        return scored_rows(t, block)
+
+    weights = rows(blocks.weights) if sums.row_weights is None else sums.row_weights
+    total, hit = selector_ce(drafter.candidate_selector, rows(hidden), head_weight, rows(blocks.labels), weights,
+                             rows(predecessors(blocks.labels, block)), sums.candidates, chunk_rows,
+                             drafter.output_multiplier, drafter.final_logit_softcapping)
+    slots = torch.arange(1, block, device=hidden.device).repeat(weights.shape[0] // (block - 1))
+    correct = torch.zeros(block, device=hidden.device).index_add_(0, slots, (hit & (weights > 0)).float())
+    return LossSums(sums.weighted_loss + weight * total, correct, sums.slot_count, sums.weight, sums.candidates,
+                    sums.row_weights)

@@ -189,7 +189,8 @@ def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
         return drafter_config(target_config, DrafterShape(
             num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_token_id(cfg, tokenizer),
             target_layer_ids=tuple(d.target_layer_ids) if d.target_layer_ids else None,
-            intermediate_size=d.intermediate_size,
+            intermediate_size=d.intermediate_size, kind=d.kind, conv_kernel_size=d.conv_kernel_size,
+            conv_group_size=d.conv_group_size, selector_rank=d.selector_rank, selector_top_k=d.selector_top_k,
         ), borrowed)
     except ValueError as exc:  # layer ids or mask token outside the target
         raise ConfigError(f"drafter: {exc}") from exc

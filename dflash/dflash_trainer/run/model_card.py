@@ -78,8 +78,12 @@ def _scales(config: dict) -> str:
            "\nThe engines draft the tokens the drafter was trained to draft.\n"))
 
 
-def _serve(target: str, block: int, drafter_path: str) -> str:
-    """The commands that serve the drafter in each engine, with the keys each reads."""
+def _serve(target: str, block: int, drafter_path: str, architecture: str) -> str:
+    """The commands that serve the drafter in each engine, with the keys each reads (architecture: z-lab's class,
+    DFlashDraftModel or DFlash2DraftModel)."""
+    export = ("speculators' format (vLLM reads it too): `dflash-export --format speculators "
+              f"{drafter_path} OUT`." if architecture == "DFlashDraftModel" else
+              "speculators' DFlash format has no convolutions or selector: serve this directory as it is.")
     return f"""## Serve it
 
 Checked against {ENGINES}. `{drafter_path}` is this directory (or the hub id it is pushed to), `target`
@@ -88,8 +92,8 @@ the loaded target model.
 z-lab's package (`pip install dflash`), or `AutoModel` with this directory's `modeling_dflash.py`:
 
 ```python
-from dflash.model import DFlashDraftModel
-draft = DFlashDraftModel.from_pretrained("{drafter_path}", dtype="auto").cuda().eval()
+from dflash.model import {architecture}
+draft = {architecture}.from_pretrained("{drafter_path}", dtype="auto").cuda().eval()
 output_ids = draft.spec_generate(target, input_ids, max_new_tokens=512, stop_token_ids=[tokenizer.eos_token_id])
 
 from transformers import AutoModel  # the drafter's forward alone: target_hidden, noise_embedding, position_ids
@@ -111,7 +115,7 @@ python -m sglang.launch_server --model-path {target} \\
   --speculative-num-draft-tokens {block}
 ```
 
-speculators' format (vLLM reads it too): `dflash-export --format speculators {drafter_path} OUT`.
+{export}
 """
 
 
@@ -146,7 +150,7 @@ Training data:
 
 {tau_section(rows, source)}
 {_scales(config)}
-{_serve(target, block, drafter_path)}"""
+{_serve(target, block, drafter_path, (config.get("architectures") or ["DFlashDraftModel"])[0])}"""
     return str(ModelCard(f"---\n{meta.to_yaml()}\n---\n{body}"))
 
 
