@@ -250,7 +250,8 @@ def _why_not(stderr: str) -> str:
 
 
 def _resolve(uv: Path, venv: Path, requirement: str, args: list[str]) -> str:
-    """uv's hashed pin of `requirement` for the venv's Python and machine, looking where `args` say."""
+    """uv's pin of `requirement` for the venv's Python and machine, looking where `args` say; DevEnvError says
+    why not."""
     cmd = [str(uv), "pip", "compile", "-", "--no-deps", "--no-header", "--quiet", "--python",
            str(venv / "bin" / "python"), *args]
     print("+ " + " ".join(cmd) + f"  <<< {requirement}", flush=True)
@@ -262,10 +263,12 @@ def _resolve(uv: Path, venv: Path, requirement: str, args: list[str]) -> str:
 
 def cpu_torch_pin(uv: Path, venv: Path, source: TorchSource, version: str, offline: bool) -> str:
     """The hashed pin of torch==VERSION+cpu as `source` serves it for this Python and machine; DevEnvError says
-    why not. uv hashes what an index serves; the files of a directory are hashed here."""
-    remote = [] if source.kind == "directory" else ["--generate-hashes"]
-    pin = _resolve(uv, venv, f"torch=={version}+cpu", [*source.uv_args(), *remote, *(["--offline"] if offline else [])])
-    return _local_requirement(Path(source.where), "torch", f"{version}+cpu") if not remote else pin
+    why not. uv hashes what an index serves; the files of a directory are hashed here (uv hashes none)."""
+    args = [*source.uv_args(), *(["--offline"] if offline else [])]
+    if source.kind == "directory":
+        _resolve(uv, venv, f"torch=={version}+cpu", args)  # uv decides which wheel fits this Python and machine
+        return _local_requirement(Path(source.where), "torch", f"{version}+cpu")
+    return _resolve(uv, venv, f"torch=={version}+cpu", [*args, "--generate-hashes"])
 
 
 def pypi_torch_gb(project: Path, machine: str, python: tuple[int, int]) -> float:
@@ -310,10 +313,9 @@ def choose_torch(uv: Path, venv: Path, project: Path, torch_build: str, sources:
     except DevEnvError as exc:
         raise DevEnvError(f"{missing}; nor PyPI's build of torch {version} in {pypi} ({exc}): {fix}, or make "
                           f"{pypi} serve torch {version}") from exc
-    python = _python_of(str(venv / "bin" / "python"))
-    print(f"torch: {'installing' if wheels else 'downloading'} PyPI's build of torch {version} with the CUDA libraries it needs (about "
-          f"{pypi_torch_gb(project, platform.machine(), python):.1f} GB; it runs on CPU too) from {pypi}, because "
-          f"{missing}", flush=True)
+    size = pypi_torch_gb(project, platform.machine(), _python_of(str(venv / "bin" / "python")))
+    print(f"torch: {'installing' if wheels else 'downloading'} PyPI's build of torch {version} with the CUDA "
+          f"libraries it needs (about {size:.1f} GB; it runs on CPU too) from {pypi}, because {missing}", flush=True)
     return None
 
 
@@ -355,7 +357,7 @@ def install_editable(uv: Path, venv: Path, source: Path, wheels: Path | None) ->
 
 
 def build(uv: Path, venv: Path, project: Path, *, python: str, selection: list[str], torch_build: str = "lock",
-          sources: list[TorchSource] = (), wheels: Path | None = None, editable: Path | None = None) -> str:
+          sources: list[TorchSource] | None = None, wheels: Path | None = None, editable: Path | None = None) -> str:
     """Build `venv` from `project`'s uv.lock with `uv`; return the torch build installed ("cpu" or "lock"). The
     caller writes the stamp once this returns."""
     check_lock_current(uv, project)
@@ -363,7 +365,7 @@ def build(uv: Path, venv: Path, project: Path, *, python: str, selection: list[s
         run([uv, "venv", "--quiet", "--python", python, venv], f"creating the venv {venv}")
     with tempfile.TemporaryDirectory() as tmp:
         locked, cpu_pin = Path(tmp) / "locked.txt", Path(tmp) / "torch-cpu.txt"
-        cpu = None if torch_build == "lock" else choose_torch(uv, venv, project, torch_build, list(sources),
+        cpu = None if torch_build == "lock" else choose_torch(uv, venv, project, torch_build, sources or [],
                                                                  wheels, cpu_pin)
         export_requirements(uv, project, locked, selection, cpu_only_skips(project) if cpu else [])
         sync(uv, venv, [locked, *[p for p in [project / ZLAB_PINS] if p.is_file()]], wheels)
@@ -375,6 +377,7 @@ def build(uv: Path, venv: Path, project: Path, *, python: str, selection: list[s
 
 
 def nvidia_driver_loaded() -> bool:
+    """auto takes PyPI's CUDA build where the driver is loaded, without looking for the CPU build."""
     return Path("/proc/driver/nvidia/version").exists()
 
 
