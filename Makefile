@@ -9,8 +9,9 @@ PY         := $(VENV)/bin/python
 # The development venv is exactly uv.lock (image/devenv.py; `make dev-lock` refreshes it), plus z-lab's inference
 # package (imported as `dflash`, pinned in requirements-zlab.txt without its own pins) to prove the checkpoints we
 # write load in it. torch: TORCH_BUILD=lock is PyPI's build with the lock's hashes (CUDA on Linux), cpu the CPU
-# build of the locked version from TORCH_CPU_INDEX (an index URL or a directory of wheels); auto: cpu where no
-# NVIDIA driver is loaded. WHEEL_CACHE=DIR installs offline from DIR (`make dev-wheels` fills it).
+# build of the locked version, found where this machine's pip is configured to look, else in TORCH_CPU_INDEX (an
+# index URL or a directory of wheels); auto: lock where an NVIDIA driver is loaded, else cpu where found, else
+# lock. WHEEL_CACHE=DIR installs offline from DIR (`make dev-wheels` fills it).
 TORCH_BUILD     ?= auto
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 WHEEL_CACHE     ?=

@@ -2,9 +2,11 @@
 
 `install` builds VENV with exactly the lock's versions and hashes (runtime, the control and test extras, the
 locked setuptools for the editable install) plus z-lab's `dflash` (requirements-zlab.txt, without its own
-pins). torch comes as PyPI serves it for the platform (the CUDA build on Linux), or with --torch-build cpu
-as the CPU build of the locked version from a PyTorch CPU index or a directory of wheels. With --wheels DIR
-nothing is downloaded: every file comes from DIR (fill it with `make dev-wheels`).
+pins). torch comes as PyPI serves it for the platform (--torch-build lock: the CUDA build on Linux), or as the
+CPU build of the locked version (cpu), looked for where this machine's pip is configured to look (find-links,
+index-url, extra-index-url), then in --torch-cpu-index (the PyTorch CPU index, or a directory of wheels);
+auto takes that CPU build where no NVIDIA driver is loaded and one of those places serves it, else PyPI's
+build. With --wheels DIR nothing is downloaded: every file comes from DIR (fill it with `make dev-wheels`).
 
 A venv is only good once its stamp (VENV/.installed) names the lock it was built from: the stamp is removed
 before anything is touched and written last, so an interrupted or failed install never passes for a good one.
@@ -14,6 +16,7 @@ Standard library only: it runs from the bare `python3` that creates the venv.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import platform
 import re
@@ -21,6 +24,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 try:
@@ -142,28 +148,6 @@ def cpu_only_skips(project: Path) -> list[str]:
     return ["torch", *sorted(p["name"] for p in lock.get("package", []) if CUDA_RUNTIME.match(p["name"]))]
 
 
-def cpu_torch_requirement(uv: Path, project: Path, out: Path, torch_source: str, wheels: Path | None) -> None:
-    """The CPU build of the locked torch, with the hash its index serves (or of the wheel file in a directory)."""
-    version = locked_package(project, "torch")["version"]
-    directory = Path(torch_source) if Path(torch_source).is_dir() else wheels
-    try:
-        if directory:
-            out.write_text(_local_requirement(directory, "torch", f"{version}+cpu"))
-        else:
-            _compile_stdin(uv, f"torch=={version}+cpu\n", ["--index-url", torch_source, "-o", str(out)])
-    except DevEnvError as exc:
-        raise DevEnvError(f"no CPU build of the locked torch {version} in {directory or torch_source}: set "
-                          f"TORCH_CPU_INDEX to a PyTorch CPU index or a directory holding torch-{version}+cpu "
-                          f"wheels, or TORCH_BUILD=lock for PyPI's build ({exc})") from exc
-
-
-def torch_source_args(torch_source: str, wheels: Path | None) -> list[str]:
-    """Where the sync finds the CPU torch: its directory, its index (not with a wheel cache: offline)."""
-    if Path(torch_source).is_dir():
-        return ["--find-links", torch_source]
-    return [] if wheels else ["--extra-index-url", torch_source]
-
-
 def _local_requirement(directory: Path, name: str, version: str) -> str:
     """A hashed pin of the wheels of name==version in a directory (uv hashes no local find-links file)."""
     files = sorted(directory.glob(f"{name}-{version}-*.whl"))
@@ -171,6 +155,168 @@ def _local_requirement(directory: Path, name: str, version: str) -> str:
         raise DevEnvError(f"no {name}-{version}-*.whl in {directory}")
     hashes = [f"--hash=sha256:{hashlib.sha256(f.read_bytes()).hexdigest()}" for f in files]
     return " ".join([f"{name}=={version}", *hashes]) + "\n"
+
+
+# --- Where torch comes from -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TorchSource:
+    """A place that may serve the CPU build of torch, and who named it (pip's configuration, TORCH_CPU_INDEX, the
+    wheel cache). kind: "index" (PEP 503), "directory" of wheels, or "page" (a find-links page of links)."""
+
+    named_by: str
+    where: str
+    kind: str = "index"
+
+    def __str__(self) -> str:
+        return f"{self.named_by} {self.where}"
+
+    def uv_args(self) -> list[str]:
+        """uv arguments that look here and nowhere else."""
+        return ["--index-url", self.where] if self.kind == "index" else ["--no-index", "--find-links", self.where]
+
+
+def find_links_source(named_by: str, entry: str) -> TorchSource:
+    """A find-links entry as pip reads it: a directory (a path or a file:// URL) or a page of links (a URL)."""
+    url = urllib.parse.urlparse(entry)
+    if url.scheme in ("http", "https"):
+        return TorchSource(named_by, entry, "page")
+    path = urllib.request.url2pathname(url.path) if url.scheme == "file" else entry
+    return TorchSource(named_by, path, "page" if Path(path).is_file() else "directory")
+
+
+def read_pip_config(commands: list[list[str]]) -> dict[str, str] | None:
+    """Where `pip install` looks on this machine, as the first pip of `commands` that runs reads it (its config
+    files and PIP_* variables, merged by pip itself); None where no pip runs."""
+    for command in commands:
+        try:
+            proc = subprocess.run([*command, "config", "list"], capture_output=True, text=True, check=False,
+                                  timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if proc.returncode == 0:
+            return parse_pip_config(proc.stdout)
+    return None
+
+
+PIP_SECTIONS = {"global": 0, "install": 1, ":env:": 2}  # what `pip install` reads, the later overriding
+
+
+def parse_pip_config(listing: str) -> dict[str, str]:
+    """`pip config list` (section.key='value' lines, each key already merged across pip's files) as install sees
+    it: a PIP_* variable (section :env:) over the [install] section over [global]."""
+    settings: dict[str, str] = {}
+    rank: dict[str, int] = {}
+    for line in listing.splitlines():
+        key, _, value = line.partition("=")
+        section, _, name = key.rpartition(".")
+        if section in PIP_SECTIONS and PIP_SECTIONS[section] >= rank.get(name, -1):
+            try:
+                settings[name] = str(ast.literal_eval(value))
+            except (ValueError, SyntaxError):
+                continue
+            rank[name] = PIP_SECTIONS[section]
+    return settings
+
+
+def pip_sources(settings: dict[str, str]) -> list[TorchSource]:
+    """pip's find-links, then its index-url and extra-index-url (unless no-index), in pip's order."""
+    sources = [find_links_source("pip's find-links", entry) for entry in settings.get("find-links", "").split()]
+    if settings.get("no-index", "").lower() in ("1", "true", "yes", "on"):
+        return sources
+    return [*sources, *(TorchSource(f"pip's {key}", url) for key in ("index-url", "extra-index-url")
+                        for url in settings.get(key, "").split())]
+
+
+def torch_sources(cpu_index: str, wheels: Path | None, pip_config: dict[str, str] | None) -> list[TorchSource]:
+    """Where the CPU build of the locked torch is looked for, in order: where pip is configured to look, then
+    TORCH_CPU_INDEX (an index URL or a directory). With a wheel cache only the cache, after a TORCH_CPU_INDEX
+    directory: nothing is downloaded."""
+    cpu = (TorchSource("TORCH_CPU_INDEX", cpu_index, "directory") if Path(cpu_index).is_dir()
+           else TorchSource("TORCH_CPU_INDEX", cpu_index))
+    if wheels:
+        found = [cpu] if cpu.kind == "directory" else []
+        return [*found, TorchSource("the wheel cache", str(wheels), "directory")]
+    sources = [*pip_sources(pip_config or {}), cpu]
+    return [s for i, s in enumerate(sources) if s.where not in {t.where for t in sources[:i]}]
+
+
+def _why_not(stderr: str) -> str:
+    """uv's refusal in a few words: "not there" (with uv's hint on the Python or machine), or its last cause."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    if any("No solution found" in line for line in lines):
+        hints = [line.removeprefix("hint: ") for line in lines if line.startswith("hint:")]
+        return "not there" + (f": {hints[0]}" if hints else "")
+    return lines[-1].removeprefix("cause: ") if lines else "uv failed"
+
+
+def _resolve(uv: Path, venv: Path, requirement: str, args: list[str]) -> str:
+    """uv's pin of `requirement` for the venv's Python and machine, looking where `args` say; DevEnvError says
+    why not."""
+    cmd = [str(uv), "pip", "compile", "-", "--no-deps", "--no-header", "--quiet", "--python",
+           str(venv / "bin" / "python"), *args]
+    print("+ " + " ".join(cmd) + f"  <<< {requirement}", flush=True)
+    proc = subprocess.run(cmd, input=requirement + "\n", capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise DevEnvError(_why_not(proc.stderr))
+    return proc.stdout
+
+
+def cpu_torch_pin(uv: Path, venv: Path, source: TorchSource, version: str, offline: bool) -> str:
+    """The hashed pin of torch==VERSION+cpu as `source` serves it for this Python and machine; DevEnvError says
+    why not. uv hashes what an index serves; the files of a directory are hashed here (uv hashes none)."""
+    args = [*source.uv_args(), *(["--offline"] if offline else [])]
+    if source.kind == "directory":
+        _resolve(uv, venv, f"torch=={version}+cpu", args)  # uv decides which wheel fits this Python and machine
+        return _local_requirement(Path(source.where), "torch", f"{version}+cpu")
+    return _resolve(uv, venv, f"torch=={version}+cpu", [*args, "--generate-hashes"])
+
+
+def pypi_torch_gb(project: Path, machine: str, python: tuple[int, int]) -> float:
+    """What PyPI's torch and the CUDA libraries it pulls in weigh for this machine and Python (uv.lock's sizes)."""
+    lock = tomllib.loads((project / "uv.lock").read_text())
+    names, total = set(cpu_only_skips(project)), 0
+    for package in (p for p in lock.get("package", []) if p["name"] in names):
+        total += max((w.get("size", 0) for w in package.get("wheels", [])
+                      if _wheel_fits(w["url"], machine, python)), default=0)
+    return total / 1e9
+
+
+def _wheel_fits(url: str, machine: str, python: tuple[int, int]) -> bool:
+    python_tags, abi, platform_tag = url.rsplit("/", 1)[-1].removesuffix(".whl").split("-")[-3:]
+    pythons = python_tags.split(".")
+    return ((platform_tag == "any" or machine in platform_tag)
+            and (f"cp{python[0]}{python[1]}" in pythons or "py3" in pythons or abi == "abi3"))
+
+
+def choose_torch(uv: Path, venv: Path, project: Path, torch_build: str, sources: list[TorchSource],
+                 wheels: Path | None, pin: Path) -> TorchSource | None:
+    """The first source serving the CPU build of the locked torch (its pin written to `pin`), or None for PyPI's
+    build as uv.lock pins it. TORCH_BUILD=cpu stops where no source serves the CPU build; auto goes on to PyPI's
+    build (saying why) and stops only where that is not served either, naming every place it tried."""
+    version = locked_package(project, "torch")["version"]
+    tried = []
+    for source in sources:
+        try:
+            pin.write_text(cpu_torch_pin(uv, venv, source, version, offline=bool(wheels)))
+        except DevEnvError as exc:
+            tried.append(f"{source} ({exc})")
+            continue
+        print(f"torch: the CPU build {version}+cpu from {source}", flush=True)
+        return source
+    missing = f"no CPU build of the locked torch {version} in " + "; ".join(tried)
+    fix = f"set TORCH_CPU_INDEX to an index or a directory holding torch-{version}+cpu wheels"
+    if torch_build == "cpu":
+        raise DevEnvError(f"{missing}: {fix}, or TORCH_BUILD=lock for PyPI's build")
+    pypi = f"the wheel cache {wheels}" if wheels else "PyPI"
+    try:
+        _resolve(uv, venv, f"torch=={version}", source_args(wheels))
+    except DevEnvError as exc:
+        raise DevEnvError(f"{missing}; nor PyPI's build of torch {version} in {pypi} ({exc}): {fix}, or make "
+                          f"{pypi} serve torch {version}") from exc
+    size = pypi_torch_gb(project, platform.machine(), _python_of(str(venv / "bin" / "python")))
+    print(f"torch: {'installing' if wheels else 'downloading'} PyPI's build of torch {version} with the CUDA "
+          f"libraries it needs (about {size:.1f} GB; it runs on CPU too) from {pypi}, because {missing}", flush=True)
+    return None
 
 
 def _compile_stdin(uv: Path, requirement: str, args: list[str]) -> None:
@@ -181,19 +327,27 @@ def _compile_stdin(uv: Path, requirement: str, args: list[str]) -> None:
         raise DevEnvError("\n".join(proc.stderr.strip().splitlines()[-6:]))
 
 
-def sync(uv: Path, venv: Path, requirements: list[Path], wheels: Path | None, torch_args: list[str]) -> None:
+def sync(uv: Path, venv: Path, requirements: list[Path], wheels: Path | None) -> None:
     """Exactly these packages, each hash-checked; anything else in the venv is removed. Their bytecode is compiled
     here, once: where Python cannot write it (PYTHONDONTWRITEBYTECODE, a read-only venv) every process that
     imports torch and transformers would otherwise compile their sources again, about 8 s each."""
     try:
         run([uv, "pip", "sync", "--require-hashes", "--compile-bytecode", "--python", venv / "bin" / "python",
-             *source_args(wheels),
-             *torch_args, *requirements], "installing the locked packages")
+             *source_args(wheels), *requirements],
+            "installing the locked packages")
     except DevEnvError as exc:
         if wheels and re.search(r"not found|no version of|unsatisfiable", str(exc), re.IGNORECASE):
             raise DevEnvError(f"the wheel cache {wheels} lacks a locked wheel for this machine: run "
                               f"`make dev-wheels WHEEL_CACHE={wheels}` where PyPI is reachable ({exc})") from exc
         raise
+
+
+def install_cpu_torch(uv: Path, venv: Path, pin: Path, source: TorchSource, wheels: Path | None) -> None:
+    """torch alone, from the one source that serves its CPU build, bytecode compiled as sync does: its
+    dependencies come with the lock's other packages (an extra index in the sync would also serve those)."""
+    run([uv, "pip", "install", "--require-hashes", "--no-deps", "--compile-bytecode", "--python",
+         venv / "bin" / "python", *(["--offline"] if wheels else []), *source.uv_args(), "-r", pin],
+        f"installing torch's CPU build from {source}")
 
 
 def install_editable(uv: Path, venv: Path, source: Path, wheels: Path | None) -> None:
@@ -203,23 +357,28 @@ def install_editable(uv: Path, venv: Path, source: Path, wheels: Path | None) ->
 
 
 def build(uv: Path, venv: Path, project: Path, *, python: str, selection: list[str], torch_build: str = "lock",
-          torch_source: str = TORCH_CPU_INDEX, wheels: Path | None = None, editable: Path | None = None) -> None:
-    """Build `venv` from `project`'s uv.lock with `uv`; the caller writes the stamp once this returns."""
+          sources: list[TorchSource] | None = None, wheels: Path | None = None, editable: Path | None = None) -> str:
+    """Build `venv` from `project`'s uv.lock with `uv`; return the torch build installed ("cpu" or "lock"). The
+    caller writes the stamp once this returns."""
     check_lock_current(uv, project)
     if not (venv / "bin" / "python").exists():
         run([uv, "venv", "--quiet", "--python", python, venv], f"creating the venv {venv}")
     with tempfile.TemporaryDirectory() as tmp:
-        locked, cpu_torch = Path(tmp) / "locked.txt", Path(tmp) / "torch-cpu.txt"
-        skips = cpu_only_skips(project) if torch_build == "cpu" else []
-        export_requirements(uv, project, locked, selection, skips)
-        requirements, torch_args = [locked, *[p for p in [project / ZLAB_PINS] if p.is_file()]], []
-        if torch_build == "cpu":
-            cpu_torch_requirement(uv, project, cpu_torch, torch_source, wheels)
-            requirements.append(cpu_torch)
-            torch_args = torch_source_args(torch_source, wheels)
-        sync(uv, venv, requirements, wheels, torch_args)
+        locked, cpu_pin = Path(tmp) / "locked.txt", Path(tmp) / "torch-cpu.txt"
+        cpu = None if torch_build == "lock" else choose_torch(uv, venv, project, torch_build, sources or [],
+                                                                 wheels, cpu_pin)
+        export_requirements(uv, project, locked, selection, cpu_only_skips(project) if cpu else [])
+        sync(uv, venv, [locked, *[p for p in [project / ZLAB_PINS] if p.is_file()]], wheels)
+        if cpu:
+            install_cpu_torch(uv, venv, cpu_pin, cpu, wheels)
     if editable:
         install_editable(uv, venv, editable, wheels)
+    return "cpu" if cpu else "lock"
+
+
+def nvidia_driver_loaded() -> bool:
+    """auto takes PyPI's CUDA build where the driver is loaded, without looking for the CPU build."""
+    return Path("/proc/driver/nvidia/version").exists()
 
 
 def is_package(project: Path) -> bool:
@@ -237,16 +396,19 @@ def install(args: argparse.Namespace) -> int:
         raise DevEnvError(f"no wheel cache at {args.wheels}: run `make dev-wheels WHEEL_CACHE={args.wheels}` "
                           "where PyPI is reachable (or copy one made on a machine like this), or leave WHEEL_CACHE "
                           "empty to download")
-    stamp, wanted = args.venv / STAMP, stamp_text(args.project, python, args.torch_build)
-    if stamp.is_file() and stamp.read_text() == wanted:
+    stamp = args.venv / STAMP
+    builds = ("cpu", "lock") if args.torch_build == "auto" else (args.torch_build,)
+    if stamp.is_file() and stamp.read_text() in {stamp_text(args.project, python, b) for b in builds}:
         return 0
     stamp.unlink(missing_ok=True)
     uv = args.uv or bootstrap_uv(args.venv, args.python, args.project, args.wheels)
-    build(uv, args.venv, args.project, python=args.python, selection=DEV_SELECTION, torch_build=args.torch_build,
-          torch_source=args.torch_cpu_index, wheels=args.wheels,
-          editable=args.project if is_package(args.project) else None)
-    stamp.write_text(wanted)
-    print(f"venv: {args.venv} holds exactly {args.project / 'uv.lock'} (torch build: {args.torch_build})")
+    pips = [[args.python, "-m", "pip"], [str(args.venv / "bin" / "python"), "-m", "pip"], ["pip3"]]
+    sources = torch_sources(args.torch_cpu_index, args.wheels, None if args.wheels else read_pip_config(pips))
+    built = build(uv, args.venv, args.project, python=args.python, selection=DEV_SELECTION,
+                  torch_build=args.torch_build, sources=sources, wheels=args.wheels,
+                  editable=args.project if is_package(args.project) else None)
+    stamp.write_text(stamp_text(args.project, python, built))
+    print(f"venv: {args.venv} holds exactly {args.project / 'uv.lock'} (torch build: {built})")
     return 0
 
 
@@ -344,14 +506,15 @@ def main(argv: list[str] | None = None) -> int:
     lock.add_argument("--python", default="python3", help="the interpreter a missing venv is created with")
     for p in (inst, fill):
         p.add_argument("--torch-build", choices=["lock", "cpu", "auto"], default="auto",
-                       help="lock: PyPI's build, hashes from uv.lock; cpu: the CPU build of the locked version; "
-                            "auto: cpu where no NVIDIA driver is loaded")
+                       help="lock: PyPI's build, hashes from uv.lock; cpu: the CPU build of the locked version "
+                            "(from pip's configured places, then --torch-cpu-index); auto: lock where an NVIDIA "
+                            "driver is loaded, else cpu where one of those serves it, else lock")
         p.add_argument("--torch-cpu-index", default=TORCH_CPU_INDEX, help="index URL or directory of CPU torch wheels")
     for p in (inst, lock, fill, check):
         p.add_argument("--venv", type=Path, default=ROOT / ".venv")
     args = ap.parse_args(argv)
-    if getattr(args, "torch_build", None) == "auto":
-        args.torch_build = "lock" if Path("/proc/driver/nvidia/version").exists() else "cpu"
+    if getattr(args, "torch_build", None) == "auto" and (args.action == "wheels" or nvidia_driver_loaded()):
+        args.torch_build = "lock" if nvidia_driver_loaded() else "cpu"
     try:
         actions = {"install": install, "lock": refresh, "wheels": wheels, "build-check": build_check}
         return actions[args.action](args)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
+import platform
 import subprocess
 import sys
 import tomllib
@@ -23,13 +25,14 @@ UV = Path(sys.prefix) / "bin" / "uv"
 DEVENV = [sys.executable, str(ROOT / "image" / "devenv.py")]
 
 
-def make_wheel(directory: Path, name: str, version: str) -> Path:
-    """A pure-Python wheel whose module records its version (enough for uv to lock and install it)."""
+def make_wheel(directory: Path, name: str, version: str, tag: str = "py3-none-any") -> Path:
+    """A pure-Python wheel whose module records its version (enough for uv to lock and install it); `tag` names
+    it like a real build's wheel (cp312-cp312-manylinux_2_28_x86_64, say)."""
     dist = f"{name}-{version}.dist-info"
     files = {
         f"{name}/__init__.py": f"VERSION = {version!r}\n",
         f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dist}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n",
     }
     record = []
     for path, text in files.items():
@@ -37,7 +40,7 @@ def make_wheel(directory: Path, name: str, version: str) -> Path:
         record.append(f"{path},sha256={digest},{len(text.encode())}")
     files[f"{dist}/RECORD"] = "\n".join([*record, f"{dist}/RECORD,,"]) + "\n"
     directory.mkdir(parents=True, exist_ok=True)
-    wheel = directory / f"{name}-{version}-py3-none-any.whl"
+    wheel = directory / f"{name}-{version}-{tag}.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         for path, text in files.items():
             zf.writestr(path, text)
@@ -163,18 +166,138 @@ def test_the_locked_platforms_pass():
             assert devenv.platform_problem("Linux", machine, (3, minor)) is None
 
 
-def test_cpu_torch_missing_from_its_directory_names_the_switches(tmp_path):
-    with pytest.raises(devenv.DevEnvError, match="TORCH_CPU_INDEX.*TORCH_BUILD=lock"):
-        devenv.cpu_torch_requirement(UV, ROOT, tmp_path / "torch.txt", str(tmp_path), None)
+# --- Where torch comes from: pip's configuration, then TORCH_CPU_INDEX, then PyPI's build ---------------------
+UNREACHABLE = "http://127.0.0.1:9/simple"  # nothing listens on the discard port: refused at once
+TORCH = devenv.locked_package(ROOT, "torch")["version"]
+CPU_TAG = "cp{0}{1}-cp{0}{1}-manylinux_2_28_{2}".format(*sys.version_info[:2], platform.machine())
 
 
-def test_cpu_torch_pin_carries_the_hash_of_the_real_file(tmp_path):
-    version = devenv.locked_package(ROOT, "torch")["version"]
-    wheel = tmp_path / f"torch-{version}+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
-    wheel.write_bytes(b"stand-in wheel bytes")
-    devenv.cpu_torch_requirement(UV, ROOT, tmp_path / "torch.txt", str(tmp_path), None)
-    pin = (tmp_path / "torch.txt").read_text()
-    assert pin.startswith(f"torch=={version}+cpu ") and hashlib.sha256(wheel.read_bytes()).hexdigest() in pin
+def python_with_pip() -> str:
+    """An interpreter whose pip reads this machine's pip configuration (this venv holds no pip)."""
+    for python in (sys.executable, getattr(sys, "_base_executable", sys.executable)):
+        if subprocess.run([python, "-m", "pip", "--version"], capture_output=True, check=False).returncode == 0:
+            return python
+    pytest.skip("no pip on this machine: the install reads where torch may come from through pip")
+
+
+@pytest.fixture
+def pip_conf(tmp_path, monkeypatch):
+    """A pip configuration of the test's own (PIP_CONFIG_FILE, overriding every key the install reads), and no
+    PIP_* variable or uv retry of this machine's; returns a function that writes it."""
+    for name in [n for n in os.environ if n.startswith("PIP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("UV_HTTP_RETRIES", "0")
+    conf = tmp_path / "pip.conf"
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+
+    def write(find_links: str = "", index_url: str = "", extra_index_url: str = "", install: str = "") -> None:
+        conf.write_text(f"[global]\nfind-links = {find_links}\nindex-url = {index_url}\n"
+                        f"extra-index-url = {extra_index_url}\nno-index = false\n{install}")
+    return write
+
+
+def test_pip_configuration_is_read_through_pip_in_pips_order(tmp_path, pip_conf, monkeypatch):
+    folder, other = tmp_path / "wheels", tmp_path / "more-wheels"
+    folder.mkdir()
+    other.mkdir()
+    pip_conf(find_links=f"{folder} {other.as_uri()} https://pages.example/torch.html",
+             index_url="https://global.example/simple", extra_index_url="file:///srv/simple",
+             install="[install]\nindex-url = https://install.example/simple\n")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://env.example/simple")  # a variable wins over the files
+    settings = devenv.read_pip_config([["no-such-pip"], [python_with_pip(), "-m", "pip"]])
+    sources = devenv.torch_sources(UNREACHABLE, None, settings)
+    assert [(s.named_by, s.where, s.kind) for s in sources] == [
+        ("pip's find-links", str(folder), "directory"), ("pip's find-links", str(other), "directory"),
+        ("pip's find-links", "https://pages.example/torch.html", "page"),
+        ("pip's index-url", "https://install.example/simple", "index"),
+        ("pip's extra-index-url", "https://env.example/simple", "index"),
+        ("TORCH_CPU_INDEX", UNREACHABLE, "index")]
+
+
+def test_no_index_keeps_pips_find_links_only_and_a_wheel_cache_keeps_everything_local(tmp_path):
+    listing = "global.find-links='/srv/wheels'\nglobal.index-url='https://x.example/simple'\n:env:.no-index='1'\n"
+    assert [str(s) for s in devenv.pip_sources(devenv.parse_pip_config(listing))] == ["pip's find-links /srv/wheels"]
+    settings = devenv.parse_pip_config("global.find-links='/srv/wheels'\n")
+    assert [str(s) for s in devenv.torch_sources(str(tmp_path), tmp_path / "cache", settings)] == [
+        f"TORCH_CPU_INDEX {tmp_path}", f"the wheel cache {tmp_path / 'cache'}"]
+
+
+def test_auto_takes_the_cpu_build_from_pips_wheel_folder_before_the_cpu_index(tmp_path, pip_conf, capsys):
+    folder = tmp_path / "wheels"
+    wheel = make_wheel(folder, "torch", f"{TORCH}+cpu", CPU_TAG)  # named like the real one
+    make_wheel(folder, "torch", f"{TORCH}+cpu", "cp39-cp39-manylinux_2_28_riscv64")  # fits no machine here
+    pip_conf(find_links=str(folder))
+    sources = devenv.torch_sources(UNREACHABLE, None, devenv.read_pip_config([[python_with_pip(), "-m", "pip"]]))
+    pin = tmp_path / "torch.txt"
+    chosen = devenv.choose_torch(UV, Path(sys.prefix), ROOT, "auto", sources, None, pin)
+    assert chosen == devenv.TorchSource("pip's find-links", str(folder), "directory")
+    assert pin.read_text().startswith(f"torch=={TORCH}+cpu ")
+    assert hashlib.sha256(wheel.read_bytes()).hexdigest() in pin.read_text()
+    assert f"torch: the CPU build {TORCH}+cpu from pip's find-links {folder}" in capsys.readouterr().out
+
+
+def pypi_stand_in(tmp_path: Path, monkeypatch, version: str | None) -> None:
+    """uv's default index (PyPI for a user) as a local simple index, holding torch `version` or no torch."""
+    wheels = tmp_path / "pypi" / "files"
+    make_wheel(wheels, "torch" if version else "tinydep", version or "1.0")
+    monkeypatch.setenv("UV_DEFAULT_INDEX", write_index(wheels).as_uri())
+
+
+def test_auto_falls_back_to_pypis_build_saying_what_and_why(tmp_path, pip_conf, monkeypatch, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    pypi_stand_in(tmp_path, monkeypatch, TORCH)
+    sources = devenv.torch_sources(UNREACHABLE, None, {"find-links": str(empty)})
+    assert devenv.choose_torch(UV, Path(sys.prefix), ROOT, "auto", sources, None, tmp_path / "pin") is None
+    [said] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("torch:")]
+    assert f"downloading PyPI's build of torch {TORCH} with the CUDA libraries it needs (about " in said
+    assert f"pip's find-links {empty} (not there)" in said and f"TORCH_CPU_INDEX {UNREACHABLE} (" in said
+
+
+@pytest.mark.parametrize("build", ["auto", "cpu"])
+def test_no_torch_anywhere_names_each_place_tried_and_the_fix(build, tmp_path, pip_conf, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    pypi_stand_in(tmp_path, monkeypatch, None)
+    sources = devenv.torch_sources(UNREACHABLE, None, {"find-links": str(empty)})
+    with pytest.raises(devenv.DevEnvError) as refused:
+        devenv.choose_torch(UV, Path(sys.prefix), ROOT, build, sources, None, tmp_path / "pin")
+    message = str(refused.value)
+    assert f"no CPU build of the locked torch {TORCH} in pip's find-links {empty} (not there); " in message
+    assert f"TORCH_CPU_INDEX {UNREACHABLE} (" in message and "set TORCH_CPU_INDEX" in message
+    if build == "auto":
+        assert f"nor PyPI's build of torch {TORCH} in PyPI (not there)" in message
+    else:
+        assert "TORCH_BUILD=lock" in message and "PyPI" not in message.split(": set")[0]
+
+
+@pytest.mark.slow  # two installs and pip started twice: about 5 s on 2 cores
+def test_install_takes_torch_from_pips_wheel_folder_with_the_cpu_index_unreachable(tmp_path, pip_conf,
+                                                                                     monkeypatch):
+    """The real install path, as `make venv` runs it with no variables: a tiny project locked at torch 1.0, whose
+    CPU build lies only in the wheel folder pip is configured with."""
+    if devenv.nvidia_driver_loaded():
+        pytest.skip("an NVIDIA driver is loaded: auto takes PyPI's CUDA build without looking for the CPU one")
+    index_wheels, folder, project, venv = (tmp_path / n for n in ("index-files", "wheels", "project", "venv"))
+    make_wheel(index_wheels, "tinydep", "1.0")
+    make_wheel(index_wheels, "torch", "1.0")
+    make_wheel(folder, "torch", "1.0+cpu")
+    write_project(project, index_wheels, ["tinydep>=1.0", "torch==1.0"])
+    subprocess.run([UV, "lock", "--offline", "--quiet", "--project", project], check=True)
+    monkeypatch.setenv("UV_DEFAULT_INDEX", (tmp_path / "simple").as_uri())  # PyPI's stand-in: the rest
+    pip_conf(find_links=str(folder))
+    cmd = [*DEVENV, "install", "--project", project, "--venv", venv, "--python", python_with_pip(), "--uv", UV,
+           "--torch-build", "auto", "--torch-cpu-index", UNREACHABLE]
+    first = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"torch: the CPU build 1.0+cpu from pip's find-links {folder}" in first.stdout
+    show = "import tinydep, torch; print(tinydep.VERSION, torch.VERSION)"
+    versions = subprocess.run([venv / "bin" / "python", "-c", show], capture_output=True, text=True,
+                              check=True).stdout.split()
+    assert versions == ["1.0", "1.0+cpu"]
+    assert "torch-build cpu" in (venv / devenv.STAMP).read_text()
+    again = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert again.returncode == 0 and "+ " not in again.stdout  # auto accepts the cpu venv's stamp
 
 
 def test_the_committed_lock_is_current_hashed_and_covers_both_machines():
