@@ -30,7 +30,11 @@ class Job:
     #                          summary.json): tells a directory's job where status is asked for another
 
     def leaves_files_in(self, job_dir: Path) -> bool:
-        return any(next(job_dir.glob(pattern), None) is not None for pattern in self.marks)
+        return bool(self.marks_in(job_dir))
+
+    def marks_in(self, job_dir: Path) -> list[str]:
+        """This job's marks that job_dir holds (as they are named: config.json, part-*.jsonl, ...)."""
+        return [pattern for pattern in self.marks if next(job_dir.glob(pattern), None) is not None]
 
     def start_args(self, job_dir: Path) -> tuple[str, ...]:
         """What a start adds to the deployed command line: resume_args once job_dir holds what they resume (the
@@ -76,6 +80,18 @@ def holds_run(run_dir: Path) -> bool:
     return (any((run_dir / name).exists() for name in RUN_FILES)
             or (checkpoints.is_dir() and any(e.is_dir() and not e.is_symlink() and STEP_DIR.match(e.name)
                                              for e in checkpoints.iterdir())))
+
+
+def other_job_problem(job_dir: Path, job: Job) -> str | None:
+    """What is wrong with writing `job`'s output into job_dir, when it holds another job's (by the other's marks):
+    one job's files would mix with (and, for summary.json, replace) another's. None when it holds none."""
+    if not job_dir.is_dir():
+        return None
+    for other in JOBS.values():
+        if other is not job and (found := other.marks_in(job_dir)):
+            return (f"{job_dir} holds the output of a {other.what} job ({', '.join(found)}), not of a {job.what} job: "
+                    f"give {job.dir_flag} a directory of its own (a new one), so neither overwrites the other")
+    return None
 
 
 def job_of(argv: list[str]) -> Job | None:

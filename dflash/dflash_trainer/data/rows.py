@@ -27,6 +27,9 @@ from ..infra import hub
 # ShareGPT's speakers as chat roles; LLaMA-Factory's `observation` is a tool's result (its `function_call`
 # turns carry the call itself: _function_calls)
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "observation": "tool"}
+# The roles a turn may have (after ROLE_ALIASES): those chat templates know (`developer`: OpenAI's system turn;
+# `ipython`: Llama 3.1's tool result).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 
 
 class DataError(ValueError):
@@ -326,6 +329,9 @@ def _normalise_turn(turn: dict, reasoning: str) -> dict:
     content = "" if raw is None and tool_calls else _text_of(raw)  # a tool-call turn may carry no text
     if not isinstance(role, str) or content is None:
         raise DataError("a turn lacks a role/content (or from/value) pair of strings")
+    if ROLE_ALIASES.get(role, role) not in CHAT_ROLES:  # a template renders any role as given: noise, not a turn
+        raise DataError(f"a turn's role {role!r} is not a chat role (use {', '.join(CHAT_ROLES)}, or ShareGPT's "
+                        f"{', '.join(ROLE_ALIASES)}): fix the role, or drop the row")
     out = {"role": ROLE_ALIASES.get(role, role), "content": content}
     # Rows of several styles in one file give every turn every key (None where absent): keep set ones only.
     out.update({key: turn[key] for key in TOOL_KEYS if turn.get(key) is not None})
@@ -458,20 +464,40 @@ NO_ANCHOR = "no two consecutive assistant tokens within data.max_length (nothing
 SHOWN_ROWS = 5  # row numbers named per refusal reason
 
 
-def _pretokenized(row: dict, max_length: int) -> dict:
+def _pretokenized(row: dict, max_length: int, vocab_size: int) -> dict:
     ids, mask = row["input_ids"], row["loss_mask"]
     if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
         return _refused("input_ids and loss_mask must be lists of the same length")
     if any(m not in (0, 1) for m in mask) or any(not isinstance(t, int) or t < 0 for t in ids):
         return _refused("input_ids must be token ids (ints >= 0) and loss_mask 0s and 1s")
+    if max(ids, default=0) >= vocab_size:
+        return _refused(f"{BEYOND_VOCABULARY} ({vocab_size} tokens): the row was tokenized for another model; "
+                        "tokenize it again with this target's tokenizer (or give its chat as messages)")
     return _usable({"input_ids": ids[:max_length], "loss_mask": mask[:max_length], "length": len(ids)})
+
+
+BEYOND_VOCABULARY = "input_ids beyond the target tokenizer's vocabulary"
+ANSWER_FIRST = ("an assistant turn before the first user turn (an answer to no prompt): drop that turn, or the row")
+EMPTY_ANSWER = ("an empty assistant answer (no text, no tool call): give the answer (dflash-regenerate writes them), "
+                "or drop the row")
+
+
+def check_answers(messages: list[dict]) -> None:
+    """What the trainer takes as an answer: every assistant turn follows a user turn and says something. DataError
+    otherwise (the row would train the drafter on an answer to nothing, or on the template's end marker alone)."""
+    roles = [m["role"] for m in messages]
+    if "assistant" in roles and ("user" not in roles or roles.index("assistant") < roles.index("user")):
+        raise DataError(ANSWER_FIRST)
+    if any(m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls")
+           and not m.get("reasoning_content") for m in messages):
+        raise DataError(EMPTY_ANSWER)
 
 
 def _row(tokenizer, row: dict, max_length: int, reasoning: str) -> dict:
     """A row as what it holds: its token ids and loss mask (a regenerated shard's row), else its chat (files read
     together may mix both)."""
     if all(row.get(c) is not None for c in TOKENIZED):
-        return _pretokenized(row, max_length)
+        return _pretokenized(row, max_length, len(tokenizer))
     return _conversation(tokenizer, row, max_length, reasoning)
 
 
@@ -479,12 +505,13 @@ def _conversation(tokenizer, row: dict, max_length: int, reasoning: str) -> dict
     from jinja2 import TemplateError
 
     try:
-        return _usable(tokenize_conversation(tokenizer, normalise_messages(row, reasoning), max_length,
-                                             row_tools(row)))
+        messages = normalise_messages(row, reasoning)
+        check_answers(messages)
+        return _usable(tokenize_conversation(tokenizer, messages, max_length, row_tools(row)))
     except DataError as exc:
         return _refused(str(exc))
-    except TemplateError as exc:  # the target's chat template raises on what it cannot render
-        return _refused(f"the target's chat template refuses it ({exc})")
+    except (TemplateError, ValueError, TypeError, KeyError) as exc:  # the chat template raises on what it cannot render
+        return _refused(f"the target's chat template refuses it ({type(exc).__name__}: {exc})")
 
 
 def _usable(row: dict) -> dict:
@@ -504,10 +531,62 @@ def refusals(reasons: Sequence[str]) -> dict[str, list[int]]:
     return out
 
 
-def describe_refusals(refused: dict[str, list[int]]) -> str:
-    """'3 rows: content part of type 'image_url' ... (rows 4, 9, 12)' per reason, most frequent first."""
-    return "; ".join(f"{len(numbers)} x {reason}{rows_named(len(numbers), numbers[:SHOWN_ROWS])}"
+def describe_refusals(refused: dict[str, list[int]], files: list[tuple[str, int]] | None = None) -> str:
+    """'3 x content part of type 'image_url' ... (rows 4, 9, 12)' per reason, most frequent first; with `files`
+    (each file read and its rows, in order) each row is named in its file: '(a.jsonl rows 4, 9; b.jsonl row 2)'."""
+    def named(numbers: list[int]) -> str:
+        if not files:
+            return rows_named(len(numbers), numbers[:SHOWN_ROWS])
+        by_file: dict[str, list[int]] = {}
+        for number in numbers[:SHOWN_ROWS]:
+            name, row = file_row(files, number)
+            by_file.setdefault(name, []).append(row)
+        more = ", ..." if len(numbers) > SHOWN_ROWS else ""
+        return " (" + "; ".join(f"{name} row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}"
+                                for name, rows in by_file.items()) + more + ")"
+
+    return "; ".join(f"{len(numbers)} x {reason}{named(numbers)}"
                      for reason, numbers in sorted(refused.items(), key=lambda item: -len(item[1])))
+
+
+def file_row(files: list[tuple[str, int]], number: int) -> tuple[str, int]:
+    """Row `number` (1-based) of files read one after another -> (its file, its row there)."""
+    for name, count in files:
+        if number <= count:
+            return name, number
+        number -= count
+    raise IndexError(number)
+
+
+def _rows_in(name: str) -> int:
+    """How many rows `datasets` reads from one file (JSON lines: the lines that are not blank)."""
+    if name.endswith((".json", ".json.gz")):
+        with _open_text(name) as f:
+            if f.read(64).lstrip().startswith("["):
+                f.seek(0)
+                return len(json.load(f))
+    if _builder(name) == "json":
+        with _open_text(name) as f:
+            return sum(1 for line in f if line.strip())
+    if _builder(name) == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(name).metadata.num_rows
+    with _quiet_datasets():
+        return len(_load_quietly([name], _builder(name), "train"))
+
+
+def files_read(rows) -> list[tuple[str, int]] | None:
+    """The files `rows` were read from (load_rows), each with its rows, when there are several: to name a row by
+    its file. None for one file (its row numbers are its own), a hub dataset, or counts that do not add up."""
+    names = (rows.info.description or "").split(", ")
+    if len(names) < 2 or not all(Path(name).is_file() for name in names):
+        return None
+    try:
+        files = [(name, _rows_in(name)) for name in names]
+    except (OSError, ValueError):
+        return None
+    return files if sum(count for _, count in files) == len(rows) else None
 
 
 def rows_named(n: int, first: list[int] | None) -> str:
@@ -535,15 +614,16 @@ def tokenize_dataset(rows, tokenizer, max_length: int, num_proc: int | None = No
     refused = refusals(ds["refused"])
     kept = ds.filter(lambda r: not r["refused"], num_proc=num_proc)
     cut = [n for n in kept["length"] if n > max_length]
+    files = files_read(rows) if refused else None
     if len(kept) == 0:
         if set(refused) == {NO_ANCHOR}:
             raise DataError(f"no usable rows in {source}: none of its {len(rows)} rows has two consecutive "
                             f"assistant tokens within data.max_length = {max_length}, so nothing can be trained; "
                             "give rows with assistant answers (or raise data.max_length)")
-        raise DataError(f"no usable rows in {source}: all {len(rows)} refused: {describe_refusals(refused)}")
+        raise DataError(f"no usable rows in {source}: all {len(rows)} refused: {describe_refusals(refused, files)}")
     if refused:
         say(f"{source}: {len(kept)} of {len(rows)} rows used, {len(rows) - len(kept)} refused: "
-            f"{describe_refusals(refused)}")
+            f"{describe_refusals(refused, files)}")
     if cut:
         say(f"{source}: {len(cut)} of the {len(kept)} rows used are longer than data.max_length = {max_length} "
             f"tokens (the longest {max(cut):,}) and are cut to it: what follows the cut is not trained on; raise "

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_run.jobs import EVAL, other_job_problem
+
 from ..infra.gc_pause import gc_paused
 
 with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc_pause.py
@@ -274,7 +276,10 @@ def check_fits(raw: dict, drafter_dir: Path, target_config, target: str) -> None
 
 
 def check_out_writable(out: Path) -> None:
-    """--out takes files: found before the evaluation, not after it (nothing is created)."""
+    """--out takes files and holds no other job's output: found before the evaluation, not after it (nothing is
+    created)."""
+    if problem := other_job_problem(out, EVAL):
+        raise EvalError(problem)
     try:
         storage.check_can_create(out, "--out")
     except ValueError as exc:

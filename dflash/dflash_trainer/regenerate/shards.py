@@ -16,6 +16,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from dflash_run.jobs import REGENERATE, other_job_problem
 from filelock import FileLock, Timeout
 
 from ..data.rows import DataError
@@ -63,7 +64,10 @@ class OutputDir:
             self._write(file, json.dumps(manifest, indent=2) + "\n")
 
     def check_writable(self) -> None:
-        """Before the weights load: --out, or the directory it will be made in, takes files (nothing is created)."""
+        """Before the weights load: --out, or the directory it will be made in, takes files (nothing is created),
+        and holds no other job's output (a training run's summary.json would be replaced by this one's)."""
+        if problem := other_job_problem(self.path, REGENERATE):
+            raise DataError(problem)
         try:
             storage.check_can_create(self.path, "--out")
         except ValueError as exc:

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_run.jobs import TRAIN, other_job_problem
+
 from ..config import RunConfig, path_keys
 from ..infra import storage
 from . import checkpoint as ckpt
@@ -297,6 +299,8 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = F
     _check_flags(out, resume, overwrite, auto_resume)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"output_dir {out} is a file, not a directory: give another --output-dir")
+    if problem := other_job_problem(out, TRAIN):  # --overwrite too: it would remove that job's summary.json
+        raise RunDirError(problem)
     found = ckpt.inspect(out / CHECKPOINTS)
     held = _held(out, found)
     if auto_resume:
