@@ -69,6 +69,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
         read_target_files,
         repeated_taps_note,
         training_rows,
+        unfinished_regenerations,
     )
     from .run.serve_check import check_published
     from .run.step import DrafterStep, StepClock, StepFigures
@@ -584,6 +585,9 @@ def run(cfg: RunConfig, resume: bool = False, overwrite: bool = False, auto_resu
     cfg.output_dir = str(Path(cfg.output_dir).absolute())
     check_inputs(cfg)  # before anything loads or starts
     check_init_from(cfg)  # explicit drafter settings that drafter.init_from would override: refused
+    if not cfg.data.features_dir:
+        for note in unfinished_regenerations(cfg.data.train):
+            _say_once(note)
     with run_dir.removed_if_left_empty(Path(cfg.output_dir)):  # a refused start leaves no empty directory
         return _start(cfg, resume, overwrite, auto_resume, startup)
 

@@ -256,6 +256,11 @@ def _sources(sources: str | Sequence[str], flags: str = TRAINER_FLAGS) -> tuple[
     return [], sources[0]
 
 
+def local_files(sources: Sequence[str]) -> list[str]:
+    """The files behind local sources (globs expanded); none for a hub dataset."""
+    return _sources(sources)[0] if sources else []
+
+
 def check_sources(sources: Sequence[str]) -> None:
     """Before anything loads: every local file exists and is not empty; a hub name only with the hub."""
     if sources:

@@ -36,7 +36,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .engine_openai import EndpointError
     from .plan import TOOL_CALLS_KEPT, check_plan, describe_skips, make_plan
     from .sampling import Sampling
-    from .shards import OutputDir
+    from .shards import FINGERPRINT, OutputDir, target_content_hash
     from .summary import collect, print_table
 
 
@@ -272,11 +272,15 @@ def _run(args, stop: StopSignal) -> dict | None:
     engine = make_engine(args, tokenizer, sampling, device, log)
 
     target_id = str(Path(args.target).resolve()) if Path(args.target).exists() else args.target
-    manifest = {"target": target_id, "sampling": sampling.as_dict(), "chat_template_kwargs": args.chat_template_kwargs}
+    manifest = {"target": target_id, FINGERPRINT: target_content_hash(args.target), "sampling": sampling.as_dict(),
+                "chat_template_kwargs": args.chat_template_kwargs}
     out.lock()
     out.check_or_create(manifest)
     if lead and out.clean_partial():
         log("removed the half-written shard of an earlier run that was killed")
+    if lead and plan.rows_read == len(rows) and (stale := out.drop_answers_not_in({j.key for j in plan.jobs})):
+        log(f"dropped {stale:,} answers in {escape(args.out)} to prompts no longer in --data (edited or removed "
+            "since they were answered): an edited prompt is answered anew")
     world.barrier()
     done = out.done_keys()  # the one read of the shards there; the summary counts them from it
     world.barrier()  # every process has read them before any writes one: none is counted twice

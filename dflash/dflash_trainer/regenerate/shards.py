@@ -25,6 +25,7 @@ from .summary import Figures
 
 MANIFEST = "regenerate.json"
 SUMMARY = "summary.json"
+FINGERPRINT = "target_fingerprint"  # the manifest's key for target_content_hash(): the target by content, not path
 
 
 class OutputDir:
@@ -51,6 +52,10 @@ class OutputDir:
                 raise DataError(f"{file} is not a JSON object: it is damaged. Move {self.path} aside and run again "
                                 "into a new --out")
             changed = {k: (before.get(k), v) for k, v in manifest.items() if before.get(k) != v}
+            if before.get(FINGERPRINT) is None:  # written before targets were fingerprinted: the path decides
+                changed.pop(FINGERPRINT, None)
+            elif FINGERPRINT not in changed:  # the same target (its files' contents), moved or copied elsewhere
+                changed.pop("target", None)
             if changed:
                 lines = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
                 raise DataError(f"{self.path} holds answers made differently ({lines}). Run with the same "
@@ -129,6 +134,26 @@ class OutputDir:
         self.found = found
         return keys
 
+    def drop_answers_not_in(self, keys: set[str]) -> int:
+        """Remove the rows whose key is not in `keys` (the source's prompts now): answers to prompts edited or
+        removed since they were written, which would otherwise stay beside the new answers. Each shard holding
+        some is replaced whole under its own name (which no later shard can take: its name hashes the dropped
+        keys too), or removed when none of its rows is left. Returns the rows dropped."""
+        dropped = 0
+        for shard in self.shards():
+            lines = shard.read_text().splitlines(keepends=True)
+            kept = [line for line in lines if _key_of(shard, line) in keys]
+            if len(kept) == len(lines):
+                continue
+            dropped += len(lines) - len(kept)
+            with storage.explained(f"rewriting {shard}", self.path, "Free space (or give another --out) and run "
+                                   "the same command again"):
+                if kept:
+                    storage.write_text_atomic(shard, "".join(kept))
+                else:
+                    shard.unlink()
+        return dropped
+
     def write_shard(self, chunk: int, rows: list[dict]) -> Path:
         digest = hashlib.sha256("".join(r["regen"]["key"] for r in rows).encode()).hexdigest()[:8]
         final = self.path / f"part-{chunk:06d}-{digest}.jsonl"
@@ -148,3 +173,37 @@ class OutputDir:
                                "command again: the answered shards are kept"):
             storage.write_text_atomic(file, text)
 
+
+
+def _key_of(shard: Path, line: str) -> str | None:
+    try:
+        return json.loads(line)["regen"]["key"]
+    except (ValueError, KeyError, TypeError):
+        raise DataError(f"{shard} holds a row that is not a regeneration row with a regen.key (edited, or a file "
+                        "copied in?): move it out of the directory and run again") from None
+
+
+# The files of a model directory read in full for its fingerprint; of the others (weights), the size and the first
+# and last MiB: enough to tell another checkpoint of the same shape, without reading gigabytes.
+_SMALL = 1 << 20
+
+
+def target_content_hash(target: str) -> str | None:
+    """A hash of the target directory's files (names, sizes, contents; of large files their ends): the same for a
+    byte-identical copy anywhere, so a moved target resumes its regeneration. None for a hub name."""
+    root = Path(target)
+    if not root.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(root).parts)):
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(root).as_posix()}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            if size <= 2 * _SMALL:
+                digest.update(f.read())
+            else:
+                digest.update(f.read(_SMALL))
+                f.seek(-_SMALL, 2)
+                digest.update(f.read())
+    return digest.hexdigest()

@@ -7,12 +7,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from dflash_run.jobs import REGENERATE
 
 from ..config import ConfigError, RunConfig, read_drafter_file
 from ..data.features import FeatureShards, target_fingerprint
 from ..data.held_out import overlapping, split_by_prompt
 from ..data.prompts import check_chat_template
-from ..data.rows import DataError, MicroBatches, check_sources, load_rows, pretokenized, tokenize_dataset
+from ..data.rows import (
+    DataError,
+    MicroBatches,
+    check_sources,
+    load_rows,
+    local_files,
+    pretokenized,
+    tokenize_dataset,
+)
 from ..distributed import parallel
 from ..infra.console import console
 from ..infra.dtypes import DTYPES
@@ -86,6 +95,24 @@ def check_inputs(cfg: RunConfig) -> None:
         check_sources(cfg.data.eval)
         if cfg.target.quantization == "fp8" and cfg.target.path != "embedded":  # from config.json alone
             check_not_prequantized(config, f"target.path {cfg.target.path}")
+
+
+def unfinished_regenerations(sources: list[str]) -> list[str]:
+    """What to say of data files in a dflash-regenerate output that is not finished: no summary.json, or a shard
+    written after it (a later run that was stopped or failed). Training on it is allowed, and said."""
+    notes = []
+    for where in sorted({Path(name).parent for name in local_files(sources)}):
+        if not (where / REGENERATE.marks[0]).is_file():  # regenerate.json: not a regeneration's output
+            continue
+        summary = where / REGENERATE.result
+        shards = list(where.glob("part-*.jsonl"))
+        newest = max((shard.stat().st_mtime for shard in shards), default=0.0)
+        if not summary.is_file() or newest > summary.stat().st_mtime:
+            why = f"no {summary.name}" if not summary.is_file() else f"shards newer than its {summary.name}"
+            notes.append(f"note: data.train reads {where}, a regeneration that has not finished ({len(shards)} "
+                         f"shards, {why}): the prompts not answered yet are not trained on. Run the same "
+                         "dflash-regenerate command again to finish it (it resumes), then train")
+    return notes
 
 
 # The target config check_inputs read, by (path, trust_remote_code): the start reads config.json once.
