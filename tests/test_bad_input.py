@@ -283,3 +283,46 @@ def test_eval_of_a_run_without_held_out_prompts_says_to_give_prompts(run_copy, t
     assert code == 2, err
     assert f"--run {run_copy} holds no held-out prompts" in err and "give --prompts FILE_OR_DATASET" in err, err
     assert not (tmp_path / "eval").exists()
+
+
+# ---- third round: nothing written is lost ---------------------------------------------------------------------
+
+def _beyond_vocabulary_rows(path: Path, n: int = 8) -> Path:
+    """Pre-tokenized rows whose ids the target's vocabulary does not have (tokenized for another model)."""
+    row = {"input_ids": [5, 6, 7, 100_000, 8, 9, 10, 11], "loss_mask": [0, 0, 0, 1, 1, 1, 1, 1]}
+    path.write_text("".join(json.dumps(row) + "\n" for _ in range(n)))
+    return path
+
+
+def test_overwrite_with_rows_refused_on_loading_keeps_the_finished_run(run_copy, tiny_target, tmp_path, capsys):
+    before = snapshot(run_copy)
+    data = _beyond_vocabulary_rows(tmp_path / "other-model.jsonl")
+    code, err = trainer(capsys, run_copy, "--overwrite", *sets(tiny_target, f"data.train={json.dumps([str(data)])}"))
+    assert code == 2 and f"no usable rows in {data}: all 8 refused: 8 x input_ids beyond the target tokenizer's " \
+        "vocabulary" in err and "tokenize it again with this target's tokenizer" in err and "(rows 1, 2, 3, 4, 5, ...)" \
+        in err, err
+    assert snapshot(run_copy) == before  # drafter, checkpoints and summary as they were
+
+
+def test_an_output_directory_of_another_job_is_refused_by_every_job(run_copy, drafter_dir, tiny_target, tmp_path,
+                                                                    capsys):
+    from dflash_trainer.regenerate.cli import main as regenerate
+
+    before = snapshot(run_copy)
+    code = regenerate(["--target", tiny_target["target"], "--data", tiny_target["eval"], "--out", str(run_copy),
+                       "--max-new-tokens", "4"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and f"{run_copy} holds the output of a training job (config.json, checkpoints, progress.txt), " \
+        "not of a regeneration job: give --out a directory of its own" in err, err
+    code, err = _eval(capsys, drafter_dir, tiny_target, run_copy, "--prompts", tiny_target["eval"])
+    assert code == 2 and "holds the output of a training job" in err and "give --out a directory of its own" in err
+    assert snapshot(run_copy) == before  # its summary.json is the training run's still
+
+    regenerated = tmp_path / "regenerated"
+    regenerated.mkdir()
+    (regenerated / "regenerate.json").write_text("{}\n")
+    (regenerated / "summary.json").write_text('{"prompts": 6}\n')
+    code, err = trainer(capsys, regenerated, "--overwrite", *sets(tiny_target))
+    assert code == 2 and f"{regenerated} holds the output of a regeneration job (regenerate.json), not of a " \
+        "training job: give --output-dir a directory of its own" in err, err
+    assert (regenerated / "summary.json").read_text() == '{"prompts": 6}\n'

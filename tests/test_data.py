@@ -192,3 +192,35 @@ def test_rows_of_both_chat_styles_in_one_file():
                                                        {"role": "assistant", "content": "yo"}]
     with pytest.raises(DataError, match="list of turns"):
         normalise_messages({"messages": ["hi"]})
+
+
+def test_each_row_rule_refuses_the_row_and_names_its_file_and_row(tokenizer, tmp_path):
+    """A row the template cannot render (an answer first), a role no template knows, an empty answer and ids beyond
+    the vocabulary: each refused and counted, named in its file, the other rows trained on; all refused: DataError."""
+    import json
+
+    from dflash_trainer.data.rows import ANSWER_FIRST, BEYOND_VOCABULARY, EMPTY_ANSWER
+
+    good = {"messages": [{"role": "user", "content": "What is 2 plus 3?"},
+                         {"role": "assistant", "content": "2 plus 3 is 5."}]}
+    answer_first = {"messages": [{"role": "assistant", "content": "Hello."}, *good["messages"]]}
+    usr = {"messages": [{"role": "usr", "content": "What is 2 plus 3?"}, good["messages"][1]]}
+    empty = {"messages": [good["messages"][0], {"role": "assistant", "content": "  "}]}
+    other_model = {"input_ids": [5, 6, len(tokenizer), 7], "loss_mask": [0, 1, 1, 1]}
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in (good, answer_first, usr)))
+    second.write_text("".join(json.dumps(r) + "\n" for r in (empty, good, other_model, good)))
+    said = []
+    ds = tokenize_dataset(load_rows([str(first), str(second)]), tokenizer, max_length=128, say=said.append)
+    assert len(ds) == 3 and len(said) == 1
+    line = said[0]
+    assert line.startswith(f"{first}, {second}: 3 of 7 rows used, 4 refused: "), line
+    for reason, where in ((ANSWER_FIRST, f"{first} row 2"), ("a turn's role 'usr' is not a chat role", f"{first} row 3"),
+                          (EMPTY_ANSWER, f"{second} row 1"), (BEYOND_VOCABULARY, f"{second} row 3")):
+        assert f"1 x {reason}" in line and f"({where})" in line.split(f"1 x {reason}")[1].split("; 1 x")[0], line
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in (answer_first, answer_first)))
+    with pytest.raises(DataError, match=rf"no usable rows in {bad}: all 2 refused: 2 x an assistant turn before the "
+                                        r"first user turn .* \(rows 1, 2\)"):
+        tokenize_dataset(load_rows([str(bad)]), tokenizer, max_length=128)

@@ -45,7 +45,7 @@ from dflash_trainer.regenerate.plan import (
 from dflash_trainer.regenerate.sampling import Sampling
 from transformers import AutoTokenizer
 
-from tests.helpers.regenerate import corpus_rows, free_port, shard_rows, write_jsonl
+from tests.helpers.regenerate import corpus_rows, free_port, shard_files, shard_rows, write_jsonl
 
 # A chat template that renders the tools it is given, tool calls (arguments as text or an object) and tool turns
 # (tests/test_data_formats.py's, as Qwen3's does)
@@ -424,3 +424,64 @@ def test_a_server_that_parses_out_tool_calls_or_refuses_the_tools_is_told_the_fi
     with pytest.raises(Refused) as refused:
         engine.answer_one(request)
     assert "longer than the context" in str(refused.value) and "carried the row's tools" not in str(refused.value)
+
+
+# ---- resuming on data or a target that changed -----------------------------------------------------------
+
+def test_a_rerun_on_edited_data_answers_the_edit_and_drops_the_stale_answers(tiny_target, tmp_path, capsys):
+    rows = corpus_rows(6)
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    out = tmp_path / "out"
+    assert main(args(tiny_target["target"], data, out, "--shard-size", "2")) == 0
+    assert len(shard_rows(out)) == 6
+    said(capsys)
+
+    edited = json.loads(json.dumps(rows))
+    edited[2]["messages"][0]["content"] += " Answer briefly."  # an edited prompt is a new prompt
+    del edited[4]  # a removed one
+    write_jsonl(data, edited)
+    assert main(args(tiny_target["target"], data, out, "--shard-size", "2")) == 0
+    err = said(capsys)
+    assert f"dropped 2 answers in {out} to prompts no longer in --data" in err, err
+    answered = shard_rows(out)
+    prompts = [r["messages"][0]["content"] for r in answered]
+    assert len(answered) == 5 and sorted(prompts) == sorted(r["messages"][0]["content"] for r in edited), prompts
+    assert json.loads((out / "summary.json").read_text())["prompts"] == 5
+
+
+def test_a_byte_identical_target_moved_elsewhere_resumes_and_another_is_refused(tiny_target, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "data.jsonl", corpus_rows(3))
+    moved, out = tmp_path / "moved" / "target", tmp_path / "out"
+    shutil.copytree(tiny_target["target"], moved)
+    assert main(args(tiny_target["target"], data, out)) == 0
+    said(capsys)
+    assert main(args(moved, data, out)) == 0
+    assert "3 already answered" in said(capsys)
+
+    config = json.loads((moved / "config.json").read_text())
+    (moved / "config.json").write_text(json.dumps({**config, "rope_theta": 12345.0}))  # another model now
+    before = shard_files(out)
+    assert main(args(moved, data, out)) == 2
+    err = said(capsys)
+    assert f"{out} holds answers made differently (target:" in err and "target_fingerprint:" in err, err
+    assert shard_files(out) == before
+
+
+def test_training_on_an_unfinished_regeneration_is_said(tiny_target, tmp_path):
+    from dflash_trainer.run.loading import unfinished_regenerations
+
+    data = write_jsonl(tmp_path / "data.jsonl", corpus_rows(2))
+    out = tmp_path / "out"
+    assert main(args(tiny_target["target"], data, out)) == 0
+    shards = [str(out / "part-*.jsonl")]
+    assert unfinished_regenerations(shards) == []  # finished: its summary is newer than every shard
+    summary = (out / "summary.json").read_bytes()
+    (out / "summary.json").unlink()  # a run stopped before its summary
+    assert unfinished_regenerations(shards) == [(
+        f"note: data.train reads {out}, a regeneration that has not finished (1 shards, no summary.json): the prompts "
+        "not answered yet are not trained on. Run the same dflash-regenerate command again to finish it (it "
+        "resumes), then train")]
+    (out / "summary.json").write_bytes(summary)
+    shard = next(out.glob("part-*.jsonl"))
+    os.utime(shard, (time.time() + 10, time.time() + 10))  # a later run wrote a shard, then stopped
+    assert "shards newer than its summary.json" in unfinished_regenerations(shards)[0]
