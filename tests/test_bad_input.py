@@ -326,3 +326,13 @@ def test_an_output_directory_of_another_job_is_refused_by_every_job(run_copy, dr
     assert code == 2 and f"{regenerated} holds the output of a regeneration job (regenerate.json), not of a " \
         "training job: give --output-dir a directory of its own" in err, err
     assert (regenerated / "summary.json").read_text() == '{"prompts": 6}\n'
+
+
+def test_overwrite_of_a_model_directory_is_refused_and_keeps_its_config(tiny_target, tmp_path, capsys):
+    model = tmp_path / "target"
+    shutil.copytree(tiny_target["target"], model)
+    before = snapshot(model)
+    code, err = trainer(capsys, model, "--overwrite", *sets(tiny_target))
+    assert code == 2 and f"{model} holds a model ({model / 'config.json'} has model_type 'qwen3'), not a training " \
+        "run: give --output-dir a directory of its own" in err, err
+    assert snapshot(model) == before

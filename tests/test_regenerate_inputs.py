@@ -463,7 +463,7 @@ def test_a_byte_identical_target_moved_elsewhere_resumes_and_another_is_refused(
     before = shard_files(out)
     assert main(args(moved, data, out)) == 2
     err = said(capsys)
-    assert f"{out} holds answers made differently (target:" in err and "target_fingerprint:" in err, err
+    assert f"{out} holds answers made differently (target:" in err and "the target's files (config, tokenizer or weights) are not those the answers were made with" in err, err
     assert shard_files(out) == before
 
 

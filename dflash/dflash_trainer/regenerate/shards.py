@@ -57,7 +57,11 @@ class OutputDir:
             elif FINGERPRINT not in changed:  # the same target (its files' contents), moved or copied elsewhere
                 changed.pop("target", None)
             if changed:
-                lines = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
+                lines = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items()
+                                  if k != FINGERPRINT)
+                if FINGERPRINT in changed:  # two hashes say nothing to a reader: what they stand for
+                    lines += ("; " if lines else "") + ("the target's files (config, tokenizer or weights) are not "
+                                                        "those the answers were made with")
                 raise DataError(f"{self.path} holds answers made differently ({lines}). Run with the same "
                                 "settings to resume it, or give another --out")
             return

@@ -301,6 +301,10 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = F
         raise RunDirError(f"output_dir {out} is a file, not a directory: give another --output-dir")
     if problem := other_job_problem(out, TRAIN):  # --overwrite too: it would remove that job's summary.json
         raise RunDirError(problem)
+    if (model := _recorded(out)) is not None and "model_type" in model:  # a model's config.json, not a run's
+        raise RunDirError(f"{out} holds a model ({out / RUN_CONFIG} has model_type {model['model_type']!r}), not a "
+                          "training run: give --output-dir a directory of its own (--overwrite would remove that "
+                          "config.json)")
     found = ckpt.inspect(out / CHECKPOINTS)
     held = _held(out, found)
     if auto_resume:
