@@ -336,7 +336,7 @@ def _normalise_turn(turn: dict, reasoning: str) -> dict:
         raise DataError("a turn lacks a role/content (or from/value) pair of strings")
     if ROLE_ALIASES.get(role, role) not in CHAT_ROLES:  # a template renders any role as given: noise, not a turn
         raise DataError(f"a turn's role {role!r} is not a chat role (use {', '.join(CHAT_ROLES)}, or ShareGPT's "
-                        f"{', '.join(ROLE_ALIASES)}): fix the role, or drop the row")
+                        f"{', '.join([*ROLE_ALIASES, FUNCTION_CALL])}): fix the role, or drop the row")
     out = {"role": ROLE_ALIASES.get(role, role), "content": content}
     # Rows of several styles in one file give every turn every key (None where absent): keep set ones only.
     out.update({key: turn[key] for key in TOOL_KEYS if turn.get(key) is not None})

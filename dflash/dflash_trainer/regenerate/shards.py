@@ -51,17 +51,7 @@ class OutputDir:
             if not isinstance(before, dict):
                 raise DataError(f"{file} is not a JSON object: it is damaged. Move {self.path} aside and run again "
                                 "into a new --out")
-            changed = {k: (before.get(k), v) for k, v in manifest.items() if before.get(k) != v}
-            if before.get(FINGERPRINT) is None:  # written before targets were fingerprinted: the path decides
-                changed.pop(FINGERPRINT, None)
-            elif FINGERPRINT not in changed:  # the same target (its files' contents), moved or copied elsewhere
-                changed.pop("target", None)
-            if changed:
-                lines = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items()
-                                  if k != FINGERPRINT)
-                if FINGERPRINT in changed:  # two hashes say nothing to a reader: what they stand for
-                    lines += ("; " if lines else "") + ("the target's files (config, tokenizer or weights) are not "
-                                                        "those the answers were made with")
+            if lines := _differences(before, manifest):
                 raise DataError(f"{self.path} holds answers made differently ({lines}). Run with the same "
                                 "settings to resume it, or give another --out")
             return
@@ -177,6 +167,19 @@ class OutputDir:
                                "command again: the answered shards are kept"):
             storage.write_text_atomic(file, text)
 
+
+
+def _differences(before: dict, manifest: dict) -> str:
+    """What differs between the manifest there and this run's, in words ("" when nothing does)."""
+    changed = {k: (before.get(k), v) for k, v in manifest.items() if before.get(k) != v}
+    if before.get(FINGERPRINT) is None:  # written before targets were fingerprinted: the path decides
+        changed.pop(FINGERPRINT, None)
+    elif FINGERPRINT not in changed:  # the same target (its files' contents), moved or copied elsewhere
+        changed.pop("target", None)
+    lines = [f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items() if k != FINGERPRINT]
+    if FINGERPRINT in changed:  # two hashes say nothing to a reader: what they stand for
+        lines.append("the target's files (config, tokenizer or weights) are not those the answers were made with")
+    return "; ".join(lines)
 
 
 def _key_of(shard: Path, line: str) -> str | None:

@@ -297,14 +297,7 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = F
     what --auto-resume chose, before a check of the chosen start can refuse it."""
     out = Path(cfg.output_dir)
     _check_flags(out, resume, overwrite, auto_resume)
-    if out.exists() and not out.is_dir():
-        raise RunDirError(f"output_dir {out} is a file, not a directory: give another --output-dir")
-    if problem := other_job_problem(out, TRAIN):  # --overwrite too: it would remove that job's summary.json
-        raise RunDirError(problem)
-    if (model := _recorded(out)) is not None and "model_type" in model:  # a model's config.json, not a run's
-        raise RunDirError(f"{out} holds a model ({out / RUN_CONFIG} has model_type {model['model_type']!r}), not a "
-                          "training run: give --output-dir a directory of its own (--overwrite would remove that "
-                          "config.json)")
+    _check_not_others(out)
     found = ckpt.inspect(out / CHECKPOINTS)
     held = _held(out, found)
     if auto_resume:
@@ -335,6 +328,19 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool, auto_resume: bool = F
                               f"{cfg.train.steps}: give train.steps = {found.resume_step} to publish the drafter of that "
                               f"checkpoint, or more to train further (--set train.steps=N)")
     return start
+
+
+def _check_not_others(out: Path) -> None:
+    """output_dir is a directory that holds nothing of another job's, nor a model: refused whatever the flags
+    (--overwrite would remove that job's summary.json, or the model's config.json)."""
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"output_dir {out} is a file, not a directory: give another --output-dir")
+    if problem := other_job_problem(out, TRAIN):
+        raise RunDirError(problem)
+    if (model := _recorded(out)) is not None and "model_type" in model:  # a model's config.json, not a run's
+        raise RunDirError(f"{out} holds a model ({out / RUN_CONFIG} has model_type {model['model_type']!r}), not a "
+                          "training run: give --output-dir a directory of its own (--overwrite would remove that "
+                          "config.json)")
 
 
 def _check_held(out: Path, held: list[str], resume: bool, overwrite: bool) -> None:
