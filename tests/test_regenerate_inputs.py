@@ -485,3 +485,18 @@ def test_training_on_an_unfinished_regeneration_is_said(tiny_target, tmp_path):
     shard = next(out.glob("part-*.jsonl"))
     os.utime(shard, (time.time() + 10, time.time() + 10))  # a later run wrote a shard, then stopped
     assert "shards newer than its summary.json" in unfinished_regenerations(shards)[0]
+
+
+def test_skipped_rows_of_several_files_are_named_in_their_file(tokenizer, tmp_path):
+    from dflash_trainer.data.rows import load_rows
+    from dflash_trainer.regenerate.plan import describe_skips
+
+    first = write_jsonl(tmp_path / "a.jsonl", corpus_rows(3))
+    usr = {"messages": [{"role": "usr", "content": "What is 2 plus 2?"}]}
+    system_only = {"messages": [{"role": "system", "content": "only a system turn"}]}
+    second = write_jsonl(tmp_path / "b.jsonl", [corpus_rows(4)[3], usr, system_only])
+    plan = make_plan(load_rows([str(first), str(second)]), tokenizer, Sampling(max_new_tokens=12), {})
+    assert sorted(plan.skips.first_rows.values()) == [[5], [6]]  # numbered over both files
+    said = describe_skips(plan)
+    assert "1 x a turn's role 'usr' is not a chat role" in said and f"({second} row 2)" in said, said
+    assert f"{NO_USER_TURN} ({second} row 3)" in said and "row 5" not in said, said

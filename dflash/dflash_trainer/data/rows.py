@@ -538,20 +538,25 @@ def refusals(reasons: Sequence[str]) -> dict[str, list[int]]:
 
 def describe_refusals(refused: dict[str, list[int]], files: list[tuple[str, int]] | None = None) -> str:
     """'3 x content part of type 'image_url' ... (rows 4, 9, 12)' per reason, most frequent first; with `files`
-    (each file read and its rows, in order) each row is named in its file: '(a.jsonl rows 4, 9; b.jsonl row 2)'."""
-    def named(numbers: list[int]) -> str:
-        if not files:
-            return rows_named(len(numbers), numbers[:SHOWN_ROWS])
-        by_file: dict[str, list[int]] = {}
-        for number in numbers[:SHOWN_ROWS]:
-            name, row = file_row(files, number)
-            by_file.setdefault(name, []).append(row)
-        more = ", ..." if len(numbers) > SHOWN_ROWS else ""
-        return " (" + "; ".join(f"{name} row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}"
-                                for name, rows in by_file.items()) + more + ")"
-
-    return "; ".join(f"{len(numbers)} x {reason}{named(numbers)}"
+    (files_read) each row is named in its file: '(a.jsonl rows 4, 9; b.jsonl row 2)'."""
+    return "; ".join(f"{len(numbers)} x {reason}{rows_named(len(numbers), numbers[:SHOWN_ROWS], files)}"
                      for reason, numbers in sorted(refused.items(), key=lambda item: -len(item[1])))
+
+
+def rows_named(n: int, first: list[int] | None, files: list[tuple[str, int]] | None = None) -> str:
+    """' (rows 2, 5, 9, ...)': the first row numbers of n rows; with `files` (files_read) each in its file,
+    ' (a.jsonl rows 2, 5; b.jsonl row 9, ...)'. Nothing when none are known."""
+    if not first:
+        return ""
+    more = ", ..." if n > len(first) else ""
+    if not files:
+        return f" (row{'s' if n > 1 else ''} {', '.join(map(str, first))}{more})"
+    by_file: dict[str, list[int]] = {}
+    for number in first:
+        name, row = file_row(files, number)
+        by_file.setdefault(name, []).append(row)
+    return " (" + "; ".join(f"{name} row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}"
+                            for name, rows in by_file.items()) + more + ")"
 
 
 def file_row(files: list[tuple[str, int]], number: int) -> tuple[str, int]:
@@ -592,13 +597,6 @@ def files_read(rows) -> list[tuple[str, int]] | None:
     except (OSError, ValueError):
         return None
     return files if sum(count for _, count in files) == len(rows) else None
-
-
-def rows_named(n: int, first: list[int] | None) -> str:
-    """' (rows 2, 5, 9, ...)': the first row numbers of n rows; nothing when none are known."""
-    if not first:
-        return ""
-    return f" (row{'s' if n > 1 else ''} {', '.join(map(str, first))}{', ...' if n > len(first) else ''})"
 
 
 def _say(text: str) -> None:

@@ -28,7 +28,7 @@ from ..data.prompts import (
     slot_indices,
     tool_call_turns,
 )
-from ..data.rows import SHOWN_ROWS, DataError, row_tools, rows_named
+from ..data.rows import SHOWN_ROWS, DataError, files_read, row_tools, rows_named
 from .sampling import Sampling
 
 # Why a row is skipped. A row that is not a chat row the trainer would take is skipped with the trainer's
@@ -67,9 +67,9 @@ class Tally:
         if len(shown) < SHOWN_ROWS:
             shown.append(number)
 
-    def rows_named(self, reason: str) -> str:
-        """'rows 2, 5, 9, ...' (the first few of the reason's rows)."""
-        return rows_named(self.rows[reason], self.first_rows[reason]).strip(" ()")
+    def rows_named(self, reason: str, files: list[tuple[str, int]] | None = None) -> str:
+        """'rows 2, 5, 9, ...' (the first few of the reason's rows; with `files`, each in its file)."""
+        return rows_named(self.rows[reason], self.first_rows[reason], files).strip(" ()")
 
     def as_dict(self, with_turns: bool = False) -> dict:
         """summary.json's form: reason -> {rows, first_rows[, turns]}."""
@@ -88,6 +88,7 @@ class Plan:
     too_long: list = field(default_factory=list)  # [shortest, longest] prompt of the TOO_LONG rows, in tokens
     max_new_tokens: int = 0
     max_context: int | None = None
+    files: list | None = None  # the source files and their rows, where several are read and rows are skipped
 
     @property
     def skipped(self) -> Counter:
@@ -169,6 +170,7 @@ def make_plan(rows, tokenizer, sampling: Sampling, chat_kwargs: dict, limit: int
             plan.kept.add(TOOL_CALLS_KEPT, number, calls)
         plan.jobs.append(Job(key, index, row_id(row, index), array("i", prompt)))
     plan.jobs.sort(key=lambda j: (len(j.first_prompt), j.key))
+    plan.files = files_read(rows) if plan.skipped and hasattr(rows, "info") else None
     return plan
 
 
@@ -177,7 +179,7 @@ def describe_skips(plan: Plan) -> str:
     parts = []
     for reason, n in plan.skipped.most_common():
         detail = plan.first_error.get(reason)
-        parts.append(f"{n} x {reason} ({plan.skips.rows_named(reason)}{f'; first: {detail}' if detail else ''})")
+        parts.append(f"{n} x {reason} ({plan.skips.rows_named(reason, plan.files)}{f'; first: {detail}' if detail else ''})")
     return "; ".join(parts)
 
 
