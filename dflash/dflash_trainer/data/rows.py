@@ -498,11 +498,11 @@ def check_answers(messages: list[dict]) -> None:
         raise DataError(EMPTY_ANSWER)
 
 
-def _row(tokenizer, row: dict, max_length: int, reasoning: str) -> dict:
+def _row(tokenizer, row: dict, max_length: int, reasoning: str, vocab_size: int) -> dict:
     """A row as what it holds: its token ids and loss mask (a regenerated shard's row), else its chat (files read
     together may mix both)."""
     if all(row.get(c) is not None for c in TOKENIZED):
-        return _pretokenized(row, max_length, len(tokenizer))
+        return _pretokenized(row, max_length, vocab_size)
     return _conversation(tokenizer, row, max_length, reasoning)
 
 
@@ -612,7 +612,8 @@ def tokenize_dataset(rows, tokenizer, max_length: int, num_proc: int | None = No
     with each reason and the first row numbers."""
     _check_columns(rows)
     source = rows.info.description or "the data"
-    ds = rows.map(lambda r: _row(tokenizer, r, max_length, reasoning), remove_columns=rows.column_names,
+    vocab_size = len(tokenizer)  # with its added tokens: every id it can give
+    ds = rows.map(lambda r: _row(tokenizer, r, max_length, reasoning, vocab_size), remove_columns=rows.column_names,
                   num_proc=num_proc, desc="tokenizing")
     refused = refusals(ds["refused"])
     kept = ds.filter(lambda r: not r["refused"], num_proc=num_proc)

@@ -279,8 +279,8 @@ def _run(args, stop: StopSignal) -> dict | None:
     if lead and out.clean_partial():
         log("removed the half-written shard of an earlier run that was killed")
     if lead and plan.rows_read == len(rows) and (stale := out.drop_answers_not_in({j.key for j in plan.jobs})):
-        log(f"dropped {stale:,} answer{'s' if stale != 1 else ''} in {escape(args.out)} to prompts no longer in --data (edited or removed "
-            "since they were answered): an edited prompt is answered anew")
+        log(f"dropped {stale:,} answer{'s' if stale != 1 else ''} in {escape(args.out)} to prompts no longer in "
+            "--data (edited or removed since they were answered): an edited prompt is answered anew")
     world.barrier()
     done = out.done_keys()  # the one read of the shards there; the summary counts them from it
     world.barrier()  # every process has read them before any writes one: none is counted twice
