@@ -133,7 +133,7 @@ def test_auto_resume_names_a_damaged_latest_checkpoint(run_copy, capsys):
     code, err = trainer(capsys, run_copy, "--auto-resume", *_resume_sets(run_copy))
     assert code == 0, err
     assert (f"{run_copy} holds an unfinished run: continuing it (--resume) (step-00000006 is damaged "
-            f"(training_state.pt is") in err, err
+            f"(training_state.json is") in err, err
     assert "continuing from the newest intact one, step-00000003" in err, err
 
 

@@ -98,7 +98,7 @@ def test_stale_latest_link_and_leftover_tmp_dirs(tmp_path):
     (tmp_path / LATEST_LINK).unlink()
     (tmp_path / LATEST_LINK).symlink_to("step-00000099")  # e.g. a crash between two renames
     (tmp_path / ".tmp-step-00000003-killed").mkdir()  # a save killed by SIGKILL
-    (tmp_path / "step-00000003").mkdir()  # a dir without training_state.pt is not a checkpoint
+    (tmp_path / "step-00000003").mkdir()  # a dir without a training state is not a checkpoint
     assert latest_checkpoint(tmp_path).name == "step-00000002"
     save_checkpoint(tmp_path, 4, write_tiny_model("c"), {"step": 4}, keep_last=5)
     assert not (tmp_path / ".tmp-step-00000003-killed").exists()
@@ -109,7 +109,7 @@ def test_empty_root_and_missing_state(tmp_path):
     assert latest_checkpoint(tmp_path / "nothing") is None
     with pytest.raises(FileNotFoundError, match="no complete step-XXXXXXXX"):
         load_train_state(tmp_path)
-    assert TRAIN_STATE_FILE == "training_state.pt"
+    assert TRAIN_STATE_FILE == "training_state.json"
 
 
 def test_rng_round_trip_through_a_checkpoint(tmp_path):
@@ -193,19 +193,37 @@ def test_manifest_catches_truncation_and_old_checkpoints_are_checked_by_format(t
 
     path = save_real(tmp_path, 1)
     manifest = json.loads((path / MANIFEST_FILE).read_text())
-    assert manifest["step"] == 1 and set(manifest["files"]) == {"model.safetensors", TRAIN_STATE_FILE}
+    assert manifest["step"] == 1 and set(manifest["files"]) == {"model.safetensors", TRAIN_STATE_FILE,
+                                                               "training_state.safetensors"}
     assert verify(path) is None
-    data = (path / TRAIN_STATE_FILE).read_bytes()
-    (path / TRAIN_STATE_FILE).write_bytes(data[:-10])
-    assert "training_state.pt is" in verify(path) and "truncated" in verify(path)
-    (path / TRAIN_STATE_FILE).write_bytes(data)
-    (path / MANIFEST_FILE).unlink()  # as written before manifests: the formats speak for themselves
+    tensors = (path / "training_state.safetensors").read_bytes()
+    (path / "training_state.safetensors").write_bytes(tensors[:-10])
+    assert "training_state.safetensors is" in verify(path) and "truncated" in verify(path)
+    (path / "training_state.safetensors").write_bytes(tensors)
+    (path / MANIFEST_FILE).unlink()  # without a manifest the formats speak for themselves
     assert verify(path) is None
+    (path / "training_state.safetensors").write_bytes(tensors[:-10])
+    assert "training_state.safetensors is" in verify(path) and "(truncated)" in verify(path)
+    (path / "training_state.safetensors").write_bytes(tensors)
+    (path / TRAIN_STATE_FILE).write_text('{"format": 1, "sta')
+    assert "training_state.json is not readable JSON" in verify(path)
+
+
+def test_old_checkpoints_are_checked_by_format(tmp_path):
+    """Written before the state was data (training_state.pt) and before manifests."""
+    from dflash_trainer.run.checkpoint import MANIFEST_FILE, verify
+
+    path = save_real(tmp_path, 1)
+    for name in (TRAIN_STATE_FILE, "training_state.safetensors", MANIFEST_FILE):
+        (path / name).unlink()
+    torch.save({"step": 1, "blob": torch.zeros(256)}, path / "training_state.pt")
+    assert verify(path) is None and [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    data = (path / "training_state.pt").read_bytes()
     weights = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(weights[:-4])
     assert "model.safetensors is" in verify(path) and "(truncated)" in verify(path)
     (path / "model.safetensors").write_bytes(weights)
-    (path / TRAIN_STATE_FILE).write_bytes(data[: len(data) // 2])
+    (path / "training_state.pt").write_bytes(data[: len(data) // 2])
     assert "not a complete torch file" in verify(path)
 
 

@@ -294,7 +294,7 @@ SLOW_SAVE = textwrap.dedent("""\
     signal.signal(signal.SIGTERM, term)
     print("saving", flush=True)
     time.sleep(2)
-    (tmp / "training_state.pt").write_bytes(b"")
+    (tmp / "training_state.json").write_bytes(b"")
     (run / "saved-at").write_text(repr(time.time()))
     tmp.rename(run / "checkpoints" / "step-00000002")
     time.sleep(60)

@@ -314,7 +314,7 @@ def truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-@pytest.mark.parametrize("damaged_file", ["training_state.pt", "model.safetensors"])
+@pytest.mark.parametrize("damaged_file", ["training_state.safetensors", "training_state.json", "model.safetensors"])
 def test_corrupt_latest_checkpoint_resumes_from_the_newest_intact_one(damaged_file, run_copy, capsys):
     truncate(run_copy / STEP6 / damaged_file)
     code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(run_copy))
@@ -349,7 +349,7 @@ def test_a_resumed_start_verifies_each_checkpoint_once(run_copy, capsys, monkeyp
 
 
 def test_no_intact_checkpoint_refuses_with_the_fix(run_copy, capsys):
-    truncate(run_copy / STEP3 / "training_state.pt")
+    truncate(run_copy / STEP3 / "training_state.safetensors")
     truncate(run_copy / STEP6 / "model.safetensors")
     before = snapshot(run_copy)
     code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(run_copy))
@@ -360,20 +360,41 @@ def test_no_intact_checkpoint_refuses_with_the_fix(run_copy, capsys):
 
 def test_checkpoint_whose_bytes_do_not_load(run_copy, capsys):
     """Sizes right, contents not: the load fails, and the message names the directory and the fix."""
-    import struct
-    import zipfile
-
-    state = run_copy / STEP6 / "training_state.pt"
-    with zipfile.ZipFile(state) as z:
-        offset = next(i.header_offset for i in z.infolist() if i.filename.endswith("data.pkl"))
-    data = bytearray(state.read_bytes())
-    name_len, extra_len = struct.unpack("<HH", data[offset + 26 : offset + 30])
-    at = offset + 30 + name_len + extra_len + 2  # inside the pickle, after its protocol header
-    data[at : at + 32] = b"\xff" * 32
-    state.write_bytes(bytes(data))
+    state = run_copy / STEP6 / "training_state.safetensors"
+    data = state.read_bytes()
+    assert data.count(b'"dtype":"F32"') > 0
+    state.write_bytes(data.replace(b'"dtype":"F32"', b'"dtype":"Q32"', 1))  # a header that parses, a dtype none has
     code, err = trainer(capsys, run_copy, "--resume", *_resume_further(run_copy))
     assert code == 1 and f"checkpoint {run_copy / STEP6} cannot be loaded" in err, err
     assert f"mv {run_copy / STEP6} {run_copy / 'checkpoints' / 'damaged-step-00000006'}" in err
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(run_copy, tmp_path, capsys):
+    """A training_state.pt crafted to run a command when unpickled: exit 2, the command never runs, the message
+    names the file and what to do, and nothing in the run changes."""
+    import torch
+
+    marker = tmp_path / "code-ran"
+    step6 = run_copy / STEP6
+    for name in ("training_state.json", "training_state.safetensors", "checkpoint.json"):
+        (step6 / name).unlink()
+    torch.save({"step": 6, "optimizer": _RunsCode(f"touch {marker}")},
+               step6 / "training_state.pt")
+    ckpt._write_manifest(step6, 6)
+    before = snapshot(run_copy)
+    code, err = trainer(capsys, run_copy, "--resume", *_resume_further(run_copy))
+    assert code == 2 and f"{step6 / 'training_state.pt'} is a pickle that names Python objects" in err, err
+    assert "loading it would run code it carries, so it was not loaded" in err, err
+    assert f"mv {step6} {run_copy / 'checkpoints' / 'damaged-step-00000006'}" in err, err
+    assert not marker.exists()
+    assert snapshot(run_copy) == before
+
+
+class _RunsCode(str):
+    """Unpickling it calls os.system with its text."""
+
+    def __reduce__(self):
+        return os.system, (str(self),)
 
 
 def test_latest_copied_as_a_directory(earlier_run, tmp_path, capsys):

@@ -251,9 +251,11 @@ def test_bf16_moments_refuse_what_keeps_fp32_moments():
 
 
 def _save_and_load(state, tmp_path):
-    """Through torch.save/torch.load, as a checkpoint's train_state holds it."""
-    torch.save(state, tmp_path / "state.pt")
-    return torch.load(tmp_path / "state.pt", weights_only=False)
+    """Through safetensors + JSON, as a checkpoint holds it (run/train_state.py)."""
+    from dflash_trainer.run import train_state
+
+    train_state.write({"optimizer": state}, tmp_path)
+    return train_state.read(tmp_path)["optimizer"]
 
 
 def test_bf16_moments_resume_exactly_and_stay_bf16(tmp_path):

@@ -75,6 +75,28 @@ def test_resume_continues_with_the_same_losses(full_run, tiny_target, tmp_path):
     assert again["losses"] == summary["losses"][3:]  # bit-identical on CPU: same data, anchors, state
 
 
+def as_old_checkpoint(step_dir: Path) -> None:
+    """Rewrite a step directory as earlier versions wrote it: the state pickled into training_state.pt."""
+    import torch
+
+    state = ckpt.load_train_state(step_dir)
+    for name in ("training_state.json", "training_state.safetensors", "checkpoint.json"):
+        (step_dir / name).unlink()
+    torch.save(state, step_dir / "training_state.pt")
+    ckpt._write_manifest(step_dir, ckpt.step_of(step_dir))
+
+
+def test_an_old_checkpoint_resumes_exactly(full_run, tiny_target, tmp_path):
+    """training_state.pt of an earlier version loads through the weights-only unpickler, bit for bit."""
+    out, summary = full_run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
+    as_old_checkpoint(resumed / "checkpoints" / "step-00000003")
+    again = run(tiny_config(tiny_target, resumed), resume=True)
+    assert again["losses"] == summary["losses"][3:]
+    assert (resumed / "checkpoints" / "step-00000006" / "training_state.json").is_file()  # saved anew as data
+
+
 def test_a_run_killed_after_its_last_checkpoint_resumes_to_a_summary_with_its_losses(full_run, tiny_target, tmp_path):
     """Killed between the final checkpoint and summary.json: the resume trains nothing, publishes the drafter,
     and its summary has the losses that checkpoint recorded (it said loss n/a)."""

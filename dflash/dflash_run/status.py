@@ -14,6 +14,7 @@ from .procs import alive, job_processes, of_run
 PROGRESS_FILE = "progress.txt"  # dflash_trainer.run.run_dir.PROGRESS: the trainer's latest progress line
 
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
+TRAINING_STATE = ("training_state.json", "training_state.pt")  # a checkpoint's state; .pt: an older trainer's
 # The plain progress lines a job writes to its log (dflash_trainer.infra.metrics): "train: step 120/3000 | ...",
 # "regenerate: 40/9262 prompts | ...", "eval: gsm8k 12/32 prompts | ..." (after a "[rank0]:" tag, if any).
 PROGRESS_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?((?:train: step|regenerate:|eval: \S+) \d+/\d+.*)$")
@@ -21,7 +22,7 @@ PROGRESS_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?((?:train: step|regenerate:|ev
 
 def last_checkpoint(run_dir: Path) -> int | None:
     steps = [int(m.group(1)) for e in (run_dir / "checkpoints").glob("step-*")
-             if (m := STEP_DIR.match(e.name)) and (e / "training_state.pt").is_file()]
+             if (m := STEP_DIR.match(e.name)) and any((e / name).is_file() for name in TRAINING_STATE)]
     return max(steps) if steps else None
 
 

@@ -32,8 +32,9 @@ def bad_input_errors(*more: type[BaseException]) -> tuple[type[BaseException], .
     from .config import ConfigError
     from .data.rows import DataError
     from .run.run_dir import RunDirError
+    from .run.train_state import UnsafeCheckpoint
 
-    return (ConfigError, DataError, RunDirError, *more)
+    return (ConfigError, DataError, RunDirError, UnsafeCheckpoint, *more)
 
 
 def exit_code(exc: BaseException, *more: type[BaseException]) -> int:

@@ -109,7 +109,7 @@ class Site:
 
     def checkpoints(self) -> list[int]:
         return sorted(int(p.name.split("-")[1]) for p in (self.run_dir / "checkpoints").glob("step-*")
-                      if (p / "training_state.pt").is_file())
+                      if (p / "training_state.json").is_file() or (p / "training_state.pt").is_file())
 
     def job_dir(self, job: str = "train") -> Path:
         """Where a job's launch, state, log and output are, seen from this machine (the roles' defaults)."""

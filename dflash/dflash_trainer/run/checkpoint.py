@@ -2,8 +2,9 @@
 
 Layout under the run's checkpoint root:
 
-    step-00001000/        the drafter as a Hugging Face dir (written by the caller) + training_state.pt
-    step-00002000/          + checkpoint.json (the step and every file's size: a truncated file shows)
+    step-00001000/        the drafter as a Hugging Face dir (written by the caller) + the training state
+    step-00002000/          (training_state.safetensors + training_state.json: data, see train_state.py)
+                            + checkpoint.json (the step and every file's size: a truncated file shows)
     latest -> step-00002000   a relative symlink, replaced atomically; loadable as a model dir itself
 
 Each save writes into a hidden temporary directory inside root (same filesystem, so rename is atomic),
@@ -16,7 +17,6 @@ files, empty or half-pruned step directories, truncated files.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
@@ -34,6 +34,7 @@ import torch
 
 from ..infra import storage
 from ..infra.storage import fsync_path
+from . import train_state
 
 __all__ = [
     "LATEST_LINK",
@@ -55,7 +56,7 @@ __all__ = [
     "verify",
 ]
 
-TRAIN_STATE_FILE = "training_state.pt"
+TRAIN_STATE_FILE = train_state.STATE_JSON  # its presence makes a step directory a checkpoint
 MANIFEST_FILE = "checkpoint.json"
 LATEST_LINK = "latest"
 DAMAGED_PREFIX = "damaged-"
@@ -121,12 +122,20 @@ def _manifest_problem(step_dir: Path) -> str | None:
 def verify(step_dir: Path) -> str | None:
     """What is wrong with a checkpoint directory, or None when it is whole."""
     step_dir = Path(step_dir)
-    if not (step_dir / TRAIN_STATE_FILE).is_file():
+    if (step_dir / train_state.STATE_JSON).is_file():
+        if (step_dir / MANIFEST_FILE).is_file() and (problem := _manifest_problem(step_dir)):
+            return problem
+        tensors = step_dir / train_state.STATE_TENSORS
+        if not tensors.is_file():
+            return f"{tensors.name} is missing"
+        return _safetensors_problem(tensors) or train_state.json_problem(step_dir)
+    legacy = step_dir / train_state.LEGACY_STATE  # written before the training state was data
+    if not legacy.is_file():
         return f"{TRAIN_STATE_FILE} is missing"
     if (step_dir / MANIFEST_FILE).is_file():
-        return _manifest_problem(step_dir) or _zip_problem(step_dir / TRAIN_STATE_FILE)
+        return _manifest_problem(step_dir) or _zip_problem(legacy)
     # Written before manifests existed: check what the formats themselves say.
-    problem = _zip_problem(step_dir / TRAIN_STATE_FILE)
+    problem = _zip_problem(legacy)
     if problem is None and (step_dir / "model.safetensors").is_file():
         problem = _safetensors_problem(step_dir / "model.safetensors")
     if problem is None and (step_dir / "config.json").is_file():
@@ -145,7 +154,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     found = []
     for entry in root.iterdir():
         step = step_of(entry)
-        if step is not None and entry.is_dir() and not entry.is_symlink() and (entry / TRAIN_STATE_FILE).is_file():
+        if step is not None and entry.is_dir() and not entry.is_symlink() and train_state.present(entry):
             found.append((step, entry))
     return sorted(found)
 
@@ -218,8 +227,9 @@ def _copy_step(path: Path) -> int | None:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:  # a checkpoint from before manifests: the step is in the (memory-mapped, so cheap) state
-        return int(torch.load(path / TRAIN_STATE_FILE, map_location="cpu", weights_only=False, mmap=True)["step"])
-    except (RuntimeError, OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError):
+        return int(train_state.read_legacy(path / train_state.LEGACY_STATE, mmap=True)["step"])
+    except (RuntimeError, OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError,
+            train_state.UnsafeCheckpoint):
         return None
 
 
@@ -343,29 +353,6 @@ def _prune(root: Path, keep_last: int, protect: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-class _RecordingFile(io.FileIO):
-    """torch.save reports a failed write as 'unexpected pos'; this keeps the OSError (disk full...)."""
-
-    error: OSError | None = None
-
-    def write(self, data) -> int:
-        try:
-            return super().write(data)
-        except OSError as exc:
-            self.error = exc
-            raise
-
-
-def _save_state(train_state: dict, path: Path) -> None:
-    with _RecordingFile(path, "wb") as f:
-        try:
-            torch.save(train_state, f)
-        except RuntimeError as exc:
-            if f.error is not None:
-                raise f.error from exc
-            raise
-
-
 def _write_manifest(directory: Path, step: int) -> None:
     files = {p.relative_to(directory).as_posix(): p.stat().st_size for p in sorted(directory.rglob("*"))
              if p.is_file()}
@@ -376,26 +363,27 @@ def save_checkpoint(
     root: str | os.PathLike,
     step: int,
     write_model: Callable[[Path], None],
-    train_state: dict[str, Any],
+    state: dict[str, Any],
     keep_last: int,
 ) -> Path:
     """Write root/step-XXXXXXXX atomically, point `latest` at it, keep the newest keep_last; return it.
 
-    write_model(dir) writes the drafter (config.json + model.safetensors) into dir. train_state holds
-    optimizer, scheduler, RNG (rng_state()), data position, step, anything torch.save can pickle.
+    write_model(dir) writes the drafter (config.json + model.safetensors) into dir. state holds optimizer,
+    scheduler, RNG (rng_state()), data position, step: tensors, numbers, strings, lists, tuples and dicts of
+    them (train_state.write keeps them as data).
     Call it from one rank only. Saving a step that exists replaces it (a resumed run re-reaching it).
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (it keeps the checkpoint just written), got {keep_last}")
-    if not isinstance(train_state, dict):
-        raise TypeError(f"train_state must be a dict, got {type(train_state).__name__}")
+    if not isinstance(state, dict):
+        raise TypeError(f"the training state must be a dict, got {type(state).__name__}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
 
     def write(tmp: Path) -> None:
         write_model(tmp)
-        _save_state(train_state, tmp / TRAIN_STATE_FILE)
+        train_state.write(state, tmp)
         _write_manifest(tmp, step)
 
     # The temporary's prefix is how inspect() and _prune() recognise a killed save's leftover.
@@ -411,8 +399,8 @@ class DamagedCheckpoint(RuntimeError):
 
 def damaged(step_dir: Path, exc: BaseException) -> DamagedCheckpoint | None:
     """The error to report when loading step_dir raised exc because its bytes are bad (None: another cause)."""
-    unreadable = (isinstance(exc, (EOFError, pickle.UnpicklingError, KeyError)) or "PytorchStreamReader" in str(exc)
-                  or type(exc).__name__ == "SafetensorError")
+    unreadable = (isinstance(exc, (EOFError, pickle.UnpicklingError, KeyError, json.JSONDecodeError))
+                  or "PytorchStreamReader" in str(exc) or type(exc).__name__ == "SafetensorError")
     if not unreadable or storage.os_error_in(exc) is not None:
         return None
     aside = step_dir.parent / (DAMAGED_PREFIX + step_dir.name)
@@ -422,13 +410,10 @@ def damaged(step_dir: Path, exc: BaseException) -> DamagedCheckpoint | None:
 
 
 def load_train_state(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """training_state.pt of a step directory (or of root's latest checkpoint when given the root).
-
-    Uses weights_only=False: the file holds arbitrary picklable state (scheduler, python RNG), so only
-    load checkpoints you wrote.
-    """
+    """The training state of a step directory (or of root's latest checkpoint when given the root): data
+    only (train_state.read); an old training_state.pt that would run code is refused (UnsafeCheckpoint)."""
     path = Path(path)
-    if not (path / TRAIN_STATE_FILE).is_file():
+    if not train_state.present(path):
         latest = latest_checkpoint(path)
         if latest is None:
             raise FileNotFoundError(
@@ -436,7 +421,7 @@ def load_train_state(path: str | os.PathLike, map_location: str | torch.device =
                 "pass a step directory or the checkpoint root of a run that has saved at least once."
             )
         path = latest
-    return torch.load(path / TRAIN_STATE_FILE, map_location=map_location, weights_only=False)
+    return train_state.read(path, map_location)
 
 
 def rng_state() -> dict[str, Any]:
