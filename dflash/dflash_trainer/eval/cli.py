@@ -103,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", type=cli_args.directory,
-                   help="the drafter directory (this trainer's OUTPUT/drafter, a checkpoint, z-lab's)")
+                   help="the drafter: a directory (this trainer's OUTPUT/drafter, a checkpoint, z-lab's) or a hub id")
     cli_args.key_flag(p, "--target", "target.path", "the target model: a Hugging Face directory or hub id")
     p.add_argument("--prompts", nargs="+", default=[], metavar="FILE_OR_DATASET",
                    type=cli_args.file_or_dataset,
@@ -368,8 +368,14 @@ def check_fp8(target_dtype: torch.dtype, device: torch.device) -> None:
 
 
 def check_drafter(s: Settings) -> tuple[Path, dict]:
-    """The drafter's directory and config.json; a note when it holds another block size than the run trained."""
-    drafter_dir = Path(s.drafter)
+    """The drafter's directory (a hub id: its snapshot in the local hub cache) and config.json; a note when it
+    holds another block size than the run trained."""
+    from ..infra import hub
+
+    try:
+        drafter_dir = hub.local_model(s.drafter, "--drafter")
+    except hub.HubError as exc:
+        raise EvalError(str(exc)) from None
     raw = check_drafter_dir(drafter_dir)
     trained = s.run_block_size if s.drafter == s.run_drafter else None
     if trained is not None and raw["block_size"] != trained:

@@ -23,6 +23,8 @@ def plain_output_off_a_terminal() -> None:
     """Where stderr is a log file or journald, no carriage-return progress bars from transformers (loading and
     saving checkpoints): each CLI calls it first. datasets' own bars are turned off where rows load (data.rows)."""
     if not sys.stderr.isatty():
+        from huggingface_hub.utils import disable_progress_bars
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+        disable_progress_bars()  # hub downloads (a drafter given by its hub id)

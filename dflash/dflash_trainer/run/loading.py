@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -70,9 +71,28 @@ def check_target(path: str) -> None:
         raise ConfigError(f"target.path {path!r}: {reason}; give the target model's directory")
 
 
+def resolve_init_from(cfg: RunConfig) -> None:
+    """drafter.init_from given as a hub id: from here on its snapshot in the local hub cache (downloaded when
+    the hub answers, read from the cache when it does not), as a target's hub id resolves."""
+    from ..infra import hub
+
+    init = cfg.drafter.init_from
+    if not init or Path(init).exists() or not hub.looks_like_hub_id(init):
+        return
+    try:
+        cfg.drafter.init_from = str(hub.local_model(init, "drafter.init_from"))
+    except hub.HubError as exc:
+        raise ConfigError(str(exc)) from None
+    if os.environ.get("RANK", "0") == "0":
+        console.print(f"drafter.init_from {init}: the hub's drafter, from {cfg.drafter.init_from}", markup=False,
+                      soft_wrap=True)
+
+
 def check_inputs(cfg: RunConfig) -> None:
-    """Before anything loads: the target, the drafter to start from and the data files are there."""
+    """Before anything loads: the target, the drafter to start from (a hub id resolved to its local snapshot)
+    and the data files are there."""
     check_target(cfg.target.path)
+    resolve_init_from(cfg)
     init = cfg.drafter.init_from
     if init and not (Path(init) / "config.json").is_file():
         raise ConfigError(f"drafter.init_from {init}: not a drafter directory (no config.json in "
