@@ -41,7 +41,32 @@ def test_run_reports_and_exports(full_run):
     drafter = DFlashDrafter.from_pretrained(out / "drafter")
     assert drafter.block_size == 8
     assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [3, 6]
-    assert any((out / "tb").iterdir())  # tensorboard event file
+    from tests.helpers.trackers import scalars_in
+
+    logged = scalars_in(out / "tb")  # the default train.report_to: TensorBoard, read back with its own reader
+    assert [step for step, _ in logged["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert logged["eval/tau_before"] == [(6, pytest.approx(summary["tau_before"]))]
+    assert logged["eval/tau_after"] == [(6, pytest.approx(summary["tau_after"]))]
+    assert len([t for t in logged if t.startswith("eval/slot_acceptance_after/")]) == 7  # block 8: slots 1-7
+    assert json.loads((out / "trackers.json").read_text()) == {"tensorboard": {"dir": str(out / "tb")}}
+
+
+def test_eval_of_a_run_logs_to_the_runs_trackers(full_run, tmp_path, capsys):
+    from dflash_trainer.eval.cli import main as evaluate
+
+    from tests.helpers.trackers import scalars_in
+
+    out, _ = full_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy, symlinks=True)
+    (copy / "trackers.json").write_text(json.dumps({"tensorboard": {"dir": str(copy / "tb")}}))
+    code = evaluate(["--run", str(copy), "--out", str(tmp_path / "eval"), "--device", "cpu", "--limit", "1",
+                     "--max-new-tokens", "4"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    logged = scalars_in(copy / "tb")
+    assert logged["dflash_eval/all/tau"] == [(6, pytest.approx(report["overall"]["tau"]))]
+    assert "eval/tau_after" in logged and len(logged["train/loss"]) == 6  # the training run's own, beside them
 
 
 def test_the_published_drafter_is_complete_and_readable_by_other_users(full_run):

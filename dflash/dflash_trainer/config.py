@@ -71,6 +71,19 @@ SEED = Rule(ge=0, le=MAX_SEED)
 
 # What train.moments_dtype may be (AdamW's moments: fp32, or bf16 beside fp32 masters).
 MOMENTS_DTYPE_NAMES = ("float32", "bfloat16")
+# Where train.report_to may send the run's figures (infra/metrics.py), and the package (module and pip name
+# alike) each needs: none of them but tensorboard is a dependency of the trainer.
+TRACKER_NAMES = ("none", "tensorboard", "wandb", "mlflow")
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def missing_trackers(report_to: list[str]) -> list[tuple[str, str]]:
+    """(tracker, its pip command) for each tracker named that is not installed."""
+    import importlib.util
+
+    return [(name, f"pip install {TRACKER_PACKAGES[name]}") for name in report_to
+            if name in TRACKER_PACKAGES and importlib.util.find_spec(TRACKER_PACKAGES[name]) is None]
+
 # What target.quantization may be (target/fp8.py: the target's decoder layers as FP8-dynamic GEMMs).
 TARGET_QUANTIZATIONS = ("none", "fp8")
 
@@ -180,7 +193,10 @@ class TrainConfig:
     checkpoint_every: Annotated[int, Rule(ge=0, le=MAX_STEPS)] = 500  # steps; 0: none (the final drafter is always saved)
     keep_last: Annotated[int, Rule(ge=1, le=10_000)] = 3  # checkpoints kept; older ones are removed
     compile_cache_dir: Annotated[str | None, PATH] = None  # compile cache; None: ~/.cache/dflash-trainer/compile-cache, shared by all runs
-    wandb_project: str | None = None  # W&B logging when wandb is installed (or set WANDB_PROJECT)
+    # where the run's figures go (each an optional package but tensorboard): tensorboard (OUTPUT/tb), wandb,
+    # mlflow (MLFLOW_TRACKING_URI), several at once, or ["none"]; dflash-eval --run logs to the same runs
+    report_to: Annotated[list[str], Rule(choices=TRACKER_NAMES)] = field(default_factory=lambda: ["tensorboard"])
+    wandb_project: str | None = None  # the W&B project when report_to has wandb (else WANDB_PROJECT, else wandb's)
 
 
 @dataclass
@@ -511,6 +527,23 @@ def load_config(source: str | None, overrides: list[str] = (), flags: dict[str, 
     return config
 
 
+def tracker_problems(train: TrainConfig) -> list[str]:
+    """train.report_to: "none" alone or not at all, each tracker once, and each one installed."""
+    report_to = train.report_to
+    if "none" in report_to and len(report_to) > 1:
+        return [(f"train.report_to = {json.dumps(report_to)}: \"none\" reports nowhere, and the others report "
+                 "somewhere: keep one of the two")]
+    if len(set(report_to)) != len(report_to):
+        return [f"train.report_to = {json.dumps(report_to)} names a tracker twice: name each once"]
+    problems = [f"train.report_to names {name}, which is not installed: {install} (or leave {name} out of "
+                "train.report_to)" for name, install in missing_trackers(report_to)]
+    if train.wandb_project and "wandb" not in report_to:
+        problems.append(f"train.wandb_project = {json.dumps(train.wandb_project)} names a W&B project, and "
+                        f"train.report_to = {json.dumps(report_to)} does not report to wandb: add \"wandb\" to "
+                        "train.report_to, or leave train.wandb_project out")
+    return problems
+
+
 def semantic_problems(c: RunConfig) -> list[str]:
     """What the fields' types and ranges cannot say alone."""
     problems = []
@@ -531,7 +564,7 @@ def semantic_problems(c: RunConfig) -> list[str]:
         problems.append(f"target.quantization = fp8 needs target.dtype = bfloat16 (the FP8 GEMMs write bf16 "
                         f"features), and target.dtype is {c.target.dtype}: set target.dtype = bfloat16, or "
                         "target.quantization = none")
-    problems += parallel_problems(c)
+    problems += parallel_problems(c) + tracker_problems(c.train)
     return problems + train_problems(c)
 
 

@@ -52,7 +52,13 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .run import checkpoint as ckpt
     from .run import model_card, run_dir
     from .run.compile_step import check_dense_fits, compile_cache_dir, compile_drafter_step
-    from .run.evaluate import evaluate, evaluate_before, evaluate_saved, record_eval_prompts
+    from .run.evaluate import (
+        evaluate,
+        evaluate_before,
+        evaluate_saved,
+        evaluation_scalars,
+        record_eval_prompts,
+    )
     from .run.loading import (
         DTYPES,
         TargetFiles,
@@ -467,6 +473,7 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
             model_card.update_tau(final_dir, [model_card.TauRow("held-out", len(run.prompts), summary["tau_after"])],
                                   f"measured by the training run on its held-out prompts (greedy, up to "
                                   f"{cfg.eval.max_new_tokens} new tokens)")
+        metrics.scalars(evaluation_scalars(summary), cfg.train.steps)
     with storage.explained(f"writing {out / 'summary.json'}", out, "The drafter is published; free space."):
         if run.ctx.colocated:  # what `dflash-eval --run` reads
             summary["eval_prompts"] = str(record_eval_prompts(out, run.prompts))
@@ -531,6 +538,7 @@ def evaluate_published(run: DrafterRun, before: dict | None, final_dir: Path) ->
         after = evaluate(cfg, run.drafter, run.target, run.tokenizer, run.eval_stream, run.prompts,
                          "after training")
     figures = {"tau_before": before["tau"], "tau_after": after["tau"], "slot_accuracy_after": after["slot_accuracy"],
+               "slot_acceptance_after": after["slot_acceptance"],
                "tau_before_method": before.get("tau_method", "speculative decoding")}
     if run.eval_stream is not None:  # the published drafter, reloaded, on the features serving computes
         figures["serving_check"] = check_published(cfg, run.drafter, final_dir, run.target, run.eval_stream)
@@ -556,8 +564,8 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, 
     if run.borrowed is not None:
         run.borrowed.wait()  # read beside the compile step; what it did not cover counts here
         startup.mark("embedding + head")
-    metrics = Metrics(run.out / "tb", cfg.to_dict(), cfg.train.wandb_project, run.out.name, run.log) \
-        if run.lead else None
+    metrics = Metrics(run.out, cfg.train.report_to, cfg.to_dict(), run.out.name, cfg.train.wandb_project,
+                      run.log) if run.lead else None
     history = train_loop(run, metrics, startup)
     if history.stopped_at is not None:
         if metrics:

@@ -54,7 +54,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..run.loading import check_target, check_tokenizer_files, family_problem
     from ..target.fp8 import check_fp8_device, check_not_prequantized
     from ..target.frozen import FrozenTarget, attention_implementation, check_supported_target, meta_skeleton
-    from .report import SetResult, build_report, plot, table, write_json, write_requests
+    from .report import SetResult, build_report, plot, table, tracker_scalars, write_json, write_requests
 
 
 # A divergence between speculative and target-only decoding is a near tie when the target's logits for the two
@@ -669,6 +669,22 @@ def update_card(p: Plan, report: dict) -> None:
                       markup=False)
 
 
+def log_to_run(run_dir: Path, drafter_dir: Path, report: dict) -> None:
+    """--run: the results into the tracker runs the training run logged to (OUTPUT/trackers.json), at the step
+    of the drafter evaluated (a checkpoint's, else the run's last), beside tau before and after training."""
+    from ..infra.metrics import Metrics
+
+    recorded = run_dir_lib.recorded_summary(run_dir)
+    step = ckpt.step_of(drafter_dir.resolve())
+    if step is None:
+        step = recorded["steps"] if isinstance(recorded, dict) else 0
+    with storage.explained(f"logging the results to the trackers of --run {run_dir}", run_dir,
+                           "The results are in --out; free space or make the run writable to log them there too"):
+        metrics = Metrics.of_run(run_dir, lambda line: console.print(line, markup=False))
+        metrics.scalars(tracker_scalars(report), step)
+        metrics.close()
+
+
 def print_settings(args, cfg: RunConfig) -> None:
     """--print-config: the run config as this evaluation would use it (the flags, --config / --set, then --run's
     recorded settings, then dflash-eval's defaults, a dtype resolved by the device), as TOML on stdout, with
@@ -715,7 +731,14 @@ def main(argv: list[str] | None = None) -> int:
         cli_args.say_error(console, str(exc),
                            bold="error: speculative output differs from target-only greedy decoding:")
         return cli_args.FAULT
-    return write_results(p, report, requests)
+    code = write_results(p, report, requests)
+    if args.run and code == 0:
+        try:
+            log_to_run(Path(args.run), p.drafter_dir, report)
+        except storage.StorageError as exc:
+            cli_args.say_error(console, str(exc))
+            return cli_args.FAULT
+    return code
 
 
 if __name__ == "__main__":

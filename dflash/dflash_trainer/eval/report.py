@@ -113,6 +113,20 @@ def _views(report: dict) -> list[tuple[str, dict]]:
     return [(f"T={t}", view) for t, view in by.items()]
 
 
+TRACKED = ("tau", "tau_per_request_mean", "speedup", "speculative_tokens_per_s", "target_only_tokens_per_s")
+
+
+def tracker_scalars(report: dict) -> dict[str, float]:
+    """The results as tracker scalars, per prompt set and over all of them: tau, the speedup, the rates and
+    per-slot acceptance (slot k: the token k after the anchor)."""
+    values = {}
+    for name, r in [*report["sets"].items(), ("all", report["overall"])]:
+        values.update({f"dflash_eval/{name}/{key}": float(r[key]) for key in TRACKED if r.get(key) is not None})
+        values.update({f"dflash_eval/{name}/slot_acceptance/{k:02d}": float(a)
+                       for k, a in enumerate(r.get("slot_acceptance") or [], start=1)})
+    return values
+
+
 def write_json(path: Path, data) -> None:
     storage.write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 

@@ -1,56 +1,159 @@
-"""Training scalars to TensorBoard (when installed) and Weights & Biases (when installed and configured).
+"""A run's figures to the trackers train.report_to names (TensorBoard, Weights & Biases, MLflow), and its
+progress as plain log lines.
 
-W&B is on when `train.wandb_project` (or the WANDB_PROJECT environment variable) names a project. Its
-credentials come from wandb's own login or WANDB_API_KEY and never pass through this code or its logs.
+Each tracker is an optional package: a run refuses to start when train.report_to names one that is not
+installed (config.semantic_problems says which, with its pip command). Credentials come from each tracker's
+own login or environment (WANDB_API_KEY, MLFLOW_TRACKING_URI and its credentials) and never pass through this
+code or its logs. Which tracker runs hold a run's figures is recorded in OUTPUT/trackers.json, so that
+`dflash-eval --run OUTPUT` logs its results to the same runs.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+from ..config import missing_trackers
+
+TRACKERS_FILE = "trackers.json"  # OUTPUT/trackers.json: the tracker runs a training run logged to
+
+
+class _TensorBoard:
+    name = "tensorboard"
+
+    def __init__(self, out: Path, **_):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(out / "tb"))  # a later writer (dflash-eval) adds a file beside
+        self.record = {"dir": str(out / "tb")}
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+
+    def summary(self, values: dict) -> None:
+        text = "\n".join(f"    {k}: {v}" for k, v in values.items() if _plain(v))
+        self.writer.add_text("summary", text)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Wandb:
+    name = "wandb"
+
+    def __init__(self, out: Path, run_config: dict, run_name: str, project: str | None, resume: dict | None, **_):
+        import wandb
+
+        if resume:  # dflash-eval --run: the training run's own W&B run
+            self.run = wandb.init(project=resume.get("project"), id=resume["id"], resume="allow", dir=str(out))
+        else:
+            self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT"), name=run_name,
+                                  config=run_config, dir=str(out))
+        self.record = {"id": getattr(self.run, "id", None), "project": getattr(self.run, "project", project)}
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        self.run.log(dict(values), step=step)
+
+    def summary(self, values: dict) -> None:
+        for key, value in values.items():
+            if _plain(value):
+                self.run.summary[key] = value
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _Mlflow:
+    name = "mlflow"
+
+    def __init__(self, out: Path, run_config: dict, run_name: str, resume: dict | None, **_):
+        import mlflow
+
+        if resume:
+            mlflow.set_tracking_uri(resume["tracking_uri"])
+            self.run = mlflow.start_run(run_id=resume["run_id"])
+        else:  # MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME choose where, as mlflow documents
+            self.run = mlflow.start_run(run_name=run_name)
+            mlflow.log_params(dict(_flat(run_config)))
+        self.mlflow = mlflow
+        self.record = {"run_id": self.run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics(dict(values), step=step)
+
+    def summary(self, values: dict) -> None:
+        self.mlflow.log_metrics({f"summary/{k}": v for k, v in values.items()
+                                 if isinstance(v, int | float) and not isinstance(v, bool)})
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+_SINKS = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow}
+
+
+def _plain(value) -> bool:
+    return isinstance(value, int | float | str) or value is None
+
+
+def _flat(values: dict, prefix: str = ""):
+    for key, value in values.items():
+        if isinstance(value, dict):
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value if _plain(value) else json.dumps(value)
+
 
 class Metrics:
-    def __init__(self, tb_dir: Path, run_config: dict, wandb_project: str | None = None, run_name: str | None = None,
-                 log=print):
-        self.tb = None
-        self.wandb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+    """The trackers of one run: scalars at a step, the run's summary at the end."""
 
-            self.tb = SummaryWriter(str(tb_dir))
-        except ImportError:
-            log("tensorboard is not installed: no TensorBoard logs (pip install tensorboard)")
-        project = wandb_project or os.environ.get("WANDB_PROJECT")
-        if project:
-            try:
-                import wandb
-            except ImportError:
-                log(f"W&B project {project!r} is configured but wandb is not installed: logging to TensorBoard "
-                    "only (pip install wandb, or unset train.wandb_project / WANDB_PROJECT)")
-            else:
-                self.wandb = wandb.init(project=project, name=run_name, config=run_config, dir=str(tb_dir.parent))
-                log(f"W&B: run {getattr(self.wandb, 'name', '?')} in project {project}")
+    def __init__(self, out: Path, report_to: list[str], run_config: dict | None = None, run_name: str | None = None,
+                 wandb_project: str | None = None, log=print, resume: dict | None = None):
+        """resume: OUTPUT/trackers.json's records (dflash-eval --run): the same tracker runs, continued."""
+        self.out = Path(out)
+        self.sinks = []
+        for name in report_to:
+            if name == "none" or (resume is not None and name not in resume):
+                continue
+            sink = _SINKS[name](out=self.out, run_config=run_config or {}, run_name=run_name or self.out.name,
+                                project=wandb_project, resume=(resume or {}).get(name))
+            self.sinks.append(sink)
+        if resume is None and self.sinks:
+            (self.out / TRACKERS_FILE).write_text(json.dumps({s.name: s.record for s in self.sinks}, indent=1))
+        if self.sinks:
+            log("metrics: " + ", ".join(f"{s.name} ({', '.join(f'{k} {v}' for k, v in s.record.items())})"
+                                        for s in self.sinks))
+
+    @classmethod
+    def of_run(cls, out: Path, log=print) -> Metrics:
+        """The trackers a training run in `out` logged to (OUTPUT/trackers.json; none when it has no such file)."""
+        try:
+            records = json.loads((Path(out) / TRACKERS_FILE).read_text())
+        except (OSError, ValueError):
+            records = {}
+        if not isinstance(records, dict):
+            records = {}
+        known = [name for name in records if name in _SINKS]
+        for name, install in missing_trackers(known):
+            log(f"note: the run logged to {name}, which is not installed here: its figures get no evaluation "
+                f"results ({install} adds them)")
+            known.remove(name)
+        return cls(out, known, log=log, resume=records)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         """values: 'group/name' -> number."""
-        if self.tb is not None:
-            for key, value in values.items():
-                self.tb.add_scalar(key, value, step)
-        if self.wandb is not None:
-            self.wandb.log(dict(values), step=step)
+        for sink in self.sinks:
+            sink.scalars(values, step)
 
     def summary(self, values: dict) -> None:
-        if self.wandb is not None:
-            for key, value in values.items():
-                if isinstance(value, int | float | str) or value is None:
-                    self.wandb.summary[key] = value
+        for sink in self.sinks:
+            sink.summary(values)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        for sink in self.sinks:
+            sink.close()
 
 
 # ---- progress as plain log lines -----------------------------------------------------------------

@@ -120,3 +120,15 @@ def evaluate_saved(cfg, target, tokenizer, eval_stream, prompts, drafter_dir: Pa
     trained = DFlashDrafter.from_pretrained(drafter_dir).to(device=device, dtype=dtype)
     after = evaluate(cfg, trained, target, tokenizer, eval_stream, prompts, "after training")
     return before, after
+
+
+def evaluation_scalars(summary: dict) -> dict[str, float]:
+    """The end-of-run evaluation as tracker scalars: tau before and after, per-slot acceptance (decoding) and
+    accuracy (teacher-forced) after training (slot k: the token k after the anchor), the serving check's gap."""
+    values = {"eval/tau_before": summary["tau_before"], "eval/tau_after": summary["tau_after"]}
+    for key, name in (("slot_acceptance_after", "slot_acceptance_after"), ("slot_accuracy_after", "slot_acc_after")):
+        values.update({f"eval/{name}/{k:02d}": a for k, a in enumerate(summary.get(key) or [], start=1)})
+    check = summary.get("serving_check")
+    if isinstance(check, dict) and isinstance(check.get("mean_gap"), int | float):
+        values["eval/serving_check_mean_gap"] = check["mean_gap"]
+    return {k: float(v) for k, v in values.items() if isinstance(v, int | float)}

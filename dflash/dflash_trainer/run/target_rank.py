@@ -18,10 +18,11 @@ from ..data.features import META, TARGET_HIDDEN, target_fingerprint, write_meta,
 from ..distributed import parallel
 from ..distributed.parallel import SplitWindow
 from ..distributed.sources import Wait
+from ..infra.metrics import Metrics
 from ..target.frozen import FrozenTarget, text_config
 from ..target.tensor_parallel import check_fits_before_loading, load_sharded_target
 from .compile_step import compile_cache_dir, compile_target_step
-from .evaluate import evaluate_saved, record_eval_prompts
+from .evaluate import evaluate_saved, evaluation_scalars, record_eval_prompts
 from .loading import (
     TargetFiles,
     attention_backend,
@@ -134,11 +135,14 @@ def _measure_tau(cfg: RunConfig, ctx: parallel.Context, target: FrozenTarget, to
         return None
     summary = json.loads((out / "summary.json").read_text())
     summary.update(tau_before=before["tau"], tau_after=after["tau"], slot_accuracy_after=after["slot_accuracy"],
-                   tau_before_method=before.get("tau_method", "speculative decoding"),
+                   slot_acceptance_after=after["slot_acceptance"], tau_before_method=before.get("tau_method", "speculative decoding"),
                    target_ranks=ctx.roles.num_targets, target_tp=ctx.target_tp, target_busy_s=supply.busy_s,
                    target_wait_s=supply.send_wait_s, target_attention=target.attention,
                    eval_prompts=str(record_eval_prompts(out, prompts)))  # what `dflash-eval --run` reads
     write_summary(out, summary)
+    metrics = Metrics.of_run(out, console.print)  # the trackers the lead drafter rank logged the run to
+    metrics.scalars(evaluation_scalars(summary), cfg.train.steps)
+    metrics.close()
     print_summary(summary)
     return summary
 
