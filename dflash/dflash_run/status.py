@@ -52,11 +52,22 @@ def tail(path: Path, lines: int) -> list[str]:
 
 
 def last_progress(path: Path) -> str | None:
-    """The last progress line in the log's last 256 KiB, or None."""
+    """The last progress line in the log's last 256 KiB, or None; a job run with --log-format json writes each
+    line as a JSON object, whose message is the line."""
     for line in reversed(tail(path, 1 << 20)):
-        if m := PROGRESS_LINE.match(line.strip()):
+        if m := PROGRESS_LINE.match(_message(line.strip())):
             return m.group(1)
     return None
+
+
+def _message(line: str) -> str:
+    if not line.startswith("{"):
+        return line
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line
+    return record["message"] if isinstance(record, dict) and isinstance(record.get("message"), str) else line
 
 
 def progress(job: Job, job_dir: Path) -> dict:

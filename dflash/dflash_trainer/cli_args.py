@@ -144,6 +144,23 @@ def named_source(text: str) -> str:
     return text
 
 
+# ---- --log-format: text, or one JSON object a line -------------------------------------------------
+
+def add_log_format_flag(parser: argparse.ArgumentParser) -> None:
+    from .infra.console import LOG_FORMATS
+
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="text (default), or json: every line on stderr one JSON object (time, stage, message; "
+                             "progress lines add step, loss, tokens_per_s, tau, ...) for log collectors; no bars")
+
+
+def use_log_format(args: argparse.Namespace, stage: str) -> None:
+    """The console's format for this command (stage: its name in each JSON line)."""
+    from .infra.console import console
+
+    console.use(args.log_format, stage)
+
+
 # ---- the run config: --config, --set and the flags that set one key each ----------------------------
 
 def add_config_flags(parser: argparse.ArgumentParser, default: str | None = None) -> None:

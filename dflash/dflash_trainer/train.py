@@ -329,7 +329,9 @@ class LogWindow:
     wait_s: float = 0.0
     flops: float = 0.0
 
-    def line(self, run: DrafterRun, history: History, done: int, figures: StepFigures, peak: float | None) -> str:
+    def line(self, run: DrafterRun, history: History, done: int, figures: StepFigures,
+             peak: float | None) -> tuple[str, dict]:
+        """The line, and its figures as fields (--log-format json)."""
         total, steps = run.cfg.train.steps, done - self.step
         train_s = history.train_s - self.train_s
         tokens_per_s = (history.tokens - self.tokens) / train_s if train_s > 0 else 0.0
@@ -345,7 +347,9 @@ class LogWindow:
         self.step, self.losses, self.tokens = done, len(history.losses), history.tokens
         self.train_s, self.wait_s, self.flops = history.train_s, history.wait_s, history.flops
         self.said = time.perf_counter()
-        return " | ".join(parts)
+        fields = {"step": done, "steps": total, "loss": sum(losses) / len(losses), "tokens_per_s": tokens_per_s,
+                  "lr": figures.lr, "mfu": mfu}
+        return " | ".join(parts), fields
 
     def overdue(self) -> bool:
         """A line is due whatever train.log_every says: slow steps would leave the log silent for minutes."""
@@ -363,7 +367,7 @@ class StepBook:
         self.history = History()
         self.clock = StepClock(device)
         self.bar = tqdm(range(run.start_step, train.steps), initial=run.start_step, total=train.steps, desc="train",
-                        dynamic_ncols=True, disable=None if run.lead else True)
+                        dynamic_ncols=True, disable=True if not run.lead or plain_progress() else None)
         # A log (stderr not a terminal) has no bar: a plain line after the first step, every train.log_every
         # steps and at least once a minute instead. The lead
         # also keeps the latest line in OUTPUT/progress.txt, which `dflash-run status` reads where no log is.
@@ -388,9 +392,9 @@ class StepBook:
                          or (self.window is not None and self.window.overdue())):
             log_step(run, self.bar, self.metrics, done, figures, seconds, self.peak)
             if self.window is not None:
-                line = self.window.line(run, self.history, done, figures, self.peak)
+                line, fields = self.window.line(run, self.history, done, figures, self.peak)
                 if self.plain:
-                    say_progress(line)
+                    say_progress(line, **fields)
                 run_dir.record_progress(run.out, line)
         if self.advise and done in self.judged:
             self.judge_split(done, seconds, figures.step_wait_s)
@@ -738,9 +742,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="offline mode: write target features to DIR and exit")
     p.add_argument("--dump-batches", type=cli_args.STEPS, help="micro-batches to dump (default: one epoch)")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error (or DFLASH_DEBUG=1)")
+    cli_args.add_log_format_flag(p)
     args = cli_args.parse(p, argv)
     if isinstance(args, int):  # a bad flag, said by argparse (2), or --help (0)
         return args
+    cli_args.use_log_format(args, "train")
     try:
         # --print-config prints any config that parses (types, ranges, known keys); what a run needs besides
         # (a target, data) is said beside it, not refused: printing is how an incomplete config gets completed.

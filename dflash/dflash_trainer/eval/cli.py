@@ -139,6 +139,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-tolerance", type=cli_args.number(ge=0, le=1),
                    help="near-tie threshold, a share of the largest logit (default by dtype: fp32 1e-4, bf16 3e-2)")
     cli_args.add_config_flags(p)
+    cli_args.add_log_format_flag(p)
     return p
 
 
@@ -556,7 +557,7 @@ def evaluate_set(p: Plan, loops: FastDecoding, target: FrozenTarget, prompts: Pr
     # A terminal shows a bar per set; a log gets a plain line at the first prompt, every 30 s and at the last.
     said = PlainProgress(len(prompts.prompts))
     pairs = list(zip(prompts.ids, prompts.prompts, strict=True))
-    bar = tqdm(total=len(pairs), desc=label, leave=False, disable=None)
+    bar = tqdm(total=len(pairs), desc=label, leave=False, disable=True if said.enabled else None)
     for start in range(0, len(pairs), p.batch_size):
         batch = pairs[start : start + p.batch_size]
         specs, spec_s, refs, ref_s = _decode_batch(p, loops, [prompt for _, prompt in batch], stop, samplers)
@@ -570,7 +571,8 @@ def evaluate_set(p: Plan, loops: FastDecoding, target: FrozenTarget, prompts: Pr
         done = start + len(batch)
         if said.due(done):
             say_progress(f"eval: {label} {done}/{said.total} prompts | tau {result.stats.tau:.2f} | "
-                         f"{said.timing(done)}")
+                         f"{said.timing(done)}", set=prompts.name, temperature=samplers.temperature, done=done,
+                         total=said.total, tau=result.stats.tau)
     bar.close()
     return result
 
@@ -711,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     args = cli_args.parse(parser(), argv)
     if isinstance(args, int):  # a bad flag, said by argparse (2), or --help (0)
         return args
+    cli_args.use_log_format(args, "eval")
     try:
         cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=False)
         if args.print_config:  # what this evaluation would use, --run's recorded settings included

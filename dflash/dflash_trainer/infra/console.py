@@ -1,7 +1,14 @@
 """The console every part of the trainer prints to: stderr, so stdout stays free for what a command
-prints as its answer (a table, JSON, a config)."""
+prints as its answer (a table, JSON, a config).
 
+Two formats (--log-format, cli_args.use_log_format): text, as a terminal or a log shows it, and json, one
+JSON object a line for log collectors: every line printed becomes {"time", "stage", "message"}, and a
+progress line (metrics.say_progress) adds its figures as fields (step, loss, tokens_per_s, tau, ...)."""
+
+import io
+import json
 import sys
+from datetime import UTC, datetime
 
 from rich.console import Console
 
@@ -9,11 +16,49 @@ from rich.console import Console
 # columns, each piece a journal entry of its own; there tables also get the width they need rather than
 # cells cut to "prom…" (COLUMNS, which a shell may export, is not the log's width).
 LOG_WIDTH = 240
+LOG_FORMATS = ("text", "json")
 
 
-def log_console() -> Console:
+class LogConsole(Console):
+    """rich's console, with a JSON mode: what print() renders goes out as the `message` of one JSON object (plain
+    text, no colours, a table's lines joined by newlines)."""
+
+    def __init__(self):
+        super().__init__(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else LOG_WIDTH)
+        self.log_format = "text"
+        self.stage = ""
+
+    def use(self, log_format: str, stage: str) -> None:
+        """log_format: one of LOG_FORMATS; stage: the command's name in each JSON line (train, regenerate, eval)."""
+        self.log_format, self.stage = log_format, stage
+
+    @property
+    def json_lines(self) -> bool:
+        return self.log_format == "json"
+
+    def print(self, *objects, **kwargs) -> None:
+        if not self.json_lines:
+            return super().print(*objects, **kwargs)
+        if self.quiet:
+            return None
+        plain = Console(file=io.StringIO(), width=LOG_WIDTH, soft_wrap=True, color_system=None, highlight=False)
+        plain.print(*objects, **kwargs)
+        self.json_line(plain.file.getvalue().rstrip("\n"))
+        return None
+
+    def json_line(self, message: str, **fields) -> None:
+        """One JSON line: the time (UTC), the stage, the message and the fields given (None ones left out)."""
+        if self.quiet:
+            return
+        line = {"time": datetime.now(UTC).isoformat(timespec="milliseconds"), "stage": self.stage,
+                "message": message, **{k: v for k, v in fields.items() if v is not None}}
+        sys.stderr.write(json.dumps(line) + "\n")
+        sys.stderr.flush()
+
+
+def log_console() -> LogConsole:
     """A stderr console: unwrapped lines; tables as wide as the terminal, or off a terminal LOG_WIDTH."""
-    return Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else LOG_WIDTH)
+    return LogConsole()
 
 
 console = log_console()

@@ -162,16 +162,25 @@ class Metrics:
 # can show the last one.
 
 def plain_progress() -> bool:
-    """True when stderr is not a terminal: progress goes out as plain lines, not a bar."""
+    """True when stderr is not a terminal, or lines go out as JSON: progress goes out as lines, not a bar."""
     import sys
 
-    return not sys.stderr.isatty()
+    from .console import console
+
+    return not sys.stderr.isatty() or console.json_lines
 
 
-def say_progress(line: str) -> None:
+def say_progress(line: str, **figures) -> None:
+    """A progress line; with --log-format json, one JSON object with the figures (step, loss, tokens_per_s,
+    tau, ...) as fields beside the line."""
     import sys
 
-    print(line, file=sys.stderr, flush=True)
+    from .console import console
+
+    if console.json_lines:
+        console.json_line(line, **figures)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def duration(seconds: float) -> str:

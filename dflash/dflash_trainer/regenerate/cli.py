@@ -104,6 +104,7 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--extra-body", type=json_object, default={}, metavar="JSON",
                    help='extra request fields, e.g. \'{"stop_token_ids": [151645]}\' for vLLM (return_token_ids '
                         'is asked for by itself where the server gives it; naming it here decides it)')
+    cli_args.add_log_format_flag(p)
     return p
 
 
@@ -331,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     args = cli_args.parse(parser(), argv)
     if isinstance(args, int):
         return args
+    cli_args.use_log_format(args, "regenerate")
     try:
         cfg = apply_config(args)
         if args.print_config:

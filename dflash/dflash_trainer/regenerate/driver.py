@@ -117,7 +117,8 @@ class Progress:
         if self.said.due(self.rows):
             rank = self.label.removeprefix("regenerating").strip()
             say_progress(f"regenerate: {self.rows}/{self.said.total} prompts{' ' + rank if rank else ''} | "
-                         f"{rate:,.0f} tok/s | {self.tokens:,} answer tokens | {self.said.timing(self.rows)}")
+                         f"{rate:,.0f} tok/s | {self.tokens:,} answer tokens | {self.said.timing(self.rows)}",
+                         done=self.rows, total=self.said.total, tokens_per_s=rate, tokens=self.tokens)
 
     def close(self) -> None:
         self.bar.close()

@@ -36,6 +36,12 @@ def print_summary(summary: dict) -> None:
         table.add_row("tau (acceptance length)", "n/a: no target in this run (offline)")
     table.add_row("drafter (HF dir)", summary["drafter_dir"])
     table.add_row("checkpoints", summary["checkpoints"])
+    if console.json_lines:  # the table's figures as fields, for a log collector
+        console.json_line("DFlash training summary", step=summary["steps"], loss=summary["final_loss"],
+                       first_loss=summary["first_loss"], tokens_per_s=summary["tokens_per_s"], mfu=summary["mfu"],
+                       tau_before=summary.get("tau_before"), tau_after=summary.get("tau_after"),
+                       drafter_dir=summary["drafter_dir"])
+        return
     console.print(table)
 
 
