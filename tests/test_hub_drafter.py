@@ -92,3 +92,62 @@ def test_training_starts_from_a_drafter_on_the_hub(hub, tiny_target, tmp_path, c
     trained, start = load_file(out / "drafter" / "model.safetensors"), load(hub.repos[DRAFTER]["model.safetensors"])
     assert trained.keys() == start.keys() and any(not (trained[k] == start[k]).all() for k in trained)
 
+
+
+# ---- publish.push_to / --push-to: the drafter directory uploaded after training ----------------------
+
+def push_settings(tiny_target, *extra: str) -> list[str]:
+    settings = [f"target.path={tiny_target['target']}", f"data.train={json.dumps([tiny_target['train']])}",
+                f"data.eval={json.dumps([tiny_target['eval']])}", "train.steps=2", "train.micro_batch=4",
+                "train.num_anchors=8", "train.checkpoint_every=0", "eval.prompts=1", "eval.max_new_tokens=2", *extra]
+    return [x for s in settings for x in ("--set", s)]
+
+
+def test_push_to_uploads_every_file_of_the_drafter_directory(hub, tiny_target, tmp_path, capsys, monkeypatch):
+    from dflash_trainer.run import summary as run_summary
+
+    monkeypatch.setenv("HF_TOKEN", "hf_standin")  # the stand-in takes any login
+    real_write = run_summary.write_summary
+
+    def with_a_model_card(out, summary):  # another step writes the model card into the drafter directory
+        (out / "drafter" / "README.md").write_text("# tiny drafter\n")
+        real_write(out, summary)
+
+    monkeypatch.setattr("dflash_trainer.train.write_summary", with_a_model_card)
+    out = tmp_path / "run"
+    code = train(["--config", "embedded", "--output-dir", str(out), "--push-to", "dflash-test/pushed",
+                  *push_settings(tiny_target)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 0, err
+    pushed = hub.repos["dflash-test/pushed"]
+    local = {p.name: p.read_bytes() for p in (out / "drafter").iterdir()}
+    assert pushed == local and {"config.json", "model.safetensors", "README.md"} <= set(pushed)
+    recorded = json.loads((out / "summary.json").read_text())["pushed_to"]
+    assert recorded["repo"] == "dflash-test/pushed" and hub.commit("dflash-test/pushed") in recorded["commit"]
+    assert f"pushed to dflash-test/pushed: {recorded['commit']}" in err
+
+
+def test_push_to_is_refused_before_training_when_the_hub_is_off(hub, tiny_target, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    out = tmp_path / "run"
+    code = train(["--config", "embedded", "--output-dir", str(out), *push_settings(tiny_target,
+                                                                                  "publish.push_to=dflash-test/x")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "publish.push_to dflash-test/x: the hub is switched off (HF_HUB_OFFLINE)" in err, err
+    assert "hf upload dflash-test/x OUTPUT/drafter" in err and not (out / "checkpoints").exists()
+    code = train(["--config", "embedded", "--output-dir", str(out), "--push-to", "no-org", *push_settings(tiny_target)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and 'publish.push_to = "no-org" is no hub repository: give one as org/name' in err, err
+
+
+def test_a_failed_push_names_the_fix_and_keeps_the_drafter(hub, tiny_target, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_standin")
+    hub.refuse_writes = True  # the hub answers 403, as to a token without write access
+    out = tmp_path / "run"
+    code = train(["--config", "embedded", "--output-dir", str(out), "--push-to", "dflash-test/pushed",
+                  *push_settings(tiny_target)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 1, err
+    assert ("pushing " + str(out / "drafter") + " to the hub repository dflash-test/pushed failed (no login that may "
+            "write there") in err, err
+    assert f"hf upload dflash-test/pushed {out / 'drafter'}" in err and (out / "drafter" / "model.safetensors").is_file()

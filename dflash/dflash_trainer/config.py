@@ -15,6 +15,7 @@ import difflib
 import json
 import math
 import os
+import re
 import tomllib
 import types
 import typing
@@ -208,6 +209,18 @@ class EvalConfig:
     before_training: Annotated[str, Rule(choices=("teacher-forced", "decode"))] = "teacher-forced"
 
 
+# A hub repository a drafter is pushed to: "org/name" (a user's or an organisation's).
+HUB_REPO = r"^[A-Za-z0-9][\w.-]*/[\w.-]+$"
+
+
+@dataclass
+class PublishConfig:
+    # a hub repository ("org/name") the published drafter directory is uploaded to after training, every file in
+    # it; huggingface_hub's own login (hf auth login, or HF_TOKEN) authorises it
+    push_to: str | None = None
+    private: bool = False  # a repository the push creates is private (an existing one keeps its visibility)
+
+
 @dataclass
 class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -216,6 +229,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
     output_dir: Annotated[str, PATH] = "runs/default"  # the run directory: checkpoints, drafter/, summary.json
 
     def to_dict(self) -> dict:
@@ -527,6 +541,13 @@ def load_config(source: str | None, overrides: list[str] = (), flags: dict[str, 
     return config
 
 
+def publish_problems(publish: PublishConfig) -> list[str]:
+    if publish.push_to is not None and not re.match(HUB_REPO, publish.push_to):
+        return [(f"publish.push_to = {json.dumps(publish.push_to)} is no hub repository: give one as org/name "
+                 "(your user name or an organisation, then the repository's name)")]
+    return []
+
+
 def tracker_problems(train: TrainConfig) -> list[str]:
     """train.report_to: "none" alone or not at all, each tracker once, and each one installed."""
     report_to = train.report_to
@@ -564,7 +585,7 @@ def semantic_problems(c: RunConfig) -> list[str]:
         problems.append(f"target.quantization = fp8 needs target.dtype = bfloat16 (the FP8 GEMMs write bf16 "
                         f"features), and target.dtype is {c.target.dtype}: set target.dtype = bfloat16, or "
                         "target.quantization = none")
-    problems += parallel_problems(c) + tracker_problems(c.train)
+    problems += parallel_problems(c) + tracker_problems(c.train) + publish_problems(c.publish)
     return problems + train_problems(c)
 
 

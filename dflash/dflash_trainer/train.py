@@ -45,6 +45,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .infra import storage
     from .infra.bytecode import uncompiled_note
     from .infra.console import plain_output_off_a_terminal
+    from .infra.hub import HubError
     from .infra.metrics import Metrics, duration, eta, plain_progress, say_progress, slot_summary
     from .model.drafter import DFlashDrafter
     from .model.flops import peak_flops
@@ -482,6 +483,8 @@ def finish(run: DrafterRun, history: History, before: dict | None, report: Compi
         if run.ctx.colocated:  # what `dflash-eval --run` reads
             summary["eval_prompts"] = str(record_eval_prompts(out, run.prompts))
         write_summary(out, summary)
+    if cfg.publish.push_to:
+        push_published(run, final_dir, summary)
     metrics.summary(summary)
     metrics.close()
     return summary
@@ -493,6 +496,21 @@ def publish_drafter(run: DrafterRun, weights: dict | None, directory: Path) -> N
     cfg = run.cfg
     model_card.write_card(directory, json.loads((directory / "config.json").read_text()), cfg.target.path,
                           cfg.data.train, cfg.train.steps)
+
+
+def push_published(run: DrafterRun, final_dir: Path, summary: dict) -> None:
+    """publish.push_to: every file of the published drafter directory (a model card written there included) to the
+    hub repository, one commit; summary.json records where."""
+    from .infra import hub
+
+    publish, steps = run.cfg.publish, run.cfg.train.steps
+    run.log(f"pushing {final_dir} to the hub repository {publish.push_to}", markup=False)
+    commit = hub.push_dir(final_dir, publish.push_to, publish.private,
+                          f"DFlash drafter: {run.out.name}, step {steps}")
+    run.log(f"pushed to {publish.push_to}: {commit}", markup=False)
+    summary["pushed_to"] = {"repo": publish.push_to, "commit": commit}
+    with storage.explained(f"writing {run.out / 'summary.json'}", run.out, "The drafter is published and pushed."):
+        write_summary(run.out, summary)
 
 
 def run_summary(run: DrafterRun, history: History, report: CompileReport | None, compile_s: float,
@@ -696,7 +714,7 @@ def explain(exc: BaseException) -> tuple[int, str]:
     """(exit code, the one message) for an error that ends the run."""
     if isinstance(exc, USAGE_ERRORS):
         return cli_args.BAD_INPUT, str(exc)
-    if isinstance(exc, (storage.StorageError, ckpt.DamagedCheckpoint, FloatingPointError)):
+    if isinstance(exc, (storage.StorageError, ckpt.DamagedCheckpoint, FloatingPointError, HubError)):
         return cli_args.FAULT, str(exc)
     if (error := storage.os_error_in(exc)) is not None:
         where = Path(error.filename) if error.filename else Path.cwd()
@@ -706,7 +724,7 @@ def explain(exc: BaseException) -> tuple[int, str]:
 
 # The flags that set one config key each.
 KEY_FLAGS = {"--output-dir": "output_dir", "--target-gpus": "parallel.target_ranks",
-             "--drafter-gpus": "parallel.drafter_ranks"}
+             "--drafter-gpus": "parallel.drafter_ranks", "--push-to": "publish.push_to"}
 
 
 def demo_settings_note(config: str | None, cfg: RunConfig) -> str | None:
@@ -721,8 +739,7 @@ def demo_settings_note(config: str | None, cfg: RunConfig) -> str | None:
             "a file of your own; --print-config shows every value")
 
 
-def main(argv: list[str] | None = None) -> int:
-    plain_output_off_a_terminal()  # before anything loads or saves a checkpoint
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-train", description="Train a DFlash drafter.")
     cli_args.add_config_flags(p, default="embedded")
     p.add_argument("--output-dir", type=cli_args.directory,
@@ -738,12 +755,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="target ranks T (parallel.target_ranks)")
     p.add_argument("--drafter-gpus", type=cli_args.for_key("parallel.drafter_ranks"),
                    help="drafter ranks D (parallel.drafter_ranks)")
+    p.add_argument("--push-to", metavar="REPO",
+                   help="after training, upload the drafter directory to this hub repository, org/name "
+                        "(publish.push_to)")
     p.add_argument("--dump-features", metavar="DIR", type=cli_args.directory,
                    help="offline mode: write target features to DIR and exit")
     p.add_argument("--dump-batches", type=cli_args.STEPS, help="micro-batches to dump (default: one epoch)")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error (or DFLASH_DEBUG=1)")
     cli_args.add_log_format_flag(p)
-    args = cli_args.parse(p, argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    plain_output_off_a_terminal()  # before anything loads or saves a checkpoint
+    args = cli_args.parse(parser(), argv)
     if isinstance(args, int):  # a bad flag, said by argparse (2), or --help (0)
         return args
     cli_args.use_log_format(args, "train")

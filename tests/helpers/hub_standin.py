@@ -25,6 +25,7 @@ class StandinHub:
     def __init__(self):
         self.repos: dict[str, dict[str, bytes]] = {}
         self.requests: list[tuple[str, str]] = []
+        self.refuse_writes = False  # answer uploads 403, as the hub answers a token without write access
         self.server: ThreadingHTTPServer | None = None
 
     @property
@@ -125,6 +126,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         path, api, _ = self._route()
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.standin.refuse_writes and path != "/api/validate-yaml":
+            return self._json({"error": "You don't have the rights to create a model under this namespace"}, 403,
+                              {"X-Error-Message": "forbidden"})
+        if path == "/api/validate-yaml":  # a README.md's metadata: the stand-in finds nothing wrong
+            return self._json({"warnings": [], "errors": []})
         if path == "/api/repos/create":
             repo = json.loads(body)
             repo_id = f"{repo['organization']}/{repo['name']}" if repo.get("organization") else repo["name"]

@@ -109,3 +109,34 @@ def local_model(name: str, where: str, noun: str = "drafter directory", files=DR
                 if status in (401, 403, 404) else f"the hub answered {status or exc}")
         raise HubError(f"{where} {name!r}: no such {noun} ({local.absolute()}), and {what}; give a local "
                        f"{noun} or a hub id that exists") from None
+
+
+def push_problem(repo_id: str, where: str) -> str:
+    """Why a push to repo_id could not happen from here (checked before training, in seconds), or ""."""
+    if offline():
+        return (f"{where} {repo_id}: the hub is switched off (HF_HUB_OFFLINE), so the drafter could not be pushed "
+                "after training: unset HF_HUB_OFFLINE, or leave the push out and upload OUTPUT/drafter later "
+                f"(hf upload {repo_id} OUTPUT/drafter)")
+    if not reachable():
+        return (f"{where} {repo_id}: the hub ({endpoint()}) is not reachable from here, so the drafter could not be "
+                f"pushed after training: leave the push out and upload OUTPUT/drafter later from a machine that "
+                f"reaches it (hf upload {repo_id} OUTPUT/drafter)")
+    return ""
+
+
+def push_dir(directory: Path, repo_id: str, private: bool, message: str) -> str:
+    """Every file in directory uploaded to the hub model repository repo_id (created when missing) as one
+    commit; returns the commit's URL. HubError names the repository, what the hub said and the fix."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        return str(api.upload_folder(folder_path=str(directory), repo_id=repo_id, commit_message=message))
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        why = ("no login that may write there (hf auth login, or HF_TOKEN with write access)"
+               if status in (401, 403) else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        raise HubError(f"pushing {directory} to the hub repository {repo_id} failed ({why}); the drafter is "
+                       f"intact there: upload it again with hf upload {repo_id} {directory}") from exc

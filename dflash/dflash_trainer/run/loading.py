@@ -90,9 +90,13 @@ def resolve_init_from(cfg: RunConfig) -> None:
 
 def check_inputs(cfg: RunConfig) -> None:
     """Before anything loads: the target, the drafter to start from (a hub id resolved to its local snapshot)
-    and the data files are there."""
+    and the data files are there, and the hub answers where the drafter is to be pushed."""
+    from ..infra import hub
+
     check_target(cfg.target.path)
     resolve_init_from(cfg)
+    if cfg.publish.push_to and (problem := hub.push_problem(cfg.publish.push_to, "publish.push_to")):
+        raise ConfigError(problem)  # said now, not after the training it would follow
     init = cfg.drafter.init_from
     if init and not (Path(init) / "config.json").is_file():
         raise ConfigError(f"drafter.init_from {init}: not a drafter directory (no config.json in "
