@@ -304,11 +304,11 @@ def test_epochs_count_the_whole_micro_batches_an_epoch_takes(tiny_target, tmp_pa
 # ---- 7. long paths in the tables are printed whole -------------------------------------------------------
 
 def test_the_training_summary_prints_a_long_path_whole_in_a_log(monkeypatch):
+    from dflash_trainer.infra.console import LogConsole
     from dflash_trainer.run import summary
-    from rich.console import Console
 
     log = io.StringIO()
-    monkeypatch.setattr(summary, "console", Console(file=log, width=80))  # a log file: 80 columns, no terminal
+    monkeypatch.setattr(summary, "console", LogConsole(file=log, width=80))  # a log file: 80 columns, no terminal
     path = "/srv/dflash/runs/" + "a-long-run-directory-name-" * 4 + "end/drafter"
     summary.print_summary({"steps": 2, "losses": [1.0, 0.5], "first_loss": 1.0, "final_loss": 0.5,
                            "tokens_per_s": 10.0, "mfu": None, "time_split_s": {"target": 1.0}, "drafter_dir": path,

@@ -81,6 +81,11 @@ def test_one_target_two_drafters_match_one_process(tiny_target, tmp_path, coloca
     recorded = (out / "eval_prompts.jsonl").read_text()
     assert summary["eval_prompts"] == str(out / "eval_prompts.jsonl")
     assert recorded == Path(colocated_accum2["eval_prompts"]).read_text()  # the same held-out prompts
+    from tests.helpers.trackers import scalars_in
+
+    logged = scalars_in(out / "tb")  # the target rank's tau reaches the tracker the lead drafter rank opened
+    assert logged["eval/tau_after"] == [(summary["steps"], pytest.approx(summary["tau_after"]))]
+    assert len(logged["train/loss"]) == len(summary["losses"])
 
 
 def test_a_loss_against_the_target_takes_its_final_states_from_the_target_rank(tiny_target, tmp_path):

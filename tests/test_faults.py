@@ -424,7 +424,7 @@ def test_leftovers_of_killed_saves_and_prunes_are_cleaned(run_copy, capsys):
     (root / ".tmp-step-00000007-x1y2").mkdir()  # killed inside a save
     (root / "step-00000009").mkdir()  # empty
     shutil.copytree(root / "step-00000003", root / "step-00000001")
-    (root / "step-00000001" / "training_state.pt").unlink()  # half-pruned: the state went first
+    (root / "step-00000001" / "training_state.json").unlink()  # half-pruned: the state went first
     shutil.copytree(root / "step-00000003", root / "step-00000002")
     (root / "step-00000002" / "model.safetensors").unlink()  # half-pruned: the weights went first
     code, err = trainer(capsys, run_copy, "--resume", *_resume_sets(run_copy), "--set", "train.steps=7")

@@ -23,8 +23,10 @@ class LogConsole(Console):
     """rich's console, with a JSON mode: what print() renders goes out as the `message` of one JSON object (plain
     text, no colours, a table's lines joined by newlines)."""
 
-    def __init__(self):
-        super().__init__(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else LOG_WIDTH)
+    def __init__(self, **kwargs):
+        """kwargs: rich's Console arguments, over the trainer's (stderr, unwrapped, LOG_WIDTH off a terminal)."""
+        kwargs = {"stderr": True, "soft_wrap": True, "width": None if sys.stderr.isatty() else LOG_WIDTH, **kwargs}
+        super().__init__(**kwargs)
         self.log_format = "text"
         self.stage = ""
 
