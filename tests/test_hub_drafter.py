@@ -59,6 +59,23 @@ def test_eval_reads_a_drafter_by_its_hub_id_then_from_the_cache(hub, tiny_target
     assert code == 0 and len(hub.requests) == asked, err
 
 
+@pytest.mark.slow  # dflash-eval in a process of its own: the hub endpoint from HF_ENDPOINT alone
+def test_hf_endpoint_alone_points_a_command_at_the_hub(hub, tiny_target, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "own-cache"), OMP_NUM_THREADS="1")
+    env.pop("HF_HUB_OFFLINE", None)
+    proc = subprocess.run([sys.executable, "-m", "dflash_trainer.eval", "--drafter", DRAFTER, "--target",
+                           tiny_target["target"], "--prompts", tiny_target["eval"], "--out", str(tmp_path / "eval"),
+                           "--device", "cpu", "--max-new-tokens", "2", "--limit", "1"],
+                          capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert any(f"/{DRAFTER}/resolve/" in path for _, path in hub.requests)
+    assert list((tmp_path / "own-cache").glob("models--dflash-test--tiny-drafter/snapshots/*/model.safetensors"))
+
+
 def test_an_uncached_hub_id_offline_is_refused_with_the_fix(hub, tiny_target, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     code, err = run_eval(capsys, DRAFTER, tiny_target, tmp_path / "eval")

@@ -84,31 +84,31 @@ class HubError(Exception):
 
 
 def local_model(name: str, where: str, noun: str = "drafter directory", files=DRAFTER_FILES) -> Path:
-    """The local directory `name` names; or, for a hub id, its snapshot in the local hub cache (downloaded when
-    the hub answers; read from the cache when it does not, as from_pretrained resolves a target). HubError
-    says why neither works, naming `where` (the setting or flag that gave it) and the fix."""
+    """The local directory `name` names; or, for a hub id, its snapshot in the local hub cache: brought up to date
+    when the hub answers, read from the cache as it is when it does not, as from_pretrained resolves a target.
+    HubError says why neither works, naming `where` (the setting or flag that gave it) and the fix."""
     local = Path(name).expanduser()
     if local.exists() or not looks_like_hub_id(name):
         return local
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    reason = unavailable_reason(name, noun)
+    if not reason:  # the hub answers: its current snapshot (files the cache holds are not downloaded again)
+        try:
+            return Path(snapshot_download(name, allow_patterns=list(files)))
+        except HfHubHTTPError as exc:
+            status = getattr(exc.response, "status_code", None)
+            what = ("the hub has no such repository (or it is private or gated: log in with hf auth login)"
+                    if status in (401, 403, 404) else f"the hub answered {status or exc}")
+            raise HubError(f"{where} {name!r}: no such {noun} ({local.absolute()}), and {what}; give a local "
+                           f"{noun} or a hub id that exists") from None
     try:
         return Path(snapshot_download(name, allow_patterns=list(files), local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):
-        pass  # not cached (or an id the cache cannot hold): the hub is asked below, if it answers
-    if reason := unavailable_reason(name, noun):
         raise HubError(f"{where} {name!r}: {reason}, and it is not in the local hub cache ({constants.HF_HUB_CACHE}): "
                        f"give a local {noun}, or download it once where the hub answers (hf download {name}; "
-                       "HF_HOME or HF_HUB_CACHE names the cache)")
-    try:
-        return Path(snapshot_download(name, allow_patterns=list(files)))
-    except HfHubHTTPError as exc:
-        status = getattr(exc.response, "status_code", None)
-        what = ("the hub has no such repository (or it is private or gated: log in with hf auth login)"
-                if status in (401, 403, 404) else f"the hub answered {status or exc}")
-        raise HubError(f"{where} {name!r}: no such {noun} ({local.absolute()}), and {what}; give a local "
-                       f"{noun} or a hub id that exists") from None
+                       "HF_HOME or HF_HUB_CACHE names the cache)") from None
 
 
 def push_problem(repo_id: str, where: str) -> str:
