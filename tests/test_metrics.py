@@ -100,3 +100,29 @@ def test_wandb_gets_the_scalars_and_evaluation_resumes_its_run(tmp_path, monkeyp
     later = Metrics.of_run(tmp_path, log=lambda _: None)
     assert later.sinks[0].run.init_kwargs == {"project": "drafters", "id": "abc123", "resume": "allow",
                                               "dir": str(tmp_path)}
+
+
+def test_mlflow_gets_the_scalars_and_evaluation_resumes_its_run(tmp_path, monkeypatch):
+    """Where mlflow is installed (it is no dependency of the trainer): a local file store, read back with
+    mlflow's own client."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 keeps the file store behind this switch
+    out = tmp_path / "run"
+    out.mkdir()
+    m = Metrics(out, ["mlflow"], {"train": {"lr": 1e-3, "ids": [1, 2]}}, "run-7", log=lambda _: None)
+    m.scalars({"train/loss": 2.5, "slot_acc/01": 0.5}, step=3)
+    m.summary({"final_loss": 2.0, "losses": [1]})
+    m.close()
+    later = Metrics.of_run(out, log=lambda _: None)
+    later.scalars({"dflash_eval/all/tau": 3.25}, step=6)
+    later.close()
+    record = json.loads((out / TRACKERS_FILE).read_text())["mlflow"]
+    client = MlflowClient(record["tracking_uri"])
+    run = client.get_run(record["run_id"])
+    assert run.data.params == {"train.lr": "0.001", "train.ids": "[1, 2]"}
+    assert run.data.metrics == {"train/loss": 2.5, "slot_acc/01": 0.5, "summary/final_loss": 2.0,
+                                "dflash_eval/all/tau": 3.25}
+    assert [(x.step, x.value) for x in client.get_metric_history(run.info.run_id, "dflash_eval/all/tau")] == [(6, 3.25)]
