@@ -126,3 +126,20 @@ def test_mlflow_gets_the_scalars_and_evaluation_resumes_its_run(tmp_path, monkey
     assert run.data.metrics == {"train/loss": 2.5, "slot_acc/01": 0.5, "summary/final_loss": 2.0,
                                 "dflash_eval/all/tau": 3.25}
     assert [(x.step, x.value) for x in client.get_metric_history(run.info.run_id, "dflash_eval/all/tau")] == [(6, 3.25)]
+
+
+def test_a_resumed_run_continues_its_tracker_runs_and_starts_the_ones_it_lacks(tmp_path, monkeypatch):
+    import importlib.machinery
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kwargs: FakeRun(**kwargs)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    Metrics(tmp_path, ["wandb"], {}, "run-7", wandb_project="drafters", log=lambda _: None).close()
+    resumed = Metrics(tmp_path, ["wandb", "tensorboard"], {}, "run-7", wandb_project="drafters", log=lambda _: None,
+                      resume=Metrics.records(tmp_path))
+    resumed.scalars({"train/loss": 1.5}, step=7)
+    resumed.close()
+    assert resumed.sinks[0].run.init_kwargs["id"] == "abc123"  # the W&B run it started, continued
+    assert scalars_in(tmp_path / "tb")["train/loss"] == [(7, 1.5)]  # TensorBoard, added on resume, starts
+    assert set(json.loads((tmp_path / TRACKERS_FILE).read_text())) == {"wandb", "tensorboard"}

@@ -586,8 +586,9 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, 
     if run.borrowed is not None:
         run.borrowed.wait()  # read beside the compile step; what it did not cover counts here
         startup.mark("embedding + head")
-    metrics = Metrics(run.out, cfg.train.report_to, cfg.to_dict(), run.out.name, cfg.train.wandb_project,
-                      run.log) if run.lead else None
+    # A resumed run goes on logging to the tracker runs it started (OUTPUT/trackers.json).
+    metrics = Metrics(run.out, cfg.train.report_to, cfg.to_dict(), run.out.name, cfg.train.wandb_project, run.log,
+                      resume=Metrics.records(run.out) if run.start_step else None) if run.lead else None
     history = train_loop(run, metrics, startup)
     if history.stopped_at is not None:
         if metrics:

@@ -110,37 +110,43 @@ class Metrics:
     """The trackers of one run: scalars at a step, the run's summary at the end."""
 
     def __init__(self, out: Path, report_to: list[str], run_config: dict | None = None, run_name: str | None = None,
-                 wandb_project: str | None = None, log=print, resume: dict | None = None):
-        """resume: OUTPUT/trackers.json's records (dflash-eval --run): the same tracker runs, continued."""
+                 wandb_project: str | None = None, log=print, resume: dict | None = None, record: bool = True):
+        """resume: OUTPUT/trackers.json's records (a resumed run, dflash-eval --run): a tracker named there
+        continues its run, one that is not starts one. record: write OUTPUT/trackers.json (a training run)."""
         self.out = Path(out)
         self.sinks = []
         for name in report_to:
-            if name == "none" or (resume is not None and name not in resume):
+            if name == "none":
                 continue
             sink = _SINKS[name](out=self.out, run_config=run_config or {}, run_name=run_name or self.out.name,
                                 project=wandb_project, resume=(resume or {}).get(name))
             self.sinks.append(sink)
-        if resume is None and self.sinks:
+        if record and self.sinks:
             (self.out / TRACKERS_FILE).write_text(json.dumps({s.name: s.record for s in self.sinks}, indent=1))
         if self.sinks:
             log("metrics: " + ", ".join(f"{s.name} ({', '.join(f'{k} {v}' for k, v in s.record.items())})"
                                         for s in self.sinks))
 
-    @classmethod
-    def of_run(cls, out: Path, log=print) -> Metrics:
-        """The trackers a training run in `out` logged to (OUTPUT/trackers.json; none when it has no such file)."""
+    @staticmethod
+    def records(out: Path) -> dict:
+        """OUTPUT/trackers.json: tracker -> what names its run ({} when there is none, or it does not read)."""
         try:
             records = json.loads((Path(out) / TRACKERS_FILE).read_text())
         except (OSError, ValueError):
-            records = {}
-        if not isinstance(records, dict):
-            records = {}
-        known = [name for name in records if name in _SINKS]
+            return {}
+        return {k: v for k, v in records.items() if k in _SINKS and isinstance(v, dict)} \
+            if isinstance(records, dict) else {}
+
+    @classmethod
+    def of_run(cls, out: Path, log=print) -> Metrics:
+        """The trackers a training run in `out` logged to (OUTPUT/trackers.json; none when it has no such file)."""
+        records = cls.records(out)
+        known = list(records)
         for name, install in missing_trackers(known):
             log(f"note: the run logged to {name}, which is not installed here: its figures get no evaluation "
                 f"results ({install} adds them)")
             known.remove(name)
-        return cls(out, known, log=log, resume=records)
+        return cls(out, known, log=log, resume=records, record=False)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         """values: 'group/name' -> number."""
