@@ -121,16 +121,7 @@ def push_settings(tiny_target, *extra: str) -> list[str]:
 
 
 def test_push_to_uploads_every_file_of_the_drafter_directory(hub, tiny_target, tmp_path, capsys, monkeypatch):
-    from dflash_trainer.run import summary as run_summary
-
     monkeypatch.setenv("HF_TOKEN", "hf_standin")  # the stand-in takes any login
-    real_write = run_summary.write_summary
-
-    def with_a_model_card(out, summary):  # another step writes the model card into the drafter directory
-        (out / "drafter" / "README.md").write_text("# tiny drafter\n")
-        real_write(out, summary)
-
-    monkeypatch.setattr("dflash_trainer.train.write_summary", with_a_model_card)
     out = tmp_path / "run"
     code = train(["--config", "embedded", "--output-dir", str(out), "--push-to", "dflash-test/pushed",
                   *push_settings(tiny_target)])
@@ -138,7 +129,8 @@ def test_push_to_uploads_every_file_of_the_drafter_directory(hub, tiny_target, t
     assert code == 0, err
     pushed = hub.repos["dflash-test/pushed"]
     local = {p.name: p.read_bytes() for p in (out / "drafter").iterdir()}
-    assert pushed == local and {"config.json", "model.safetensors", "README.md"} <= set(pushed)
+    assert pushed == local and {"config.json", "model.safetensors", "README.md"} <= set(pushed)  # the card too
+    assert "held-out" in pushed["README.md"].decode()  # with the run's tau, written before the push
     recorded = json.loads((out / "summary.json").read_text())["pushed_to"]
     assert recorded["repo"] == "dflash-test/pushed" and hub.commit("dflash-test/pushed") in recorded["commit"]
     assert f"pushed to dflash-test/pushed: {recorded['commit']}" in err

@@ -117,13 +117,16 @@ TRACKED = ("tau", "tau_per_request_mean", "speedup", "speculative_tokens_per_s",
 
 
 def tracker_scalars(report: dict) -> dict[str, float]:
-    """The results as tracker scalars, per prompt set and over all of them: tau, the speedup, the rates and
-    per-slot acceptance (slot k: the token k after the anchor)."""
+    """The results as tracker scalars, per prompt set and over all of them (and per temperature where it sampled:
+    dflash_eval/T=1/SET/...): tau, the speedup, the rates and per-slot acceptance (slot k: the token k after the
+    anchor)."""
     values = {}
-    for name, r in [*report["sets"].items(), ("all", report["overall"])]:
-        values.update({f"dflash_eval/{name}/{key}": float(r[key]) for key in TRACKED if r.get(key) is not None})
-        values.update({f"dflash_eval/{name}/slot_acceptance/{k:02d}": float(a)
-                       for k, a in enumerate(r.get("slot_acceptance") or [], start=1)})
+    for label, view in _views(report):
+        prefix = f"dflash_eval/{label}/" if label else "dflash_eval/"
+        for name, r in [*view["sets"].items(), ("all", view["overall"])]:
+            values.update({f"{prefix}{name}/{key}": float(r[key]) for key in TRACKED if r.get(key) is not None})
+            values.update({f"{prefix}{name}/slot_acceptance/{k:02d}": float(a)
+                           for k, a in enumerate(r.get("slot_acceptance") or [], start=1)})
     return values
 
 
