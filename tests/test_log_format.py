@@ -111,6 +111,7 @@ def test_regeneration_writes_json_lines(tmp_path_factory, tmp_path, capsys):
 
     target = build_chat_target(tmp_path_factory)["target"]
     source = write_jsonl(tmp_path / "source.jsonl", corpus_rows(4))
+    capsys.readouterr()  # what building the target printed is not the command's
     code = regenerate(["--target", target, "--data", str(source), "--out", str(tmp_path / "regen"),
                        "--max-new-tokens", "4", "--batch-size", "4", "--log-format", "json"])
     records = json_lines(capsys.readouterr().err, "regenerate")
