@@ -13,6 +13,11 @@ finish (the published drafter, tau, the summary).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m / torchrun -m: started as dflash-train is, the signals handled before the
+    from .infra.entry import train as _entry  # imports below (infra/entry.py); it imports this module by its name
+
+    _entry()
+
 import argparse
 import json
 import math
@@ -46,6 +51,8 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .infra.bytecode import uncompiled_note
     from .infra.console import plain_output_off_a_terminal
     from .infra.metrics import Metrics, duration, eta, plain_progress, say_progress, slot_summary
+    from .infra.stop_signal import exit_code as stop_exit_code
+    from .infra.stop_signal import signal_name_of
     from .model.drafter import DFlashDrafter
     from .model.flops import peak_flops
     from .model.optim import MasterWeightAdamW, warmup_cosine
@@ -62,6 +69,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
         console,
         drafter_config_for,
         feature_buckets,
+        input_problems,
         load_data,
         load_target,
         loss_objective,
@@ -729,10 +737,13 @@ def main(argv: list[str] | None = None) -> int:
     args = cli_args.parse(p, argv)
     if isinstance(args, int):  # a bad flag, said by argparse (2), or --help (0)
         return args
+    cfg = None
     try:
         # --print-config prints any config that parses (types, ranges, known keys); what a run needs besides
         # (a target, data) is said beside it, not refused: printing is how an incomplete config gets completed.
-        cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=not args.print_config)
+        # Every problem at once: the keys' types and ranges, what a run needs of them, the inputs being there.
+        cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=not args.print_config,
+                                  checks=None if args.print_config else input_problems)
         if args.print_config:
             cli_args.print_config(cfg)
             if problems := semantic_problems(cfg):
@@ -749,9 +760,11 @@ def main(argv: list[str] | None = None) -> int:
             dump_features(cfg, Path(args.dump_features), args.dump_batches)
         else:
             run(cfg, resume=args.resume, overwrite=args.overwrite, auto_resume=args.auto_resume)
-    except KeyboardInterrupt:
-        console.print("[red]interrupted[/] (a second signal): the last checkpoint is intact; --resume continues")
-        return 130
+    except KeyboardInterrupt as exc:  # start-up, or a second signal (infra/stop_signal.py): said as it is on disk
+        name = signal_name_of(exc)
+        _say_once(f"stopped by {name} while reading the config: nothing was written" if cfg is None else
+                  run_dir.interrupted_note(Path(cfg.output_dir).absolute(), name, getattr(exc, "second", False)))
+        return stop_exit_code(name)
     except Exception as exc:  # noqa: BLE001 - every error ends as one message (a traceback with --debug)
         code, message = explain(exc)
         debug = args.debug or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
@@ -762,6 +775,3 @@ def main(argv: list[str] | None = None) -> int:
         return code
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,12 @@
-"""SIGTERM and SIGINT as a request to stop cleanly, within a `with` block (main thread only: elsewhere the
-handlers cannot be installed and the block only holds the state). A second signal raises KeyboardInterrupt at
-once. Training stops after the step's checkpoint (run/stop.py), regeneration after the answers in flight."""
+"""SIGTERM and SIGINT: how every command of the trainer ends on them.
+
+A command stops cleanly on a signal within a `StopSignal` block (main thread only: elsewhere the handlers cannot
+be installed and the block only holds the state): training after the step's checkpoint (run/stop.py),
+regeneration after the answers in flight; it exits 0, its work kept. Outside such a block (start-up: imports,
+loading, compiling) and at a second signal, the signal raises `Interrupted` where the program is, SIGTERM as
+Ctrl-C does (`interrupt_on_signals`, which every console script installs first): the command unwinds (a refused
+start removes what it made), says in one line what it leaves on disk, and exits 128 + the signal's number, as a
+shell reports a process the signal killed: 130 for Ctrl-C (SIGINT), 143 for SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,9 +14,45 @@ import signal
 import threading
 from typing import Self
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def exit_code(signal_name: str) -> int:
+    """128 + the signal's number: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + signal.Signals[signal_name].value
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal ended the command where it was: during start-up, or a second signal (`second`)."""
+
+    def __init__(self, signal_name: str, second: bool = False):
+        super().__init__(f"second {signal_name}" if second else signal_name)
+        self.signal_name = signal_name
+        self.second = second
+
+
+def signal_name_of(exc: KeyboardInterrupt) -> str:
+    """The signal a KeyboardInterrupt stands for: Interrupted's, else SIGINT (Python's own Ctrl-C)."""
+    return getattr(exc, "signal_name", "SIGINT")
+
+
+def _interrupt(signum, _frame) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def interrupt_on_signals() -> None:
+    """SIGTERM and SIGINT raise Interrupted where the program is (SIGTERM's default would end the process without
+    a word, and skip every cleanup). A signal the parent set to be ignored (nohup, a job started with &) stays
+    ignored. Main thread only, as Python's signal handlers are."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _interrupt)
+
 
 class StopSignal:
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = SIGNALS
 
     def __init__(self) -> None:
         self.signal_name: str | None = None  # the first signal's name, once one came
@@ -32,7 +74,7 @@ class StopSignal:
     def _on_signal(self, signum, _frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:  # a second signal: stop now
-            raise KeyboardInterrupt(f"second {name}")
+            raise Interrupted(name, second=True)
         self.signal_name = name
         self.on_first(name)
 
