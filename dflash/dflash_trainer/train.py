@@ -13,8 +13,10 @@ finish (the published drafter, tau, the summary).
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # python -m / torchrun -m: started as dflash-train is, the signals handled before the
-    from .infra.entry import train as _entry  # imports below (infra/entry.py); it imports this module by its name
+# python -m / torchrun -m: started as dflash-train is, the signals handled before the imports below
+# (infra/entry.py), which imports this module by its own name and runs its main.
+if __name__ == "__main__":
+    from .infra.entry import train as _entry
 
     _entry()
 
@@ -22,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 import traceback
 from collections.abc import Iterator

@@ -44,6 +44,8 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..infra.dtypes import DTYPES
     from ..infra.hub import remote_code_hint
     from ..infra.metrics import PlainProgress, say_progress
+    from ..infra.stop_signal import exit_code as stop_exit_code
+    from ..infra.stop_signal import signal_name_of
     from ..model.drafter import DFLASH2_DEFAULTS
     from ..run import checkpoint as ckpt
     from ..run import model_card
@@ -697,6 +699,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         p = plan(args, cfg)
         report, requests = evaluate(p)
+    except KeyboardInterrupt as exc:  # SIGTERM / Ctrl-C: the results are written only at the end (write_results)
+        name = signal_name_of(exc)
+        console.print(f"stopped by {name} before the evaluation finished: nothing was written; run the same command "
+                      "again to evaluate", soft_wrap=True)
+        return stop_exit_code(name)
     except (*cli_args.bad_input_errors(EvalError), storage.StorageError) as exc:
         cli_args.say_error(console, str(exc))
         return cli_args.exit_code(exc, EvalError)
