@@ -51,6 +51,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .infra import storage
     from .infra.bytecode import uncompiled_note
     from .infra.console import plain_output_off_a_terminal
+    from .infra.entry import stdout_closed
     from .infra.metrics import Metrics, duration, eta, plain_progress, say_progress, slot_summary
     from .infra.stop_signal import exit_code as stop_exit_code
     from .infra.stop_signal import signal_name_of
@@ -767,6 +768,8 @@ def main(argv: list[str] | None = None) -> int:
                   run_dir.interrupted_note(Path(cfg.output_dir).absolute(), name, getattr(exc, "second", False)))
         return stop_exit_code(name)
     except Exception as exc:  # noqa: BLE001 - every error ends as one message (a traceback with --debug)
+        if isinstance(exc, BrokenPipeError) and stdout_closed():  # `--print-config | head`: infra/entry.py ends it
+            raise
         code, message = explain(exc)
         debug = args.debug or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
         if debug:
