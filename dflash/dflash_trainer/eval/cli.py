@@ -545,7 +545,7 @@ def evaluate_set(p: Plan, loops: FastDecoding, target: FrozenTarget, prompts: Pr
                        AcceptanceStats(loops.drafter.block_size), sampled=samplers.sampled)
     label = prompts.name + (f" T={samplers.temperature:g}" if samplers.sampled or len(p.temperatures) > 1 else "")
     # A terminal shows a bar per set; a log gets a plain line at the first prompt, every 30 s and at the last.
-    said = PlainProgress(len(prompts.prompts))
+    said = PlainProgress(len(prompts.prompts), in_flight=p.batch_size)  # an ETA once a batch is done
     pairs = list(zip(prompts.ids, prompts.prompts, strict=True))
     bar = tqdm(total=len(pairs), desc=label, leave=False, disable=None)
     for start in range(0, len(pairs), p.batch_size):
