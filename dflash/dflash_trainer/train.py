@@ -767,15 +767,20 @@ def main(argv: list[str] | None = None) -> int:
         _say_once(f"stopped by {name} while reading the config: nothing was written" if cfg is None else
                   run_dir.interrupted_note(Path(cfg.output_dir).absolute(), name, getattr(exc, "second", False)))
         return stop_exit_code(name)
-    except Exception as exc:  # noqa: BLE001 - every error ends as one message (a traceback with --debug)
+    except Exception as exc:  # every error ends as one message (a traceback with --debug)
         if isinstance(exc, BrokenPipeError) and stdout_closed():  # `--print-config | head`: infra/entry.py ends it
             raise
-        code, message = explain(exc)
-        debug = args.debug or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
-        if debug:
-            traceback.print_exception(exc)
-        hint = "" if debug or code == 2 else " (--debug or DFLASH_DEBUG=1 prints the traceback)"
-        console.print(f"[red]error:[/] {escape(message)}{hint}", soft_wrap=True)
-        return code
+        return _say_error(exc, args.debug)
     return 0
+
+
+def _say_error(exc: Exception, debug: bool) -> int:
+    """The error that ended the run in one line (its traceback too with --debug or DFLASH_DEBUG=1); its exit code."""
+    code, message = explain(exc)
+    debug = debug or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
+    if debug:
+        traceback.print_exception(exc)
+    hint = "" if debug or code == 2 else " (--debug or DFLASH_DEBUG=1 prints the traceback)"
+    console.print(f"[red]error:[/] {escape(message)}{hint}", soft_wrap=True)
+    return code
 

@@ -100,9 +100,10 @@ def parser() -> argparse.ArgumentParser:
                    help="bearer token (default: $OPENAI_API_KEY)")
     o.add_argument("--request-timeout", type=cli_args.SECONDS, default=600.0, help="seconds per request")
     o.add_argument("--retries", type=cli_args.integer(ge=0, le=100), default=5,
-                   help="retries per request (connection errors, timeouts, 5xx)")
+                   help="retries per request (connection errors, timeouts, 408, 429, 5xx)")
     o.add_argument("--retry-backoff", type=cli_args.number(ge=0, le=3600), default=1.0,
-                   help="first retry delay in s, doubling")
+                   help="backoff in s: the first retry at once, then 2x, 4x, ... this (at most 120 s) plus up to "
+                        "this much random jitter; a 429 / 503 with Retry-After waits what the server says")
     o.add_argument("--extra-body", type=json_object, default={}, metavar="JSON",
                    help='extra request fields, e.g. \'{"stop_token_ids": [151645]}\' for vLLM (return_token_ids '
                         'is asked for by itself where the server gives it; naming it here decides it)')
