@@ -115,7 +115,8 @@ def _command(argv: list[str] | None) -> int:
 
 
 def logs(run_dir: Path, lines: int, follow: bool, unit: str | None = None, log: str = supervise.LOG) -> int:
-    path = Path(supervise.read_state(run_dir.absolute()).get("log") or run_dir / log)
+    recorded = supervise.read_state(run_dir.absolute()).get("log")
+    path = Path(status.in_this_dir(run_dir, recorded, log) or run_dir / log)
     # Under systemd, what systemd itself says about the unit (exits, restarts, a unit that never started).
     journal = supervise.unit_journal(unit, min(lines, 20)) if unit else []
     said = "".join(f"\n  {x}" for x in journal)

@@ -513,7 +513,8 @@ def run_summary(run: DrafterRun, history: History, report: CompileReport | None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "drafter_ranks": run.ctx.num_drafters,
         "drafter_dir": str(final_dir),
-        "checkpoints": str(out / "checkpoints"),
+        # None where none was written (train.checkpoint_every = 0): the summary names no directory that is not there
+        "checkpoints": str(out / "checkpoints") if ckpt.list_checkpoints(out / "checkpoints") else None,
         "losses": history.losses,
     }
     previous = run_dir.recorded_summary(out)
