@@ -62,3 +62,7 @@ def evaluate() -> None:
 
 def regenerate() -> None:
     sys.exit(run_command("dflash-regenerate", "dflash_trainer.regenerate.cli"))
+
+
+def export() -> None:
+    sys.exit(run_command("dflash-export", "dflash_trainer.export.cli"))
