@@ -54,6 +54,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .infra.entry import stdout_closed
     from .infra.metrics import Metrics, duration, eta, plain_progress, say_progress, slot_summary
     from .infra.stop_signal import exit_code as stop_exit_code
+    from .infra.stop_signal import received as received_signal
     from .infra.stop_signal import signal_name_of
     from .model.drafter import DFlashDrafter
     from .model.flops import peak_flops
@@ -764,15 +765,26 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run(cfg, resume=args.resume, overwrite=args.overwrite, auto_resume=args.auto_resume)
     except KeyboardInterrupt as exc:  # start-up, or a second signal (infra/stop_signal.py): said as it is on disk
-        name = signal_name_of(exc)
-        _say_once(f"stopped by {name} while reading the config: nothing was written" if cfg is None else
-                  run_dir.interrupted_note(Path(cfg.output_dir).absolute(), name, getattr(exc, "second", False)))
-        return stop_exit_code(name)
-    except Exception as exc:  # every error ends as one message (a traceback with --debug)
-        if isinstance(exc, BrokenPipeError) and stdout_closed():  # `--print-config | head`: infra/entry.py ends it
-            raise
-        return _say_error(exc, args.debug)
+        return _say_interrupted(cfg, signal_name_of(exc), getattr(exc, "second", False))
+    except Exception as exc:  # noqa: BLE001 - every error ends as one message (a traceback with --debug)
+        return _ended(exc, cfg, args.debug)
     return 0
+
+
+def _ended(exc: Exception, cfg: RunConfig | None, debug: bool) -> int:
+    """The exit code of an error that ended the run, said in one line."""
+    if isinstance(exc, BrokenPipeError) and stdout_closed():  # `--print-config | head`: infra/entry.py ends it
+        raise exc
+    if (name := received_signal()) is not None:  # what a signal's exception left behind (a library cut short)
+        return _say_interrupted(cfg, name, False)
+    return _say_error(exc, debug)
+
+
+def _say_interrupted(cfg: RunConfig | None, name: str, second: bool) -> int:
+    """A signal ended the run where it was: one line of what the run directory holds; 130 / 143."""
+    _say_once(f"stopped by {name} while reading the config: nothing was written" if cfg is None else
+              run_dir.interrupted_note(Path(cfg.output_dir).absolute(), name, second))
+    return stop_exit_code(name)
 
 
 def _say_error(exc: Exception, debug: bool) -> int:

@@ -14,7 +14,7 @@ import os
 import select
 import sys
 
-from .stop_signal import exit_code, interrupt_on_signals, signal_name_of
+from .stop_signal import exit_code, exit_on_signals, interrupt_on_signals, received, signal_name_of
 
 
 def stdout_closed() -> bool:
@@ -35,21 +35,28 @@ def _quiet_stdout() -> None:
 
 
 def run_command(prog: str, module: str) -> int:
-    """`module`'s main() with the ending above; its exit code. The module is imported here, after the signals."""
+    """`module`'s main() with the ending above; its exit code. The module is imported here, after the signals: a
+    signal during the imports ends the process at once (exit_on_signals), one during main() unwinds it
+    (interrupt_on_signals), and what main() does not say itself is said here."""
+    exit_on_signals(prog)
+    main = importlib.import_module(module).main
     interrupt_on_signals()
     try:
-        code = importlib.import_module(module).main()
+        code = main()
         sys.stdout.flush()  # a closed stdout shows here, inside the try, not in the interpreter's last flush
         return code
-    except KeyboardInterrupt as exc:  # what the command did not say itself (start-up, imports)
-        name = signal_name_of(exc)
-        sys.stderr.write(f"{prog}: stopped by {name} before it finished (exit {exit_code(name)})\n")
-        return exit_code(name)
     except BrokenPipeError:
         if not stdout_closed():
             raise
         _quiet_stdout()
         return 0
+    except BaseException as exc:
+        # An Interrupted, or what it left behind (a library its exception cut short, failing at its next use)
+        name = signal_name_of(exc) if isinstance(exc, KeyboardInterrupt) else received()
+        if name is None:
+            raise
+        sys.stderr.write(f"{prog}: stopped by {name} before it finished (exit {exit_code(name)})\n")
+        return exit_code(name)
 
 
 def train() -> None:

@@ -10,6 +10,7 @@ shell reports a process the signal killed: 130 for Ctrl-C (SIGINT), 143 for SIGT
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Self
@@ -36,19 +37,46 @@ def signal_name_of(exc: KeyboardInterrupt) -> str:
     return getattr(exc, "signal_name", "SIGINT")
 
 
+_received: list[str] = []  # the signals _interrupt raised Interrupted for, in order
+
+
+def received() -> str | None:
+    """The first signal _interrupt turned into Interrupted in this process, if any: an error that ends a command
+    after it (a library whose import the exception cut short, and which fails at its next use) is that stop."""
+    return _received[0] if _received else None
+
+
 def _interrupt(signum, _frame) -> None:
-    raise Interrupted(signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    _received.append(name)
+    raise Interrupted(name)
+
+
+def _install(handler) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, handler)
 
 
 def interrupt_on_signals() -> None:
     """SIGTERM and SIGINT raise Interrupted where the program is (SIGTERM's default would end the process without
     a word, and skip every cleanup). A signal the parent set to be ignored (nohup, a job started with &) stays
     ignored. Main thread only, as Python's signal handlers are."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, _interrupt)
+    _install(_interrupt)
+
+
+def exit_on_signals(prog: str) -> None:
+    """While a command imports its libraries (nothing written yet, nothing to clean up): a signal ends the process
+    at once, in one line. An exception raised into an import half-way (numpy's, transformers') can leave the module
+    broken, and the next use fails with another error than the signal."""
+    def handler(signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        os.write(2, f"{prog}: stopped by {name} while starting (exit {exit_code(name)})\n".encode())
+        os._exit(exit_code(name))
+
+    _install(handler)
 
 
 class StopSignal:
