@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 from dflash_run import cli as run_cli
 from dflash_trainer.infra.metrics import PlainProgress
-from dflash_trainer.infra.stop_signal import Interrupted, StopSignal, exit_code, interrupt_on_signals
+from dflash_trainer.infra.stop_signal import (
+    Interrupted,
+    StopSignal,
+    exit_code,
+    interrupt_on_signals,
+    received,
+)
 from dflash_trainer.run import checkpoint as ckpt
 from dflash_trainer.run import run_dir
 
@@ -109,7 +115,12 @@ def test_a_signal_outside_a_stop_scope_raises_interrupted_and_a_second_inside_on
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
         assert (second.value.signal_name, second.value.second) == ("SIGINT", True)
+        assert received() == "SIGTERM"
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        interrupt_on_signals()  # a command's start forgets what came before
+        assert received() is None
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -63,7 +63,8 @@ def _install(handler) -> None:
 def interrupt_on_signals() -> None:
     """SIGTERM and SIGINT raise Interrupted where the program is (SIGTERM's default would end the process without
     a word, and skip every cleanup). A signal the parent set to be ignored (nohup, a job started with &) stays
-    ignored. Main thread only, as Python's signal handlers are."""
+    ignored. Main thread only, as Python's signal handlers are. A command's start: no signal received yet."""
+    _received.clear()
     _install(_interrupt)
 
 
