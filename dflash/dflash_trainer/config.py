@@ -504,7 +504,7 @@ def load_config(source: str | None, overrides: list[str] = (), flags: dict[str, 
         problems.append(f"train.steps = {train['steps']} and train.epochs = {train['epochs']} are both given: keep one "
                         "(epochs derives the steps from the data)")
     config = _build(RunConfig, values, "", problems)
-    refused = {problem.split(" ", 1)[0] for problem in problems}  # "key = value: ..." of each value _build refused
+    refused = {problem.split(" ", 1)[0] for problem in problems if " = " in problem.split(":", 1)[0]}  # "key = value: ..."
     later = (semantic_problems(config) if whole_run else []) + (checks(config) if checks else [])
     problems += [problem for problem in later if not any(_names_key(problem, key) for key in refused)]
     if problems:
