@@ -336,3 +336,62 @@ def test_overwrite_of_a_model_directory_is_refused_and_keeps_its_config(tiny_tar
     assert code == 2 and f"{model} holds a model ({model / 'config.json'} has model_type 'qwen3'), not a training " \
         "run: give --output-dir a directory of its own" in err, err
     assert snapshot(model) == before
+
+
+# ---- round three: every problem at once, messages that name the key and the fix --------------------------------
+
+def test_a_config_with_several_problems_says_them_all_at_once(tmp_path, capsys):
+    """The keys' own rules, what a run needs of them and whether the inputs are there: one message, exit 2."""
+    out = tmp_path / "run"
+    missing = tmp_path / "no-such-target"
+    code, err = trainer(capsys, out, "--set", f"target.path={missing}")
+    assert code == 2 and "data.train is empty" in err and f"target.path '{missing}': no such directory" in err, err
+    code, err = trainer(capsys, out, "--set", f"target.path={missing}", "--set", "train.lr=-1", "--set",
+                        f"data.train={json.dumps([str(tmp_path / 'rows.jsonl')])}", "--set",
+                        f"drafter.init_from={tmp_path}")
+    assert code == 2, err
+    for problem in ("train.lr = -1: must be > 0", f"target.path '{missing}'",
+                    f"drafter.init_from {tmp_path}: not a drafter directory", "data files not found"):
+        assert problem in err, (problem, err)
+    assert not out.exists()
+
+
+def test_a_check_on_a_key_already_refused_is_left_out():
+    """data.max_length's own value is refused: the bucket check, which would judge its default, says nothing."""
+    with pytest.raises(ConfigError) as error:
+        load_config("embedded", ['data.max_length="long"', "data.context_buckets=[64]", "train.lr=0"])
+    text = str(error.value)
+    assert "data.max_length = \"long\": must be an integer" in text and "train.lr = 0: must be > 0" in text, text
+    assert "exceeds the largest context bucket" not in text
+
+
+def test_a_micro_batch_larger_than_the_rows_names_the_setting_and_the_fix(tiny_target, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err = trainer(capsys, out, *sets(tiny_target, "train.micro_batch=5000"))
+    assert code == 2, err
+    assert "train.micro_batch = 5000 rows, and the data has" in err and "set train.micro_batch = " in err, err
+    assert "or give more rows in data.train" in err and not out.exists()  # refused before anything was written
+
+
+def test_a_run_without_checkpoints_names_no_checkpoints_directory(tiny_target, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err = trainer(capsys, out, *sets(tiny_target, "train.steps=2", "train.checkpoint_every=0"))
+    assert code == 0, err
+    assert not (out / "checkpoints").exists()
+    assert json.loads((out / "summary.json").read_text())["checkpoints"] is None
+    assert str(out / "checkpoints") not in err and "none written (train.checkpoint_every" in err, err
+
+
+def test_status_of_a_copied_run_names_its_own_drafter_and_log(finished_run, tmp_path):
+    from dflash_run import status, supervise
+    from dflash_run.jobs import TRAIN
+
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_run, copy, symlinks=True)
+    (copy / "logs").mkdir(exist_ok=True)
+    (copy / "logs" / "train.log").write_text("train: step 6/6 (100%) | loss 1.0\n")
+    (copy / supervise.STATE).write_text(json.dumps({"state": "finished", "rc": 0,
+                                                    "log": str(finished_run / TRAIN.log)}))  # as it was recorded there
+    text = status.format_report(status.report(copy, None, job=TRAIN))
+    assert f"drafter {copy / 'drafter'}" in text and f"log:         {copy / TRAIN.log}" in text, text
+    assert str(finished_run) not in text, text

@@ -595,6 +595,25 @@ def test_a_job_signalled_directly_is_stopped_not_finished(job, tmp_path):
     assert "finished" not in log.replace("before it finished", "")
 
 
+def test_a_job_a_signal_ends_during_its_start_up_is_stopped_not_restarted(tmp_path):
+    """`kill <pid of the job>` before it can stop cleanly: it exits 143 (infra/stop_signal.py), and the supervisor
+    records a stop, not a failure to restart."""
+    run = tmp_path / "regenerate"
+    launch(run, STOPS_CLEANLY.replace("sys.exit(0)", "sys.exit(143)"), job=REGENERATE.name)
+
+    def kill_the_job() -> None:
+        if wait_for(lambda: (run / "job-pid").exists() and (run / "job-pid").read_text()):
+            os.kill(int((run / "job-pid").read_text()), signal.SIGTERM)
+
+    killer = threading.Thread(target=kill_the_job)
+    killer.start()
+    assert supervise.run(run, restart=True, job=REGENERATE) == 0
+    killer.join()
+    st = supervise.read_state(run)
+    assert st["state"] == "stopped" and st["rc"] == 143 and st["restarts"] == 0, st
+    assert "ended by a signal sent to it, not to dflash-run (exit 143)" in (run / REGENERATE.log).read_text()
+
+
 @pytest.mark.parametrize(("extra", "where"), [([], "."), (["--out", "elsewhere"], "elsewhere"),
                                               (["--out=other"], "other")])
 def test_a_job_that_writes_its_result_is_finished_wherever_its_command_line_puts_it(extra, where, tmp_path):

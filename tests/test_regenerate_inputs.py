@@ -500,3 +500,83 @@ def test_skipped_rows_of_several_files_are_named_in_their_file(tokenizer, tmp_pa
     said = describe_skips(plan)
     assert "1 x a turn's role 'usr' is not a chat role" in said and f"({second} row 2)" in said, said
     assert f"{NO_USER_TURN} ({second} row 3)" in said and "row 5" not in said, said
+
+
+# ---- 7. engine openai: retries as urllib3's Retry policy makes them -------------------------------------------
+
+class Throttling:
+    """A server on localhost that answers /v1/models with `statuses` first (each with Retry-After `after` s), then
+    200; it records when each request came. Stops with the test."""
+
+    def __init__(self, statuses: list[int], after: str | None):
+        self.hits: list[float] = []
+        throttle = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                throttle.hits.append(time.monotonic())
+                n = len(throttle.hits)
+                status = statuses[n - 1] if n <= len(statuses) else 200
+                data = json.dumps({"data": [{"id": "tiny"}]} if status == 200 else {"error": "busy"}).encode()
+                self.send_response(status)
+                if status != 200 and after is not None:
+                    self.send_header("Retry-After", after)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/v1"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def engine_for(url: str, retries: int, backoff: float) -> OpenAIEngine:
+    return OpenAIEngine(url, None, None, Sampling(max_new_tokens=4), [], concurrency=2, retries=retries,
+                        backoff=backoff)
+
+
+def test_the_retry_policy_honours_retry_after_with_jitter_and_retries_posts():
+    from dflash_trainer.regenerate.engine_openai import RETRY_STATUS, retry_policy
+
+    policy = retry_policy(5, 1.0)
+    assert policy.respect_retry_after_header and policy.backoff_jitter == 1.0 and policy.backoff_factor == 1.0
+    assert policy.allowed_methods is None  # POST /chat/completions is retried too
+    assert set(policy.status_forcelist) == RETRY_STATUS and policy.total == 5 and not policy.raise_on_status
+
+
+def test_a_throttled_server_is_retried_until_it_answers():
+    server = Throttling([429, 503], after="0")
+    try:
+        assert engine_for(server.url, retries=3, backoff=0.01).check() == "tiny"
+        assert len(server.hits) == 3
+    finally:
+        server.close()
+
+
+def test_a_server_that_stays_busy_is_named_with_its_last_answer():
+    server = Throttling([503] * 10, after=None)
+    try:
+        with pytest.raises(EndpointError) as error:
+            engine_for(server.url, retries=2, backoff=0.01).check()
+        assert len(server.hits) == 3
+        assert f"{server.url}/models did not answer after 3 attempts" in str(error.value)
+        assert "(last: HTTP 503: {\"error\": \"busy\"})" in str(error.value), str(error.value)
+    finally:
+        server.close()
+
+
+@pytest.mark.slow  # waits the second the server asks for
+def test_retry_after_is_waited_as_the_server_says():
+    server = Throttling([429], after="1")
+    try:
+        assert engine_for(server.url, retries=2, backoff=0.0).check() == "tiny"
+        assert len(server.hits) == 2 and server.hits[1] - server.hits[0] >= 0.95, server.hits
+    finally:
+        server.close()

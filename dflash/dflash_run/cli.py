@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="dflash-run", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--run-dir", type=Path, required=True,
+    common.add_argument("--run-dir", type=run_dir_path, required=True,
                         help="the job's directory: the run's output directory, regeneration's or evaluation's --out")
     common.add_argument("--job", choices=list(JOBS), default="train", help="which job (default: train)")
     common.add_argument("--unit", help="the systemd unit of the job (production), if any")
@@ -47,7 +49,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def run_dir_path(text: str) -> Path:
+    """--run-dir: a directory, or a path where one can be made (deploy makes it); a file is refused, exit 2."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a job's directory: give the run's output directory "
+                                         "(regeneration's or evaluation's --out)")
+    return path
+
+
+def _stdout_closed() -> bool:
+    """stdout is a pipe whose reader is gone (poll says POLLERR)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command, ended as every command of the trainer is (dflash_trainer/infra/entry.py): Ctrl-C (`logs -f`)
+    in one line, exit 130; a reader that stops reading stdout (`status | head -1`) quietly, exit 0 (stdout pointed
+    at /dev/null, as the Python docs advise for SIGPIPE)."""
+    try:
+        code = _command(argv)
+        sys.stdout.flush()
+        return code
+    except KeyboardInterrupt:
+        print("dflash-run: stopped by SIGINT", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _command(argv: list[str] | None) -> int:
     a = parse_args(argv)
     job = JOBS[a.job]
 
@@ -75,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def logs(run_dir: Path, lines: int, follow: bool, unit: str | None = None, log: str = supervise.LOG) -> int:
-    path = Path(supervise.read_state(run_dir.absolute()).get("log") or run_dir / log)
+    recorded = supervise.read_state(run_dir.absolute()).get("log")
+    path = Path(status.in_this_dir(run_dir, recorded, log) or run_dir / log)
     # Under systemd, what systemd itself says about the unit (exits, restarts, a unit that never started).
     journal = supervise.unit_journal(unit, min(lines, 20)) if unit else []
     said = "".join(f"\n  {x}" for x in journal)

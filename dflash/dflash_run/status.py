@@ -83,8 +83,26 @@ def progress(job: Job, job_dir: Path) -> dict:
         return {"summary": s and {"sets": list(s.get("sets") or {}), "prompts": overall.get("prompts"),
                                   "tau": overall.get("tau"), "speedup": overall.get("speedup")}}
     s = read_json(job_dir / "summary.json")
-    return {"last_checkpoint": last_checkpoint(job_dir), "total_steps": total_steps(job_dir),
-            "summary": s and {k: s.get(k) for k in ("steps", "final_loss", "tau_before", "tau_after", "drafter_dir")}}
+    summary = s and {k: s.get(k) for k in ("steps", "final_loss", "tau_before", "tau_after", "drafter_dir")}
+    if summary:
+        summary["drafter_dir"] = in_this_dir(job_dir, summary["drafter_dir"], "drafter")
+    return {"last_checkpoint": last_checkpoint(job_dir), "total_steps": total_steps(job_dir), "summary": summary}
+
+
+def in_this_dir(run_dir: Path, recorded, where: str) -> str | None:
+    """A path the run recorded inside its directory (summary.json's drafter, state.json's log), as `where` in this
+    one: a run copied or moved elsewhere recorded the paths it had, where its files may no longer be (or be another
+    run's)."""
+    if not isinstance(recorded, str) or not recorded:
+        return recorded
+    here = run_dir.absolute() / where
+    if not Path(recorded).absolute().is_relative_to(run_dir.absolute()) and here.exists():
+        return str(here)
+    return recorded
+    here = run_dir / Path(recorded).name
+    if Path(recorded).parent.absolute() != run_dir.absolute() and here.is_dir():
+        return str(here)
+    return recorded
 
 
 def other_job(run_dir: Path, job: Job) -> Job | None:
@@ -119,7 +137,7 @@ def report(run_dir: Path, unit: str | None, log_lines: int = 5, job: Job = TRAIN
     elif state == "never started":
         state, at = unsupervised_state(run_dir, job)
         ended = {"rc": None, "at": at} if at else None
-    log = Path(st.get("log") or run_dir / job.log)
+    log = Path(in_this_dir(run_dir, st.get("log"), job.log) or run_dir / job.log)
     # A run started directly (a terminal, a script) has no log here: the trainer's own latest line.
     latest = last_progress(log) or (last_progress(run_dir / PROGRESS_FILE) if job is TRAIN else None)
     done = progress(job, run_dir)

@@ -251,6 +251,13 @@ class Supervisor:
                 self.note(f"stopped ({noun} exit {rc}); {self.job.again}")
                 self.state("stopped", rc=rc)
                 return 0
+            if rc in SIGNALLED and not self.wrote_result():
+                # Ended by a SIGTERM / Ctrl-C sent to it before it could stop cleanly (its start-up): said so by
+                # the job itself (exit 128 + the signal), a stop as well, not a failure to restart.
+                self.note(f"stopped: the {noun} was ended by a signal sent to it, not to dflash-run (exit {rc}); "
+                          f"{self.job.again}")
+                self.state("stopped", rc=rc)
+                return 0
             if rc == 0 and not self.wrote_result() and not (self.job is TRAIN and finished_run(self.result.parent)):
                 # The job stops cleanly on SIGTERM / SIGINT too (exit 0, its work kept): a signal sent to it, not
                 # to this supervisor (a `kill` of its pid), is a stop, not the end of the work.
@@ -274,6 +281,11 @@ class Supervisor:
             if self.stopping.wait(self.launch["restart_delay_s"]):
                 self.state("stopped", rc=rc)
                 return 0
+
+
+# The exit of a job a SIGTERM or SIGINT ended: 128 + the signal as the trainer's commands exit on it, or the
+# negative signal Popen reports for a process the signal killed.
+SIGNALLED = {128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT}
 
 
 def run(run_dir: Path, restart: bool, job: Job | None = None) -> int:

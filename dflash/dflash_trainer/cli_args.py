@@ -199,10 +199,11 @@ def _override_text(value) -> str:
 
 
 def run_config(args: argparse.Namespace, key_flags: dict[str, str] | None = None, *,
-               whole_run: bool = True) -> RunConfig:
+               whole_run: bool = True, checks=None) -> RunConfig:
     """The merged run config: the defaults < --config < --set < the key-bound flags; ConfigError (exit 2) naming
-    the key, the file or the flag and the fix."""
-    return load_config(args.config, args.set, flag_settings(args, key_flags or {}), whole_run=whole_run)
+    the key, the file or the flag and the fix, every problem at once (checks: as load_config takes them)."""
+    return load_config(args.config, args.set, flag_settings(args, key_flags or {}), whole_run=whole_run,
+                       checks=checks)
 
 
 def chosen(cfg: RunConfig, key: str, fallback):

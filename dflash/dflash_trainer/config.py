@@ -510,10 +510,13 @@ def _read_values(source: str | None) -> tuple[dict, str]:
 
 
 def load_config(source: str | None, overrides: list[str] = (), flags: dict[str, str] | None = None, *,
-                whole_run: bool = True) -> RunConfig:
+                whole_run: bool = True, checks: typing.Callable[[RunConfig], list[str]] | None = None) -> RunConfig:
     """The config file (None: the defaults) with --set overrides, then flags ({"--output-dir": "output_dir=runs/x"}:
     a command-line flag that sets one key, named as itself in the errors). whole_run: also the checks a training
-    run needs (a target, data); a command that reads a few keys (dflash-eval, the benches) leaves them out."""
+    run needs (a target, data); a command that reads a few keys (dflash-eval, the benches) leaves them out.
+    checks: what else to ask of the config (the inputs are there: run.loading.input_problems), its problems said
+    in the same message. Every problem is said at once; a check's problem that names a key whose value was
+    already refused is left out (that key's value is not known)."""
     values, name = _read_values(source)
     flags = flags or {}
     command_line: dict = {}
@@ -531,8 +534,9 @@ def load_config(source: str | None, overrides: list[str] = (), flags: dict[str, 
         problems.append(f"train.steps = {train['steps']} and train.epochs = {train['epochs']} are both given: keep one "
                         "(epochs derives the steps from the data)")
     config = _build(RunConfig, values, "", problems)
-    if not problems and whole_run:
-        problems = semantic_problems(config)
+    refused = {problem.split(" ", 1)[0] for problem in problems if " = " in problem.split(":", 1)[0]}  # "key = value: ..."
+    later = (semantic_problems(config) if whole_run else []) + (checks(config) if checks else [])
+    problems += [problem for problem in later if not any(_names_key(problem, key) for key in refused)]
     if problems:
         given = (["--set"] if overrides else []) + list(flags)
         where = name + (" with " + ", ".join(given) if given else "")
@@ -563,6 +567,11 @@ def tracker_problems(train: TrainConfig) -> list[str]:
                         f"train.report_to = {json.dumps(report_to)} does not report to wandb: add \"wandb\" to "
                         "train.report_to, or leave train.wandb_project out")
     return problems
+
+
+def _names_key(problem: str, key: str) -> bool:
+    """The problem's text names the dotted key (data.train, not data.train_x)."""
+    return any(not (rest[:1].isalnum() or rest[:1] == "_") for rest in problem.split(key)[1:])
 
 
 def semantic_problems(c: RunConfig) -> list[str]:

@@ -13,11 +13,17 @@ finish (the published drafter, tau, the summary).
 
 from __future__ import annotations
 
+# python -m / torchrun -m: started as dflash-train is, the signals handled before the imports below
+# (infra/entry.py), which imports this module by its own name and runs its main.
+if __name__ == "__main__":
+    from .infra.entry import train as _entry
+
+    _entry()
+
 import argparse
 import json
 import math
 import os
-import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -45,8 +51,12 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .infra import storage
     from .infra.bytecode import uncompiled_note
     from .infra.console import plain_output_off_a_terminal
+    from .infra.entry import stdout_closed
     from .infra.hub import HubError
     from .infra.metrics import Metrics, duration, eta, plain_progress, say_progress, slot_summary
+    from .infra.stop_signal import exit_code as stop_exit_code
+    from .infra.stop_signal import received as received_signal
+    from .infra.stop_signal import signal_name_of
     from .model.drafter import DFlashDrafter
     from .model.flops import peak_flops
     from .model.optim import MasterWeightAdamW, warmup_cosine
@@ -69,6 +79,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
         console,
         drafter_config_for,
         feature_buckets,
+        input_problems,
         load_data,
         load_target,
         loss_objective,
@@ -533,7 +544,8 @@ def run_summary(run: DrafterRun, history: History, report: CompileReport | None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "drafter_ranks": run.ctx.num_drafters,
         "drafter_dir": str(final_dir),
-        "checkpoints": str(out / "checkpoints"),
+        # None where none was written (train.checkpoint_every = 0): the summary names no directory that is not there
+        "checkpoints": str(out / "checkpoints") if ckpt.list_checkpoints(out / "checkpoints") else None,
         "losses": history.losses,
     }
     previous = run_dir.recorded_summary(out)
@@ -773,10 +785,13 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(args, int):  # a bad flag, said by argparse (2), or --help (0)
         return args
     cli_args.use_log_format(args, "train")
+    cfg = None
     try:
         # --print-config prints any config that parses (types, ranges, known keys); what a run needs besides
         # (a target, data) is said beside it, not refused: printing is how an incomplete config gets completed.
-        cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=not args.print_config)
+        # Every problem at once: the keys' types and ranges, what a run needs of them, the inputs being there.
+        cfg = cli_args.run_config(args, KEY_FLAGS, whole_run=not args.print_config,
+                                  checks=None if args.print_config else input_problems)
         if args.print_config:
             cli_args.print_config(cfg)
             if problems := semantic_problems(cfg):
@@ -793,19 +808,36 @@ def main(argv: list[str] | None = None) -> int:
             dump_features(cfg, Path(args.dump_features), args.dump_batches)
         else:
             run(cfg, resume=args.resume, overwrite=args.overwrite, auto_resume=args.auto_resume)
-    except KeyboardInterrupt:
-        console.print("[red]interrupted[/] (a second signal): the last checkpoint is intact; --resume continues")
-        return 130
+    except KeyboardInterrupt as exc:  # start-up, or a second signal (infra/stop_signal.py): said as it is on disk
+        return _say_interrupted(cfg, signal_name_of(exc), getattr(exc, "second", False))
     except Exception as exc:  # noqa: BLE001 - every error ends as one message (a traceback with --debug)
-        code, message = explain(exc)
-        debug = args.debug or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
-        if debug:
-            traceback.print_exception(exc)
-        hint = "" if debug or code == 2 else " (--debug or DFLASH_DEBUG=1 prints the traceback)"
-        console.print(f"[red]error:[/] {escape(message)}{hint}", soft_wrap=True)
-        return code
+        return _ended(exc, cfg, args.debug)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _ended(exc: Exception, cfg: RunConfig | None, debug: bool) -> int:
+    """The exit code of an error that ended the run, said in one line."""
+    if isinstance(exc, BrokenPipeError) and stdout_closed():  # `--print-config | head`: infra/entry.py ends it
+        raise exc
+    if (name := received_signal()) is not None:  # what a signal's exception left behind (a library cut short)
+        return _say_interrupted(cfg, name, False)
+    return _say_error(exc, debug)
+
+
+def _say_interrupted(cfg: RunConfig | None, name: str, second: bool) -> int:
+    """A signal ended the run where it was: one line of what the run directory holds; 130 / 143."""
+    _say_once(f"stopped by {name} while reading the config: nothing was written" if cfg is None else
+              run_dir.interrupted_note(Path(cfg.output_dir).absolute(), name, second))
+    return stop_exit_code(name)
+
+
+def _say_error(exc: Exception, debug: bool) -> int:
+    """The error that ended the run in one line (its traceback too with --debug or DFLASH_DEBUG=1); its exit code."""
+    code, message = explain(exc)
+    debug = debug or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
+    if debug:
+        traceback.print_exception(exc)
+    hint = "" if debug or code == 2 else " (--debug or DFLASH_DEBUG=1 prints the traceback)"
+    console.print(f"[red]error:[/] {escape(message)}{hint}", soft_wrap=True)
+    return code
+

@@ -679,8 +679,10 @@ class MicroBatches:
     """
 
     def __init__(self, dataset, batch_size: int, buckets: Sequence[int], pad_id: int, seed: int = 0):
-        if len(dataset) < batch_size:
-            raise DataError(f"{len(dataset)} samples is fewer than the micro-batch size {batch_size}")
+        if len(dataset) < batch_size:  # every micro-batch is whole (one compiled shape): not one would be
+            raise DataError(f"train.micro_batch = {batch_size} rows, and the data has {len(dataset)} usable rows (after "
+                            "the held-out prompts and the rows left out are taken away), so not one micro-batch fills: "
+                            f"set train.micro_batch = {max(1, len(dataset))} or less, or give more rows in data.train")
         self.dataset = dataset
         self.batch_size = batch_size
         self.buckets = sorted(buckets)

@@ -46,6 +46,8 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..infra.dtypes import DTYPES
     from ..infra.hub import remote_code_hint
     from ..infra.metrics import PlainProgress, say_progress
+    from ..infra.stop_signal import exit_code as stop_exit_code
+    from ..infra.stop_signal import signal_name_of
     from ..model.drafter import DFLASH2_DEFAULTS
     from ..run import checkpoint as ckpt
     from ..run import model_card
@@ -555,7 +557,7 @@ def evaluate_set(p: Plan, loops: FastDecoding, target: FrozenTarget, prompts: Pr
                        AcceptanceStats(loops.drafter.block_size), sampled=samplers.sampled)
     label = prompts.name + (f" T={samplers.temperature:g}" if samplers.sampled or len(p.temperatures) > 1 else "")
     # A terminal shows a bar per set; a log gets a plain line at the first prompt, every 30 s and at the last.
-    said = PlainProgress(len(prompts.prompts))
+    said = PlainProgress(len(prompts.prompts), in_flight=p.batch_size)  # an ETA once a batch is done
     pairs = list(zip(prompts.ids, prompts.prompts, strict=True))
     bar = tqdm(total=len(pairs), desc=label, leave=False, disable=True if said.enabled else None)
     for start in range(0, len(pairs), p.batch_size):
@@ -727,6 +729,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         p = plan(args, cfg)
         report, requests = evaluate(p)
+    except KeyboardInterrupt as exc:  # SIGTERM / Ctrl-C: the results are written only at the end (write_results)
+        name = signal_name_of(exc)
+        console.print(f"stopped by {name} before the evaluation finished: nothing was written; run the same command "
+                      "again to evaluate", soft_wrap=True)
+        return stop_exit_code(name)
     except (*cli_args.bad_input_errors(EvalError), storage.StorageError) as exc:
         cli_args.say_error(console, str(exc))
         return cli_args.exit_code(exc, EvalError)

@@ -1,3 +1,4 @@
-from .cli import main
+"""python -m dflash_trainer.export: dflash-export, started and ended as the console script is (infra/entry.py)."""
+from ..infra.entry import export
 
-raise SystemExit(main())
+export()

@@ -205,12 +205,17 @@ def eta(done: int, total: int, seconds: float) -> str:
 
 
 class PlainProgress:
-    """One plain line at the first item, every `every_s` seconds and at the last item (plain_progress() only)."""
+    """One plain line at the first item, every `every_s` seconds and at the last item (plain_progress() only).
 
-    def __init__(self, total: int, every_s: float = 30.0, enabled: bool | None = None):
+    in_flight: items worked on at once (a batch, requests in flight). Their first finishes say nothing of the
+    pace (one answer of 128 in flight ends after a second, the rest minutes later), so an ETA is given only once
+    that many are done, the first batch's worth (or all, for fewer items): before that the line says when."""
+
+    def __init__(self, total: int, every_s: float = 30.0, enabled: bool | None = None, in_flight: int = 1):
         import time
 
         self.total = total
+        self.in_flight = max(1, in_flight)
         self.every_s = every_s
         self.enabled = plain_progress() if enabled is None else enabled
         self.started = self.last = time.perf_counter()
@@ -234,6 +239,9 @@ class PlainProgress:
 
     def timing(self, done: int) -> str:
         elapsed = self.elapsed()
+        settled = min(self.in_flight, self.total)
+        if done < settled:
+            return f"elapsed {duration(elapsed)}, ETA after {settled:,} done"
         return f"elapsed {duration(elapsed)}, ETA {eta(done, self.total, elapsed)}"
 
 

@@ -7,7 +7,18 @@ output directory) -> summary. `baseline` keeps the first batched `generate` path
 (`bench`); `regenerate_rows` answers a list of rows in memory (the embedded default's data).
 """
 
-from .baseline import generate_batched
-from .driver import regenerate_rows
-
 __all__ = ["generate_batched", "regenerate_rows"]
+
+
+def __getattr__(name: str):
+    """Imported on first use (torch comes with them): `python -m dflash_trainer.regenerate` then has its signal
+    handlers in before the imports that take seconds (infra/entry.py)."""
+    if name == "generate_batched":
+        from .baseline import generate_batched
+
+        return generate_batched
+    if name == "regenerate_rows":
+        from .driver import regenerate_rows
+
+        return regenerate_rows
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,6 @@
-"""python -m dflash_trainer.regenerate (and torchrun -m dflash_trainer.regenerate)."""
+"""python -m dflash_trainer.regenerate (and torchrun -m dflash_trainer.regenerate): dflash-regenerate, started and
+ended as the console script is (infra/entry.py)."""
 
-import sys
+from ..infra.entry import regenerate
 
-from .cli import main
-
-sys.exit(main())
+regenerate()

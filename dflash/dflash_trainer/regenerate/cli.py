@@ -29,6 +29,8 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..decoding.speculative import stop_token_ids
     from ..infra.console import console, plain_output_off_a_terminal
     from ..infra.hub import remote_code_hint
+    from ..infra.stop_signal import exit_code as stop_exit_code
+    from ..infra.stop_signal import signal_name_of
     from ..infra.storage import StorageError
     from ..run.loading import check_target
     from ..target.frozen import check_supported_target
@@ -98,9 +100,10 @@ def parser() -> argparse.ArgumentParser:
                    help="bearer token (default: $OPENAI_API_KEY)")
     o.add_argument("--request-timeout", type=cli_args.SECONDS, default=600.0, help="seconds per request")
     o.add_argument("--retries", type=cli_args.integer(ge=0, le=100), default=5,
-                   help="retries per request (connection errors, timeouts, 5xx)")
+                   help="retries per request (connection errors, timeouts, 408, 429, 5xx)")
     o.add_argument("--retry-backoff", type=cli_args.number(ge=0, le=3600), default=1.0,
-                   help="first retry delay in s, doubling")
+                   help="backoff in s: the first retry at once, then 2x, 4x, ... this (at most 120 s) plus up to "
+                        "this much random jitter; a 429 / 503 with Retry-After waits what the server says")
     o.add_argument("--extra-body", type=json_object, default={}, metavar="JSON",
                    help='extra request fields, e.g. \'{"stop_token_ids": [151645]}\' for vLLM (return_token_ids '
                         'is asked for by itself where the server gives it; naming it here decides it)')
@@ -342,15 +345,26 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, EndpointError, StorageError, ConfigError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         return cli_args.exit_code(exc, EndpointError)  # a full disk is a fault at run time (1), as in train and eval
-    except Stopped as exc:  # SIGTERM or Ctrl-C: a clean stop, what is answered written (driver.StopSignal)
-        done = exc.note or "before answering: nothing was written in this run"
-        console.print(f"stopped by {exc.signal_name}: {done}. Run the same command to resume")
-        return 0
-    except KeyboardInterrupt as exc:  # a second signal: at once
-        console.print("stopped at once: the shards written are kept (a shard being written is not); run the same "
-                      "command to resume")
-        return 143 if "SIGTERM" in str(exc) else 130
+    except Stopped as exc:  # SIGTERM or Ctrl-C while answering: a clean stop, what is answered written
+        if exc.note:
+            console.print(f"stopped by {exc.signal_name}: {exc.note}. Run the same command to resume")
+            return 0
+        return _interrupted(exc)
+    except KeyboardInterrupt as exc:  # start-up, or a second signal (infra/stop_signal.py)
+        return _interrupted(exc)
     return 0
+
+
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    """A signal before the answering started (nothing written), or a second one (at once): one line, 130 / 143."""
+    name = signal_name_of(exc)
+    if getattr(exc, "second", False):
+        console.print(f"stopped at once by a second {name}: the shards written are kept (a shard being written is "
+                      "not); run the same command to resume")
+    else:
+        console.print(f"stopped by {name} before answering: no prompt was answered in this run; run the same command "
+                      "to start again")
+    return stop_exit_code(name)
 
 
 if __name__ == "__main__":

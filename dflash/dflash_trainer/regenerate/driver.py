@@ -97,10 +97,11 @@ class Progress:
     """Prompts answered and answer tokens/s (rank 0 shows them; every rank counts): a bar on a terminal, in a
     log a plain line at the first prompt, every 30 s and at the last."""
 
-    def __init__(self, total_rows: int, show: bool, label: str):
+    def __init__(self, total_rows: int, show: bool, label: str, in_flight: int = 1):
         self.bar = tqdm(total=total_rows, desc=label, unit="prompt", disable=not show or plain_progress(),
                         dynamic_ncols=True, mininterval=0.5, smoothing=0.05)
-        self.said = PlainProgress(total_rows, enabled=show and plain_progress())
+        # An ETA once the prompts answered at once (a batch, requests in flight) are done: infra/metrics.py
+        self.said = PlainProgress(total_rows, enabled=show and plain_progress(), in_flight=in_flight)
         self.label = label
         self.started = time.perf_counter()
         self.tokens = 0
@@ -244,7 +245,9 @@ def run_chunks(engine, rows, tokenizer, plan: Plan, out: OutputDir, world: World
             if i % world.size == world.rank]
     mine = [(i, jobs) for i, jobs in mine if jobs]
     label = "regenerating" if world.size == 1 else f"regenerating (rank 0 of {world.size})"
-    progress = Progress(sum(len(jobs) for _, jobs in mine), show=world.rank == 0, label=label)
+    # prompts answered at once: the engine's batch or requests in flight, within one shard's chunk
+    in_flight = min(shard_size, getattr(engine, "batch_size", None) or getattr(engine, "concurrency", None) or 1)
+    progress = Progress(sum(len(jobs) for _, jobs in mine), show=world.rank == 0, label=label, in_flight=in_flight)
     interruptible, stop.interruptible = stop.interruptible, False  # from here a signal waits for the shard
     try:
         for index, jobs in mine:

@@ -9,21 +9,23 @@ server once whether it returns the generated token ids (`return_token_ids`, vLLM
 request asks for them and the rows keep exactly the tokens it generated; a server that refuses the field
 (transformers serve answers 422 to fields it does not know) or ignores it gets requests without it, and
 the answers' text is re-tokenized (said once at the start; each row records which in regen.answer_ids).
-The stdlib's HTTP client is enough for JSON over keep-alive-less POSTs and adds no package to that
-environment.
+Requests go through urllib3 (a pool of keep-alive connections, one per request in flight) and its Retry policy:
+connection errors, timeouts and 408/429/5xx are retried with exponential backoff and random jitter (so requests
+that failed together do not come back together), and a 429 / 503 with Retry-After waits as long as the server
+says (`retry_policy`).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+import urllib3
+from urllib3.util import Retry
 
 from .answers import Answer, Request, answer_from_text
 from .sampling import Sampling
@@ -63,6 +65,26 @@ def wire_messages(messages: list[dict]) -> list[dict]:
     return [{**m, "tool_calls": [call(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
 
 
+def retry_policy(retries: int, backoff: float) -> Retry:
+    """`retries` more attempts of a request (POSTs too: a chat completion changes nothing on the server) after a
+    connection error, a timeout, or a status in RETRY_STATUS. Waits: what a 429 / 503's Retry-After says, else
+    urllib3's backoff (none before the first retry, then backoff x 2, x 4, ...; at most 120 s) plus up to
+    `backoff` s of jitter. After the last, the last status comes back (raise_on_status False) to be named."""
+    return Retry(total=retries, connect=retries, read=retries, status=retries, other=retries, redirect=0,
+                 allowed_methods=None, status_forcelist=sorted(RETRY_STATUS), backoff_factor=backoff,
+                 backoff_jitter=backoff, respect_retry_after_header=True, raise_on_status=False,
+                 raise_on_redirect=False)
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost cause of a urllib3 error (ConnectionRefusedError, a read timeout), as the message names it."""
+    while isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason is not None:
+        exc = exc.reason
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}"
+
+
 def base_url(endpoint: str) -> str:
     """http://host:port or http://host:port/v1 -> http://host:port/v1 (no trailing slash)."""
     parsed = urllib.parse.urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
@@ -90,6 +112,9 @@ class OpenAIEngine:
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        # One keep-alive connection per request in flight; the timeout is per connect and per read
+        self.http = urllib3.PoolManager(num_pools=4, maxsize=concurrency, retries=retry_policy(retries, backoff),
+                                        timeout=urllib3.Timeout(connect=timeout, read=timeout))
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -101,29 +126,28 @@ class OpenAIEngine:
 
     # -- HTTP ------------------------------------------------------------------------------------
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
-        """One JSON call with bounded retries (exponential backoff) on connection errors, timeouts and 5xx/429."""
+        """One JSON call, retried as retry_policy says; Refused for an HTTP error a retry does not change,
+        EndpointError once the retries are spent."""
         url = self.url + path
         data = None if body is None else json.dumps(body).encode()
-        started, last = time.monotonic(), None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(url, data=data, headers=self.headers, method=method)
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as exc:
-                detail = exc.read().decode(errors="replace")[:500]
-                if exc.code not in RETRY_STATUS:
-                    raise Refused(f"{url} refused the request: HTTP {exc.code}: {detail}", exc.code, detail) from None
-                last = f"HTTP {exc.code}: {detail}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
-                reason = getattr(exc, "reason", exc)
-                last = f"{type(reason).__name__}: {reason}"
-            except json.JSONDecodeError as exc:
-                raise EndpointError(f"{url} did not answer with JSON ({exc}); is --endpoint an OpenAI-compatible "
-                                    "server's base URL (e.g. http://host:8000/v1)?") from None
-        raise EndpointError(
+        started = time.monotonic()
+        try:
+            response = self.http.request(method, url, body=data, headers=self.headers)
+        except urllib3.exceptions.HTTPError as exc:  # MaxRetryError: connection refused, timeouts, resets
+            raise self._unanswered(url, started, _cause(exc)) from None
+        detail = response.data.decode(errors="replace")[:500]
+        if response.status in RETRY_STATUS:  # still, after the last retry
+            raise self._unanswered(url, started, f"HTTP {response.status}: {detail}")
+        if response.status >= 400:
+            raise Refused(f"{url} refused the request: HTTP {response.status}: {detail}", response.status, detail)
+        try:
+            return json.loads(response.data)
+        except ValueError as exc:
+            raise EndpointError(f"{url} did not answer with JSON ({exc}); is --endpoint an OpenAI-compatible "
+                                "server's base URL (e.g. http://host:8000/v1)?") from None
+
+    def _unanswered(self, url: str, started: float, last: str) -> EndpointError:
+        return EndpointError(
             f"{url} did not answer after {self.retries + 1} attempts over {time.monotonic() - started:.0f} s "
             f"(last: {last}). Check that the server is running and reachable at --endpoint, or raise "
             "--request-timeout / --retries; the shards already written are kept, run the same command to resume")

@@ -89,36 +89,62 @@ def resolve_init_from(cfg: RunConfig) -> None:
 
 
 def check_inputs(cfg: RunConfig) -> None:
-    """Before anything loads: the target, the drafter to start from (a hub id resolved to its local snapshot)
-    and the data files are there, and the hub answers where the drafter is to be pushed."""
+    """Before anything loads: the target, the drafter to start from (a hub id resolved to its local snapshot) and
+    the data files are there, and the hub answers where the drafter is to be pushed; every problem found said at
+    once (ConfigError)."""
+    if problems := input_problems(cfg):
+        raise ConfigError(problems[0] if len(problems) == 1 else "the run's inputs cannot be used:\n  - "
+                          + "\n  - ".join(problems))
+
+
+def input_problems(cfg: RunConfig) -> list[str]:
+    """What keeps the target, drafter.init_from and the data from being used, one message per input: each input is
+    checked whatever the others hold, so a config with several problems has them all said in one go (load_config
+    takes this as its `checks`). The checks that read the target's config.json run once its directory passed."""
+    problems: list[str] = []
+
+    def check(step, *args) -> bool:
+        try:
+            step(*args)
+        except (ConfigError, DataError) as exc:
+            problems.append(str(exc))
+            return False
+        return True
+
     from ..infra import hub
 
-    check_target(cfg.target.path)
-    resolve_init_from(cfg)
+    target_found = check(check_target, cfg.target.path)
+    check(resolve_init_from, cfg)
     if cfg.publish.push_to and (problem := hub.push_problem(cfg.publish.push_to, "publish.push_to")):
-        raise ConfigError(problem)  # said now, not after the training it would follow
+        problems.append(problem)  # said now, not after the training it would follow
     init = cfg.drafter.init_from
     if init and not (Path(init) / "config.json").is_file():
-        raise ConfigError(f"drafter.init_from {init}: not a drafter directory (no config.json in "
-                          f"{Path(init).absolute()})")
+        problems.append(f"drafter.init_from {init}: not a drafter directory (no config.json in {Path(init).absolute()})")
+        init = None
     features = cfg.data.features_dir
     if features and not (Path(features) / "meta.json").is_file():
-        raise ConfigError(f"data.features_dir {features}: no meta.json in {Path(features).absolute()}; dump "
-                          f"features first with --dump-features {features}")
-    if cfg.target.path != "embedded":  # the family, from config.json and the model class alone
-        config = target_config(cfg)
-        check_supported_target(config, f"target.path {cfg.target.path}", cfg.target.trust_remote_code)
-        check_tp_shape(config, cfg.parallel.target_tp, cfg.target.path)  # N splits the heads evenly
-        if init and (problem := family_problem(read_drafter_file(Path(init), "drafter.init_from"), config,
-                                               cfg.target.trust_remote_code)):
-            raise ConfigError(f"drafter.init_from {init} drafts for another target family: {problem}. Continue a "
-                              f"drafter of this target's family, or leave drafter.init_from out to build a new one")
-        _CHECKED_CONFIGS[(cfg.target.path, cfg.target.trust_remote_code)] = config  # read_target_files takes it
+        problems.append(f"data.features_dir {features}: no meta.json in {Path(features).absolute()}; dump features "
+                        f"first with --dump-features {features}")
     if not features:
-        check_sources(cfg.data.train)
-        check_sources(cfg.data.eval)
-        if cfg.target.quantization == "fp8" and cfg.target.path != "embedded":  # from config.json alone
-            check_not_prequantized(config, f"target.path {cfg.target.path}")
+        check(check_sources, cfg.data.train)
+        check(check_sources, cfg.data.eval)
+    if target_found and cfg.target.path != "embedded":
+        check(_check_target_config, cfg, init, bool(features))
+    return problems
+
+
+def _check_target_config(cfg: RunConfig, init: str | None, offline: bool) -> None:
+    """The family, from config.json and the model class alone; drafter.init_from drafts for it."""
+    config = target_config(cfg)
+    check_supported_target(config, f"target.path {cfg.target.path}", cfg.target.trust_remote_code)
+    check_tp_shape(config, cfg.parallel.target_tp, cfg.target.path)  # N splits the heads evenly
+    if init and (problem := family_problem(read_drafter_file(Path(init), "drafter.init_from"), config,
+                                           cfg.target.trust_remote_code)):
+        raise ConfigError(f"drafter.init_from {init} drafts for another target family: {problem}. Continue a "
+                          f"drafter of this target's family, or leave drafter.init_from out to build a new one")
+    _CHECKED_CONFIGS[(cfg.target.path, cfg.target.trust_remote_code)] = config  # read_target_files takes it
+    if not offline and cfg.target.quantization == "fp8":  # from config.json alone
+        check_not_prequantized(config, f"target.path {cfg.target.path}")
 
 
 def unfinished_regenerations(sources: list[str]) -> list[str]:

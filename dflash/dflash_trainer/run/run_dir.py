@@ -370,6 +370,17 @@ def _refuse_other_drafter(cfg: RunConfig, recorded: dict | None, out: Path) -> N
                           + "\n  - ".join(differ) + f"\nA resumed run must train the same model: {_AGAIN}")
 
 
+def interrupted_note(out: Path, signal_name: str, second: bool) -> str:
+    """What a signal that ended the run where it was (start-up, or a second signal) leaves in `out`: the newest
+    whole checkpoint and the --resume that continues from it, or that there is none to continue from."""
+    when = f"at once by a second {signal_name}" if second else f"by {signal_name} before training started"
+    latest = ckpt.latest_checkpoint(out / CHECKPOINTS) if (out / CHECKPOINTS).is_dir() else None
+    if latest is None:
+        return f"stopped {when}: {out} holds no checkpoint, so there is nothing to resume; run the command again"
+    return (f"stopped {when}: the last checkpoint, {latest.name} in {out / CHECKPOINTS}, is intact; --resume "
+            "continues from it")
+
+
 @contextlib.contextmanager
 def removed_if_left_empty(out: Path) -> Iterator[None]:
     """A start that fails leaves no empty output directory behind when it was the one that created it."""

@@ -35,7 +35,8 @@ def print_summary(summary: dict) -> None:
     else:
         table.add_row("tau (acceptance length)", "n/a: no target in this run (offline)")
     table.add_row("drafter (HF dir)", summary["drafter_dir"])
-    table.add_row("checkpoints", summary["checkpoints"])
+    table.add_row("checkpoints", summary["checkpoints"] or "none written (train.checkpoint_every sets how often): the drafter "
+                  "above is the run's output")
     if console.json_lines:  # the table's figures as fields, for a log collector
         console.json_line("DFlash training summary", step=summary["steps"], loss=summary["final_loss"],
                        first_loss=summary["first_loss"], tokens_per_s=summary["tokens_per_s"], mfu=summary["mfu"],
