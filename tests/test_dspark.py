@@ -124,3 +124,93 @@ def test_propose_biases_each_slot_by_the_token_drafted_before(tmp_path, head_typ
     previous = torch.cat([anchors[:, None], sampled[:, :-1]], 1)
     torch.testing.assert_close(probs, torch.softmax(loaded.block_outputs(hidden, previous, head)[0] / 0.7, -1))
     assert torch.equal(sampled, (probs / noise).argmax(-1))
+
+
+def test_the_loss_is_the_mixture_over_biased_logits_plus_the_confidence_bce():
+    """dspark_loss in chunks (recomputed in the backward) equals the whole computation written out, with its
+    gradient: speculators' terms on the Markov-biased logits and the BCE against sum_v min(q_v, p_v)."""
+    from dflash_trainer.model.dspark.objective import dspark_loss
+    from dflash_trainer.model.loss import Objective
+
+    drafter = dspark("gated")
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(10, 64, generator=g, requires_grad=True)
+    target = torch.randn(10, 64, generator=g)
+    head = torch.randn(300, 64, generator=g) * 0.2
+    previous, labels = torch.randint(0, 300, (10,), generator=g), torch.randint(0, 300, (10,), generator=g)
+    weights = torch.rand(10, generator=g)
+    objective = Objective(ce=0.1, tv=0.9, kl=0.3)
+    total, hit = dspark_loss(drafter, hidden, previous, labels, weights, head, objective, target, 0.7, chunk_rows=3)
+    total.backward()
+    got = hidden.grad.clone()
+    hidden.grad = None
+    logits = hidden @ head.T + drafter.markov_head.markov_w2(drafter.markov_head.step(previous, hidden)[0])
+    q, p = torch.softmax(logits, -1), torch.softmax(target @ head.T, -1)
+    overlap = torch.minimum(p, q).sum(-1)
+    mixture = (0.1 * torch.nn.functional.cross_entropy(logits, labels, reduction="none") + 0.9 * (1 - overlap)
+               + 0.3 * (p * (p.log() - q.log())).sum(-1))
+    confidence = drafter.confidence_head(torch.cat([hidden, drafter.markov_head.markov_w1(previous)], -1))
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(confidence, overlap.detach(), reduction="none")
+    want = (weights * (mixture + 0.7 * bce)).sum()
+    want.backward()
+    torch.testing.assert_close(total, want)
+    torch.testing.assert_close(got, hidden.grad)
+    assert torch.equal(hit, logits.argmax(-1) == labels)
+    # Without the target's distribution, the acceptance is the drafter's probability of the data's token.
+    ce_only, _ = dspark_loss(drafter, hidden, previous, labels, weights, head, Objective(), None, 1.0)
+    accept = q.gather(1, labels[:, None])[:, 0].detach()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(confidence, accept, reduction="none")
+    torch.testing.assert_close(ce_only, (weights * (torch.nn.functional.cross_entropy(logits, labels,
+                                                                                       reduction="none") + bce)).sum())
+
+
+@pytest.mark.parametrize(("settings", "refusal"), [
+    (["drafter.markov_rank=64"], "drafter.markov_rank is a DSpark setting, and drafter.kind is dflash"),
+    (["drafter.kind=dflash2", "drafter.confidence_loss_weight=2", "drafter.markov_head_type=gated"],
+     "are DSpark settings, and drafter.kind is dflash2"),
+    (["drafter.kind=dspark", "drafter.selector_top_k=4"], "is a DFlash 2 setting, and drafter.kind is dspark"),
+    (["drafter.kind=dspark", "drafter.markov_head_type=rnn"], "markov_head_type"),
+    (["drafter.kind=dspark", "train.position_weighting=dpace"], 'set train.position_weighting = "exp-decay"'),
+])
+def test_dspark_settings_beside_another_kind_are_refused(settings, refusal):
+    from dflash_trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=refusal):
+        load_config("embedded", settings)
+
+
+def test_a_tiny_dspark_run_trains_resumes_publishes_and_is_evaluated(tiny_target, tmp_path):
+    """drafter.kind = dspark with DSpark's 0.1 CE + 0.9 TV: the loss falls, a resume repeats the losses, the
+    published directory loads back as DSpark and exports in speculators' format, and dflash-eval decodes it
+    greedy (to the target's own tokens) and sampled."""
+    import shutil
+
+    from dflash_trainer.config import load_config
+    from dflash_trainer.eval.cli import main as eval_main
+    from dflash_trainer.train import run
+
+    def config(out):
+        return load_config("embedded", [
+            f"target.path={tiny_target['target']}", f"data.train={json.dumps([tiny_target['train']])}",
+            f"data.eval={json.dumps([tiny_target['eval']])}", f"output_dir={out}", "drafter.kind=dspark",
+            "drafter.markov_rank=16", "train.loss_ce=0.1", "train.loss_tv=0.9", "train.steps=6", "train.lr=3e-3",
+            "train.micro_batch=4", "train.num_anchors=8", "train.checkpoint_every=3", "train.log_every=1",
+            "eval.prompts=2", "eval.max_new_tokens=8"])
+
+    out = tmp_path / "run"
+    summary = run(config(out))
+    assert summary["final_loss"] < summary["first_loss"]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
+    assert run(config(resumed), resume=True)["losses"] == summary["losses"][3:]
+    ours = DFlashDrafter.from_pretrained(out / "drafter")
+    assert ours.kind == "dspark" and ours.markov_head.rank == 16
+    assert export_main(["--format", "speculators", str(out / "drafter"), str(tmp_path / "spec"),
+                        "--target", tiny_target["target"]]) == 0
+    where = tmp_path / "eval"
+    assert eval_main(["--run", str(out), "--out", str(where), "--temperature", "0", "0.8"]) == 0
+    evaluated = json.loads((where / "eval.json").read_text())
+    report = evaluated["sets"]["held-out"]
+    assert report["outputs_equal"] == 2 and report["tau"] == summary["tau_after"]
+    sampled = evaluated["by_temperature"]["0.8"]["sets"]["held-out"]
+    assert sampled["outputs_equal"] is None and 1.0 <= sampled["tau"] <= ours.block_size
