@@ -212,5 +212,21 @@ def test_a_tiny_dspark_run_trains_resumes_publishes_and_is_evaluated(tiny_target
     evaluated = json.loads((where / "eval.json").read_text())
     report = evaluated["sets"]["held-out"]
     assert report["outputs_equal"] == 2 and report["tau"] == summary["tau_after"]
+    assert report["confidence_calibration"]["reached"][0] == report["verify_steps"]
     sampled = evaluated["by_temperature"]["0.8"]["sets"]["held-out"]
     assert sampled["outputs_equal"] is None and 1.0 <= sampled["tau"] <= ours.block_size
+    assert sampled["confidence_calibration"]["reached"][0] == sampled["verify_steps"]
+
+
+def test_the_calibration_compares_each_reached_slots_prediction_with_its_acceptance():
+    from dflash_trainer.decoding.speculative import AcceptanceStats
+
+    stats = AcceptanceStats(block_size=4)
+    # (predicted acceptance of each drafted slot, drafts accepted): slot k is reached when k - 1 were accepted.
+    stats.add([1, 4], 5, [([0.5, 0.4, 0.3], 0), ([0.9, 0.8, 0.7], 3)])
+    stats.add([3], 3, [([0.7, 0.6], 2)])  # a block cut at the token limit drafts two slots
+    calibration = stats.confidence_calibration
+    assert calibration["reached"] == [3, 2, 1]
+    assert calibration["measured"] == [2 / 3, 1.0, 1.0]
+    assert calibration["predicted"] == pytest.approx([0.7, 0.7, 0.7])
+    assert AcceptanceStats(block_size=4).confidence_calibration is None

@@ -572,7 +572,7 @@ def evaluate_set(p: Plan, loops: FastDecoding, target: FrozenTarget, prompts: Pr
 def _record(p: Plan, result: SetResult, requests: list[dict], set_name: str, rid, prompt, spec, ref, tie,
             temperature: float) -> None:
     new = len(spec.tokens) - len(prompt)
-    result.stats.add(spec.accept_lengths, new)
+    result.stats.add(spec.accept_lengths, new, spec.confidence)
     result.target_only_tokens += len(ref) - len(prompt)
     if result.sampled:
         equal = None  # not compared: both sample

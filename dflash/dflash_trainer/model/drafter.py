@@ -381,6 +381,16 @@ class DFlashDrafter(nn.Module):
             features = torch.cat([hidden, embedding.to(hidden.dtype)], dim=-1)
         return self.confidence_head(features.to(self.confidence_head.proj.weight.dtype))
 
+    def predicted_acceptance(self, hidden: torch.Tensor, anchors: torch.Tensor,
+                             drafts: torch.Tensor) -> torch.Tensor | None:
+        """DSpark's confidence head on a drafted block: each slot's predicted chance of acceptance [b, n] (hidden
+        [b, n, H] of slots 1..n, anchors [b], drafts [b, n]: each slot's previous token is the one drafted
+        before it); None for the other kinds."""
+        if self.confidence_head is None:
+            return None
+        previous = torch.cat([anchors[:, None], drafts[:, :-1]], dim=1)
+        return torch.sigmoid(self.confidence(hidden, previous).float())
+
     def _markov_path(self, hidden, anchors, head_weight, temperature, noise):
         """DSpark's drafts along the block: each position's logits biased by the token drafted before it."""
         previous, state, path, q_rows = anchors, None, [], []
