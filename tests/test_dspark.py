@@ -230,3 +230,15 @@ def test_the_calibration_compares_each_reached_slots_prediction_with_its_accepta
     assert calibration["measured"] == [2 / 3, 1.0, 1.0]
     assert calibration["predicted"] == pytest.approx([0.7, 0.7, 0.7])
     assert AcceptanceStats(block_size=4).confidence_calibration is None
+
+
+def test_dflash_eval_refuses_a_dspark_directory_without_its_head_settings(tmp_path):
+    from dflash_trainer.eval.cli import EvalError, check_drafter_dir
+
+    dspark().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert check_drafter_dir(tmp_path)["dflash_config"]["markov_rank"] == 8
+    del config["dflash_config"]["markov_rank"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EvalError, match=r"is a DSpark drafter and lacks dflash_config \['markov_rank'\].*markov_rank 256"):
+        check_drafter_dir(tmp_path)
