@@ -242,3 +242,18 @@ def test_dflash_eval_refuses_a_dspark_directory_without_its_head_settings(tmp_pa
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(EvalError, match=r"is a DSpark drafter and lacks dflash_config \['markov_rank'\].*markov_rank 256"):
         check_drafter_dir(tmp_path)
+
+
+def test_init_from_a_dspark_drafter_refuses_another_kind_or_head(tmp_path):
+    from dflash_trainer.config import ConfigError, check_init_from, load_config
+
+    dspark("gated").save_pretrained(tmp_path / "d")
+
+    def config(*settings):
+        return load_config("embedded", [f"drafter.init_from={tmp_path / 'd'}", "drafter.block_size=4", *settings])
+
+    check_init_from(config("drafter.kind=dspark", "drafter.markov_rank=8", "drafter.markov_head_type=gated"))
+    with pytest.raises(ConfigError, match=r'drafter.kind = "dflash2", the drafter in it is "dspark"'):
+        check_init_from(config("drafter.kind=dflash2"))
+    with pytest.raises(ConfigError, match=r'drafter.markov_head_type = "vanilla", the drafter in it has "gated"'):
+        check_init_from(config("drafter.kind=dspark", "drafter.markov_head_type=vanilla"))
