@@ -266,7 +266,7 @@ def test_a_tiny_dflash2_run_learns_with_the_kl_to_the_target(tiny_target, tmp_pa
 
 
 @pytest.mark.parametrize(("settings", "refusal"), [
-    (["drafter.kind=dspark"], "drafter.kind.*dflash.*dflash2"),
+    (["drafter.kind=eagle"], "drafter.kind.*dflash.*dflash2"),
     (["drafter.selector_rank=64"], "drafter.selector_rank is a DFlash 2 setting, and drafter.kind is dflash"),
 ])
 def test_bad_kind_settings_are_refused(settings, refusal):

@@ -276,3 +276,21 @@ def test_dflash2_drafters_train_the_same_split_by_ddp_and_fsdp(tiny_target, tmp_
                      "--drafter-gpus", "2"])
         summary = json.loads((out / "summary.json").read_text())
         assert summary["losses"] == pytest.approx(alone["losses"], rel=1e-4), sharding
+
+
+def test_dspark_drafters_train_the_same_split_by_ddp_and_fsdp(tiny_target, tmp_path):
+    """drafter.kind = dspark on 2 drafter ranks, replicated (DDP) and sharded (FSDP2, the Markov and confidence
+    heads in the drafter's own unit, gathered through the loss): the losses of one process with grad_accum = 2."""
+    kind = ["drafter.kind=dspark", "drafter.markov_rank=16"]
+    alone = run(load_config("embedded", overrides(tiny_target, tmp_path / "alone") + kind + ["train.grad_accum=2"]))
+    feats = tmp_path / "features"
+    for sharding in ("ddp", "fsdp"):
+        out = tmp_path / sharding
+        sets = [x for o in overrides(tiny_target, out) + kind + [f"parallel.drafter_sharding={sharding}"]
+                for x in ("--set", o)]
+        if not feats.exists():
+            torchrun(2, ["--config", "embedded", *sets, "--dump-features", str(feats), "--dump-batches", "8"])
+        torchrun(2, ["--config", "embedded", *sets, "--set", f"data.features_dir={feats}", "--target-gpus", "0",
+                     "--drafter-gpus", "2"])
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["losses"] == pytest.approx(alone["losses"], rel=1e-4), sharding

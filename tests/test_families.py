@@ -152,7 +152,7 @@ def trained_drafter(target: FrozenTarget, tokenizer, prompts, out, steps: int = 
     config = drafter_config(target.config, DrafterShape(num_layers=1, block_size=BLOCK,
                                                          mask_token_id=tokenizer.mask_token_id,
                                                          target_layer_ids=LAYER_IDS, kind=kind, selector_rank=16,
-                                                         selector_top_k=8))
+                                                         selector_top_k=8, markov_rank=16))
     stop = stop_token_ids(target.model, tokenizer)
     samples = []
     for prompt in prompts:
@@ -191,6 +191,31 @@ def test_a_trained_dflash2_drafter_serves_as_in_zlabs_loop_at_batch_1_and_batche
     for prompt, (tokens, lengths) in zip(prompts, theirs, strict=True):
         reference = speculative_generate(drafter, target, prompt, NEW, stop)
         assert (reference.tokens, reference.accept_lengths) == (tokens, lengths)
+
+
+@pytest.mark.parametrize("family", [f if f == SERVED_FAST else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in DFLASH2_FAMILIES])
+def test_a_trained_dspark_drafter_decodes_with_its_markov_head_at_batch_1_and_batched(family, targets, tokenizer,
+                                                                                     tmp_path):
+    """DSpark: the Markov head drafts within the block in dflash-eval's fast loop (one row, and rows that accept
+    differently in one batch) as in the reference loop, the outputs the target's own, and eval.json reports the
+    confidence head's calibration per slot."""
+    target_dir = targets(family)
+    target = load(target_dir)
+    prompts = prompts_for(tokenizer)
+    drafter_dir = trained_drafter(target, tokenizer, prompts, tmp_path / "drafter", kind="dspark")
+    drafter = DFlashDrafter.from_pretrained(drafter_dir).eval()
+    stop = stop_token_ids(target.model, tokenizer)
+    reference = [speculative_generate(drafter, target, p, NEW, stop) for p in prompts]
+    assert [r.tokens for r in reference] == [greedy_generate(target, p, NEW, stop) for p in prompts]
+    for batch in (1, 2):
+        where = tmp_path / f"eval-{batch}"
+        ours = eval_at(drafter_dir, target_dir, prompts, batch, where)
+        assert ours == [(r.tokens[len(p):], r.accept_lengths) for p, r in zip(prompts, reference, strict=True)]
+        calibration = json.loads((where / "eval.json").read_text())["sets"]["prompts"]["confidence_calibration"]
+        assert calibration["reached"][0] == sum(len(r.accept_lengths) for r in reference)
+        assert all(0 <= c <= 1 for c in calibration["predicted"] + calibration["measured"] if c is not None)
+    assert max(n for r in reference for n in r.accept_lengths) > 1  # the drafter drafts something accepted
 
 
 def eval_at(drafter_dir, target_dir, prompts, batch_size: int, where) -> list[tuple[list[int], list[int]]]:

@@ -37,6 +37,13 @@ def test_a_local_target_is_no_base_model_and_unserved_scales_are_said(tmp_path):
     assert "The target's scales" not in plain and '"num_speculative_tokens": 7' in plain
 
 
+def test_a_dspark_card_serves_its_speculators_export_with_vllms_dspark_method():
+    dspark = {**CONFIG, "architectures": ["DSparkDraftModel"]}
+    text = model_card.card_text(dspark, "Qwen/Qwen3-8B", [], None, [], "")
+    assert "dflash-export --format speculators" in text and '"method": "dspark"' in text
+    assert "from dflash.model import" not in text
+
+
 def test_a_dflash2_card_names_its_class_and_no_speculators_export():
     dflash2 = {**CONFIG, "architectures": ["DFlash2DraftModel"]}
     text = model_card.card_text(dflash2, "Qwen/Qwen3-8B", [], None, [], "")

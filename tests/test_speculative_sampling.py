@@ -1,7 +1,7 @@
 """Speculative sampling at a temperature > 0 (decoding/speculative.py, decoding/fast.py): lossless (the tokens are
 distributed as the target's own sampling, checked against the exact distribution of the first positions on a
 tiny target, and a broken acceptance rule fails the same check), seeded and reproducible, the fast loop equal to
-the reference loop at batch 1, and greedy at temperature 0 as before; for DFlash and DFlash 2 drafters."""
+the reference loop at batch 1, and greedy at temperature 0 as before; for DFlash, DFlash 2 and DSpark drafters."""
 
 import math
 
@@ -20,24 +20,29 @@ SAMPLES = 1500
 POSITIONS = 3  # the first generated tokens checked: the prefill's, then a verify step's drafts and its next token
 
 
-@pytest.fixture(scope="module", params=["dflash", "dflash2"])
+@pytest.fixture(scope="module", params=["dflash", "dflash2", "dspark"])
 def tiny(request):
     """A target peaked enough that its distributions differ clearly from the drafter's near-uniform ones; the
     drafter of each kind (DFlash 2: its selector samples along the block from its top 6 candidates, its
-    codebooks large enough that the predecessor moves the draws)."""
+    codebooks large enough that the predecessor moves the draws; DSpark: its Markov bias along the block, as large)."""
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.3,
                          attn_implementation="sdpa")
     target = FrozenTarget(Qwen3ForCausalLM(config).eval(), [0, 2])
     torch.manual_seed(1)
-    selector = {"selector_rank": 8, "selector_top_k": 6} if request.param == "dflash2" else {}
+    selector = ({"selector_rank": 8, "selector_top_k": 6} if request.param == "dflash2"
+                else {"markov_rank": 8} if request.param == "dspark" else {})
     drafter = DFlashDrafter(drafter_config(config, DrafterShape(num_layers=1, block_size=4, mask_token_id=VOCAB - 1,
                                                                 target_layer_ids=[0, 2], kind=request.param,
                                                                 **selector))).eval()
     if drafter.candidate_selector is not None:
         with torch.no_grad():
             drafter.candidate_selector.reset_parameters(1.0)
+    if drafter.markov_head is not None:
+        with torch.no_grad():
+            drafter.markov_head.markov_w1.weight.normal_(0, 1.0)
+            drafter.markov_head.markov_w2.weight.normal_(0, 1.0)
     return target, drafter
 
 

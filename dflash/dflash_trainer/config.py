@@ -99,10 +99,14 @@ class TargetConfig:
     trust_remote_code: bool = False
 
 
-# What drafter.kind may be: z-lab's DFlash (DFlashDraftModel) and DFlash 2 (DFlash2DraftModel).
-DRAFTER_KINDS = ("dflash", "dflash2")
+# What drafter.kind may be: z-lab's DFlash (DFlashDraftModel), DFlash 2 (DFlash2DraftModel) and speculators'
+# DSpark (DSparkDraftModel).
+DRAFTER_KINDS = ("dflash", "dflash2", "dspark")
 # drafter settings only DFlash 2 reads: refused beside another kind, where they would silently do nothing.
 DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_weight")
+# and those only DSpark reads, alike
+DSPARK_SETTINGS = ("markov_rank", "markov_head_type", "confidence_head_with_markov", "confidence_loss_weight")
+KIND_SETTINGS = {"dflash2": (DFLASH2_SETTINGS, "a DFlash 2 setting"), "dspark": (DSPARK_SETTINGS, "a DSpark setting")}
 
 
 @dataclass
@@ -125,6 +129,16 @@ class DrafterConfig:
     selector_top_k: Annotated[int, Rule(ge=1, le=1 << 16)] = 16  # dflash2: candidates re-ranked per position
     # dflash2: weight of the selector's CE beside the unary CE (speculators' selector_loss_alpha)
     selector_loss_weight: Annotated[float, NOT_NEGATIVE] = 1.0
+    # dspark: rank of the Markov head's logit bias markov_w2(markov_w1[previous token]) (speculators' markov_rank)
+    markov_rank: Annotated[int, Rule(ge=1, le=1 << 16)] = 256
+    # dspark: vanilla, the bias alone; gated, gated by the position's hidden state (speculators' rnn head, whose
+    # state starts at the anchor's slot, is not trained here)
+    markov_head_type: Annotated[str, Rule(choices=("vanilla", "gated"))] = "vanilla"
+    # dspark: the confidence head reads the previous token's Markov embedding beside the hidden state
+    confidence_head_with_markov: bool = True
+    # dspark: weight of the confidence head's BCE against each position's acceptance (speculators'
+    # confidence_head_alpha)
+    confidence_loss_weight: Annotated[float, NOT_NEGATIVE] = 1.0
 
 
 @dataclass
@@ -618,17 +632,22 @@ def train_problems(c: RunConfig) -> list[str]:
 
 
 def kind_problems(c: RunConfig) -> list[str]:
-    """A DFlash 2 setting beside another kind would do nothing: refused, not ignored."""
-    if c.drafter.kind == "dflash2":
-        return []
-    defaults = DrafterConfig()
-    stray = [f"drafter.{n}" for n in DFLASH2_SETTINGS if getattr(c.drafter, n) != getattr(defaults, n)]
-    if not stray:
-        return []
-    one = len(stray) == 1
-    problem = (f"{', '.join(stray)} {'is a DFlash 2 setting' if one else 'are DFlash 2 settings'}, and "
-               f'drafter.kind is {c.drafter.kind}: set drafter.kind = "dflash2", or remove {"it" if one else "them"}')
-    return [problem]
+    """A DFlash 2 or DSpark setting beside another kind would do nothing: refused, not ignored."""
+    defaults, problems = DrafterConfig(), []
+    for kind, (names, what) in KIND_SETTINGS.items():
+        if c.drafter.kind == kind:
+            continue
+        stray = [f"drafter.{n}" for n in names if getattr(c.drafter, n) != getattr(defaults, n)]
+        if stray:
+            one = len(stray) == 1
+            problems.append(f"{', '.join(stray)} {'is ' + what if one else 'are ' + what.removeprefix('a ') + 's'}, "
+                            f'and drafter.kind is {c.drafter.kind}: set drafter.kind = "{kind}", or remove '
+                            f'{"it" if one else "them"}')
+    if c.drafter.kind == "dspark" and c.train.position_weighting == "dpace":
+        problems.append('train.position_weighting = "dpace" and drafter.kind = "dspark": DSpark\'s confidence '
+                        'head and loss weigh positions by exp-decay (as speculators does): set '
+                        'train.position_weighting = "exp-decay"')
+    return problems
 
 
 def parallel_problems(c: RunConfig) -> list[str]:
@@ -661,7 +680,8 @@ DRAFTER_FILE_KEYS = {
     "dflash_config.target_layer_ids": "drafter.target_layer_ids",
     "dflash_config.mask_token_id": "drafter.mask_token_id",
     "intermediate_size": "drafter.intermediate_size",
-    **{f"dflash_config.{name}": f"drafter.{name}" for name in DFLASH2_SETTINGS if name != "selector_loss_weight"},
+    **{f"dflash_config.{name}": f"drafter.{name}" for name in DFLASH2_SETTINGS + DSPARK_SETTINGS
+       if not name.endswith("_loss_weight")},
 }
 
 
@@ -719,7 +739,8 @@ def check_init_from(c: RunConfig) -> None:
         if setting_key in given and values[name] is not None and _dig(raw, key) != values[name]:
             conflicts.append(f"{setting_key} = {_shown(values[name])}, the drafter in it has "
                              f"{_shown(_dig(raw, key))} ({key})")
-    kind = "dflash2" if "DFlash2DraftModel" in (raw.get("architectures") or []) else "dflash"
+    names = raw.get("architectures") or []
+    kind = "dflash2" if "DFlash2DraftModel" in names else "dspark" if "DSparkDraftModel" in names else "dflash"
     if "drafter.kind" in given and c.drafter.kind != kind:
         conflicts.append(f"drafter.kind = {_shown(c.drafter.kind)}, the drafter in it is {_shown(kind)} "
                          f"(architectures {_shown(raw.get('architectures'))})")

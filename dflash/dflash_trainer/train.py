@@ -246,7 +246,8 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
                        compiled_layers=backend == "flex" and train.compile_layers and shard.compiled_layers,
                        vocab_size=drafter.config.vocab_size, model=shard.module,
                        gradient_sync=shard.gradient_sync, scheduler=scheduler, objective=loss_objective(cfg),
-                       selector_loss_weight=cfg.drafter.selector_loss_weight)
+                       selector_loss_weight=cfg.drafter.selector_loss_weight,
+                       confidence_loss_weight=cfg.drafter.confidence_loss_weight)
     run = DrafterRun(cfg, ctx, drafter, shard, optimizer, scheduler, step, side.source, side.wait_kind, start_step,
                      latest, side.target, target_files.tokenizer, side.eval_stream, side.prompts, side.borrowed,
                      buckets=side.buckets)

@@ -265,9 +265,10 @@ class StaticDecoder:
         self.anchor_pos.add_(1)
         return token
 
-    def _draft(self, positions, in_block) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The drafter's guesses for the block's slots 1..B-1 [b, B-1] (DFlash 2: its selector's path), and when
-        sampling their distribution q [b, B-1, V]."""
+    def _draft(self, positions, in_block) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The drafter's guesses for the block's slots 1..B-1 [b, B-1] (DFlash 2: its selector's path; DSpark:
+        its Markov head's), when sampling their distribution q [b, B-1, V], and DSpark's predicted acceptance of
+        each slot [b, B-1]."""
         drafter, embed = self.drafter, self.target.embed_weight
         ids = torch.full_like(positions, drafter.mask_token_id)
         ids[:, 0] = self.anchor
@@ -281,11 +282,14 @@ class StaticDecoder:
         for layer, keys, values in zip(drafter.layers, self.context.keys, self.context.values, strict=True):
             x = _drafter_layer(layer, x, keys, values, cos, sin, mask)
         sampled = (self.temperature, self.draft_noise) if self.sampled else (None, None)
-        return drafter.propose(drafter.norm(x)[:, 1:], self.anchor, self.target.head_weight, *sampled)
+        hidden = drafter.norm(x)[:, 1:]
+        drafts, probs = drafter.propose(hidden, self.anchor, self.target.head_weight, *sampled)
+        return drafts, probs, drafter.predicted_acceptance(hidden, self.anchor, drafts)
 
-    def _spec_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft, verify, accept, update the drafter's context: (tokens [b, B], accepted [b]); a row keeps its
-        first accepted + 1 tokens (the accepted drafts, then the target's next token)."""
+    def _spec_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Draft, verify, accept, update the drafter's context: (tokens [b, B], accepted [b], DSpark's predicted
+        acceptance [b, B-1] or None); a row keeps its first accepted + 1 tokens (the accepted drafts, then the
+        target's next token)."""
         drafter = self.drafter
         self.cache.slots = self.step_slots
         torch.add(self.offsets, self.base, out=self.step_slots)
@@ -293,7 +297,7 @@ class StaticDecoder:
         self.slot_pos.index_copy_(1, self.step_slots, positions)
         # The reference loop's last block is cut to the tokens left: slots past it are hidden from the drafter.
         in_block = self.offsets < (self.limit_pos - self.anchor_pos)[:, None]
-        drafts, draft_probs = self._draft(positions, in_block)
+        drafts, draft_probs, confidence = self._draft(positions, in_block)
         out = self._forward(torch.cat([self.anchor[:, None], drafts], 1), positions, hidden=True)
         if self.sampled:
             accepted, following = rejection_sample(draft_probs, temperature_probs(out.logits, self.temperature),
@@ -309,7 +313,7 @@ class StaticDecoder:
         self.slot_pos.index_copy_(1, self.step_slots, torch.where(keep, positions, INVALID))
         self.anchor.copy_(posterior.gather(1, accepted[:, None])[:, 0])
         self.anchor_pos.add_(accepted + 1)
-        return posterior, accepted
+        return posterior, accepted, confidence
 
     # ---- host side ------------------------------------------------------------------------------
     def _prefill(self, prompts: list[list[int]], max_new_tokens: int, hidden: bool) -> list[int]:
@@ -392,13 +396,16 @@ class StaticDecoder:
             self._make_room()
             if self.sampled:
                 self._draw(self.draft_noise, self.uniforms, self.step_noise)
-            posterior, accepted = self.spec_step()
-            rows = torch.cat([posterior, accepted[:, None]], 1).tolist()  # the step's one read
+            posterior, accepted, confidence = self.spec_step()
+            rows = torch.cat([posterior, accepted[:, None]], 1).tolist()  # the step's one read (DSpark: two)
+            predicted = confidence.tolist() if confidence is not None else None
             grown = 0
             for i, row in enumerate(rows[: len(prompts)]):
                 if not active[i]:
                     continue
                 r = results[i]
+                if predicted is not None:  # the slots this step drafted: the block is cut at the token limit
+                    r.confidence.append((predicted[i][: min(self.block - 1, limits[i] - len(r.tokens))], row[-1]))
                 new, done = _cut(row[: row[-1] + 1], stop_ids, limits[i] - len(r.tokens))
                 r.tokens.extend(new)
                 r.accept_lengths.append(len(new))

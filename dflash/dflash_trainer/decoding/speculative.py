@@ -99,6 +99,8 @@ def rejection_sample(draft_probs: torch.Tensor, target_probs: torch.Tensor, draf
 class SpecResult:
     tokens: list[int]  # the prompt, then the generated tokens
     accept_lengths: list[int] = field(default_factory=list)  # tokens added by each verify step
+    # DSpark: each verify step's (predicted acceptance of every drafted slot, drafts accepted)
+    confidence: list[tuple[list[float], int]] = field(default_factory=list)
 
 
 
@@ -198,6 +200,7 @@ def speculative_generate(
             temperature = torch.full((), sampling.temperature, device=device)
         drafts, draft_probs = drafter.propose(hidden[:, 1:], draft[:, 0], head, temperature, noise)
         draft[0, 1:] = drafts[0]
+        predicted = drafter.predicted_acceptance(hidden[:, 1:], draft[:, 0], drafts)
         out = model(draft, **{cache_argument(model): cache}, use_cache=True, output_hidden_states=True)
         if sampling is None:
             posterior = out.logits[0].argmax(-1)
@@ -207,6 +210,8 @@ def speculative_generate(
             accepted_t, token = rejection_sample(draft_probs, sampling.probs(out.logits), draft[:, 1:],
                                                  uniforms[:, : size - 1], final_noise)
             accepted, following = int(accepted_t[0]), int(token[0])
+        if predicted is not None:
+            result.confidence.append((predicted[0].tolist(), accepted))
         new = draft[0, 1 : accepted + 1].tolist() + [following]
         stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
         if stop is not None:
@@ -251,9 +256,32 @@ class AcceptanceStats:
     per_request: list[list[int]] = field(default_factory=list)  # each request's acceptance lengths
     tokens: int = 0  # generated tokens (the prefill's first token included)
 
-    def add(self, accept_lengths: list[int], new_tokens: int) -> None:
+    # DSpark: every verify step's (predicted acceptance of each drafted slot, drafts accepted)
+    confidence: list[tuple[list[float], int]] = field(default_factory=list)
+
+    def add(self, accept_lengths: list[int], new_tokens: int,
+            confidence: list[tuple[list[float], int]] | None = None) -> None:
         self.per_request.append(list(accept_lengths))
         self.tokens += new_tokens
+        self.confidence += confidence or []
+
+    @property
+    def confidence_calibration(self) -> dict | None:
+        """DSpark's confidence head against what happened, per draft slot k = 1..B-1, over the verify steps that
+        reached slot k (every slot before it accepted): the mean predicted acceptance, the measured share
+        accepted, and the steps; None without a confidence head."""
+        if not self.confidence:
+            return None
+        slots = self.block_size - 1
+        reached, kept, predicted = [0] * slots, [0] * slots, [0.0] * slots
+        for chances, accepted in self.confidence:
+            for k in range(min(len(chances), accepted + 1)):  # slots 1..accepted+1 (0-based k) were reached
+                reached[k] += 1
+                predicted[k] += chances[k]
+                kept[k] += k < accepted
+        share = lambda total, n: total / n if n else None
+        return {"predicted": [share(p, n) for p, n in zip(predicted, reached, strict=True)],
+                "measured": [share(a, n) for a, n in zip(kept, reached, strict=True)], "reached": reached}
 
     @property
     def lengths(self) -> list[int]:

@@ -48,7 +48,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from ..infra.metrics import PlainProgress, say_progress
     from ..infra.stop_signal import exit_code as stop_exit_code
     from ..infra.stop_signal import signal_name_of
-    from ..model.drafter import DFLASH2_DEFAULTS
+    from ..model.drafter import DFLASH2_DEFAULTS, DSPARK_DEFAULTS
     from ..run import checkpoint as ckpt
     from ..run import model_card
     from ..run import run_dir as run_dir_lib
@@ -233,6 +233,12 @@ def check_drafter_dir(path: Path) -> dict:
             raise EvalError(f"{config_file} is a DFlash 2 drafter and lacks dflash_config {lacking}: add them as "
                             "z-lab's DFlash 2 drafters have them (defaults "
                             + ", ".join(f"{k} {v}" for k, v in DFLASH2_DEFAULTS.items() if k in lacking) + ")")
+    if "DSparkDraftModel" in (raw.get("architectures") or []):
+        lacking = [k for k in DSPARK_DEFAULTS if dflash.get(k) is None]
+        if lacking:
+            raise EvalError(f"{config_file} is a DSpark drafter and lacks dflash_config {lacking}: add them as this "
+                            "trainer publishes them (speculators' defaults "
+                            + ", ".join(f"{k} {v}" for k, v in DSPARK_DEFAULTS.items() if k in lacking) + ")")
     missing = [k for k in ("mask_token_id", "target_layer_ids") if dflash.get(k) is None] + \
         (["block_size"] if raw.get("block_size") is None else [])
     if missing:
@@ -582,7 +588,7 @@ def evaluate_set(p: Plan, loops: FastDecoding, target: FrozenTarget, prompts: Pr
 def _record(p: Plan, result: SetResult, requests: list[dict], set_name: str, rid, prompt, spec, ref, tie,
             temperature: float) -> None:
     new = len(spec.tokens) - len(prompt)
-    result.stats.add(spec.accept_lengths, new)
+    result.stats.add(spec.accept_lengths, new, spec.confidence)
     result.target_only_tokens += len(ref) - len(prompt)
     if result.sampled:
         equal = None  # not compared: both sample

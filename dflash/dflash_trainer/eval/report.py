@@ -66,7 +66,7 @@ class SetResult:
             "skipped_rows": {why: rows[:SHOWN_ROWS] for why, rows in self.skipped.items()},
             "tau": s.tau, "tau_per_request_mean": s.tau_per_request_mean,
             "verify_steps": s.verify_steps, "tokens": s.tokens,
-            "slot_acceptance": s.slot_acceptance,
+            "slot_acceptance": s.slot_acceptance, "confidence_calibration": s.confidence_calibration,
             "acceptance_length_histogram": s.length_histogram, "acceptance_length_counts": s.length_counts,
             "outputs_equal": None if self.sampled else self.outputs_equal, "near_tie_divergences": self.near_ties,
             "speculative_s": self.speculative_s, "target_only_s": self.target_only_s,
@@ -81,6 +81,7 @@ def overall(results: list[SetResult], block_size: int) -> SetResult:
         pooled.prompts += r.prompts
         pooled.stats.per_request += r.stats.per_request
         pooled.stats.tokens += r.stats.tokens
+        pooled.stats.confidence += r.stats.confidence
         pooled.speculative_s += r.speculative_s
         pooled.target_only_s += r.target_only_s
         pooled.target_only_tokens += r.target_only_tokens

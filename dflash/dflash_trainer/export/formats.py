@@ -22,5 +22,5 @@ def _speculators(drafter: Drafter, target: str, out: Path) -> None:
 
 
 FORMATS: dict[str, Format] = {
-    "speculators": Format(_speculators, "vLLM's speculators (DFlashSpeculatorConfig, speculators 0.9)"),
+    "speculators": Format(_speculators, "vLLM's speculators (DFlashSpeculatorConfig, DSparkSpeculatorConfig for DSpark; speculators 0.9)"),
 }

@@ -1,5 +1,7 @@
-"""A drafter in speculators' DFlash format (speculators 0.9.0: models/dflash/config.py), which speculators'
-`DFlashDraftModel.from_pretrained` and vLLM load. Written without speculators installed.
+"""A drafter in speculators' DFlash or DSpark format (speculators 0.9.0: models/dflash/config.py,
+models/dspark/config.py), which speculators' `DFlashDraftModel` / `DSparkDraftModel.from_pretrained` and vLLM
+load. Written without speculators installed. DSpark's heads keep speculators' names (markov_head.*,
+confidence_head.*), and its blocks are ours: the first token is the verified one (sample_from_anchor false).
 
 The body's weights keep their names; the embedding and the LM head stay the target's (speculators fills them
 from the verifier when it loads). Layer ids: z-lab's `target_layer_ids` count the target's layers from 0 and
@@ -40,9 +42,14 @@ def speculators_config(config: dict, target: str, target_cfg: dict) -> dict:
     block_size = int(config["block_size"])
     dflash = config["dflash_config"]
     transformer = {k: v for k, v in config.items() if k not in _NOT_TRANSFORMER}
+    dspark = "DSparkDraftModel" in (config.get("architectures") or [])
+    algorithm = "dspark" if dspark else "dflash"
+    heads = ({"markov_rank": dflash["markov_rank"], "markov_head_type": dflash["markov_head_type"],
+              "enable_confidence_head": True,
+              "confidence_head_with_markov": dflash["confidence_head_with_markov"]} if dspark else {})
     return {
-        "architectures": ["DFlashDraftModel"],
-        "speculators_model_type": "dflash",
+        "architectures": ["DSparkDraftModel" if dspark else "DFlashDraftModel"],
+        "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": transformer,
         "draft_vocab_size": config["vocab_size"],
@@ -54,8 +61,9 @@ def speculators_config(config: dict, target: str, target_cfg: dict) -> dict:
         "sample_from_anchor": False,  # the first block token is the verified one: block_size - 1 are drafted
         "tie_word_embeddings": False,
         "dtype": config.get("dtype"),
+        **heads,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": algorithm,
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block_size - 1,
                                   "accept_tolerance": 0.0, "verifier_accept_k": 1}],

@@ -2,7 +2,9 @@
 
 Two kinds, by `architectures`: DFlash (z-lab's DFlashDraftModel) and DFlash 2 (DFlash2DraftModel: every layer
 gets grouped dynamic causal convolutions around attention and the MLP, and a candidate selector re-ranks the
-top-k tokens of each block position by the token drafted before it; model/dflash2/).
+top-k tokens of each block position by the token drafted before it; model/dflash2/), and DSpark
+(speculators' DSparkDraftModel: a low-rank Markov logit bias by the token drafted before each position, and a
+confidence head predicting each position's acceptance; model/dspark/).
 
 Parameter names and the saved directory match the published z-lab drafters, so the checkpoints
 load in z-lab's ``dflash`` package, SGLang and vLLM. The drafter owns no embedding and no LM head:
@@ -34,6 +36,8 @@ from ..infra import storage
 from ..target.frozen import borrowed_scales, drafter_rope, text_config
 from . import modeling_dflash
 from .dflash2.modules import CandidateSelector, GroupedDynamicCausalConv
+from .dspark.modules import MARKOV_HEAD_TYPES as DSPARK_MARKOV_TYPES
+from .dspark.modules import ConfidenceHead, MarkovHead
 from .sampling import race, temperature_probs
 
 # The attention kernel is injected: (q [b,h,Q,d], k [b,kv,S+Q,d], v) -> [b,h,Q,d].
@@ -43,19 +47,23 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 ARCHITECTURE = "DFlashDraftModel"
 # drafter.kind -> the serving class z-lab's package picks by `architectures`.
-ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
+# (DSpark: our directory's name for it; dflash-export --format speculators writes speculators' DSpark directory.)
+ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}
 # DFlash 2's settings, with z-lab's and speculators' defaults; saved in dflash_config under these names.
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+# DSpark's, with speculators' defaults and names (DSparkSpeculatorConfig); saved in dflash_config.
+DSPARK_DEFAULTS = {"markov_rank": 256, "markov_head_type": "vanilla", "confidence_head_with_markov": True}
 
 
 def drafter_kind(config) -> str:
-    """dflash or dflash2, from a drafter config's architectures."""
+    """dflash, dflash2 or dspark, from a drafter config's architectures."""
     names = list(getattr(config, "architectures", None) or [ARCHITECTURE])
-    return "dflash2" if ARCHITECTURES["dflash2"] in names else "dflash"
+    return next((kind for kind in ("dflash2", "dspark") if ARCHITECTURES[kind] in names), "dflash")
 # What `AutoModel.from_pretrained(dir, trust_remote_code=True)` builds, per kind: the class in the modelling file
-# that save_pretrained writes beside the weights (z-lab's published drafters name theirs the same way).
+# that save_pretrained writes beside the weights (z-lab's published drafters name theirs the same way). DSpark has
+# none there: speculators' DSparkDraftModel serves it, from dflash-export --format speculators.
 MODELING_FILE = Path(modeling_dflash.__file__).name
-AUTO_MAP = {kind: {"AutoModel": f"{Path(MODELING_FILE).stem}.{name}"} for kind, name in ARCHITECTURES.items()}
+AUTO_MAP = {kind: {"AutoModel": f"{Path(MODELING_FILE).stem}.{ARCHITECTURES[kind]}"} for kind in ("dflash", "dflash2")}
 
 
 def build_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -86,6 +94,9 @@ class DrafterShape:
     conv_group_size: int = DFLASH2_DEFAULTS["conv_group_size"]
     selector_rank: int = DFLASH2_DEFAULTS["selector_rank"]
     selector_top_k: int = DFLASH2_DEFAULTS["selector_top_k"]
+    markov_rank: int = DSPARK_DEFAULTS["markov_rank"]  # dspark only, as the two below
+    markov_head_type: str = DSPARK_DEFAULTS["markov_head_type"]
+    confidence_head_with_markov: bool = DSPARK_DEFAULTS["confidence_head_with_markov"]
 
 
 def _dflash2_settings(shape: DrafterShape, hidden_size: int, vocab: int) -> dict:
@@ -99,6 +110,16 @@ def _dflash2_settings(shape: DrafterShape, hidden_size: int, vocab: int) -> dict
     if shape.selector_top_k > vocab:
         raise ValueError(f"selector_top_k {shape.selector_top_k} exceeds the target's vocabulary ({vocab} tokens)")
     return {name: int(getattr(shape, name)) for name in DFLASH2_DEFAULTS}
+
+
+def _dspark_settings(shape: DrafterShape) -> dict:
+    """DSpark's dflash_config entries, refused where speculators' heads could not be built from them."""
+    if shape.markov_head_type not in DSPARK_MARKOV_TYPES:
+        raise ValueError(f"markov_head_type {shape.markov_head_type!r} is not one of {DSPARK_MARKOV_TYPES}")
+    if shape.markov_rank < 1:
+        raise ValueError(f"markov_rank {shape.markov_rank} must be at least 1 (DSpark's Markov head)")
+    return {"markov_rank": int(shape.markov_rank), "markov_head_type": shape.markov_head_type,
+            "confidence_head_with_markov": bool(shape.confidence_head_with_markov)}
 
 
 def _first_attr(config, names: tuple[str, ...], default=None):
@@ -130,7 +151,8 @@ def drafter_config(target_config, shape: DrafterShape, borrowed: dict | None = N
         borrowed = borrowed_scales(target_config)
     if shape.kind not in ARCHITECTURES:
         raise ValueError(f"drafter kind {shape.kind!r} is not one of {sorted(ARCHITECTURES)}")
-    kind_settings = _dflash2_settings(shape, tc.hidden_size, vocab) if shape.kind == "dflash2" else {}
+    kind_settings = (_dflash2_settings(shape, tc.hidden_size, vocab) if shape.kind == "dflash2"
+                     else _dspark_settings(shape) if shape.kind == "dspark" else {})
     heads = tc.num_attention_heads
     config = Qwen3Config(
         vocab_size=vocab,
@@ -282,6 +304,12 @@ class DFlashDrafter(nn.Module):
         if self.kind == "dflash2":
             self.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size,
                                                         int(dflash["selector_rank"]), int(dflash["selector_top_k"]))
+        self.markov_head = self.confidence_head = None
+        if self.kind == "dspark":
+            rank = int(dflash["markov_rank"])
+            self.markov_head = MarkovHead(config.vocab_size, config.hidden_size, rank, dflash["markov_head_type"])
+            self.confidence_with_markov = bool(dflash["confidence_head_with_markov"])
+            self.confidence_head = ConfidenceHead(config.hidden_size + (rank if self.confidence_with_markov else 0))
         self.reset_parameters()
 
     def reset_parameters(self, std: float | None = None) -> None:
@@ -298,6 +326,8 @@ class DFlashDrafter(nn.Module):
                 module.reset_parameters()
         if self.candidate_selector is not None:
             self.candidate_selector.reset_parameters(std)
+        if self.markov_head is not None:
+            self.markov_head.reset_parameters()
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[b, S, K*H] target features -> [b, S, H] context: per token, so decoding fuses each token once."""
@@ -327,6 +357,55 @@ class DFlashDrafter(nn.Module):
         """Logits through the target's LM head and its logit transform (z-lab's compute_logits)."""
         return shape_logits(F.linear(hidden, head_weight), self.output_multiplier, self.final_logit_softcapping)
 
+    def markov_logits(self, hidden: torch.Tensor, previous: torch.Tensor, head_weight: torch.Tensor,
+                      codes: torch.Tensor | None = None) -> torch.Tensor:
+        """DSpark's logits: the LM head's plus the Markov bias of each position's previous token (previous [...],
+        hidden [..., H]; codes: the Markov head's low-rank codes when the caller has them, e.g. the rnn's)."""
+        if codes is None:
+            codes = self.markov_head.step(previous, hidden)[0]
+        return self.logits(hidden.to(head_weight.dtype), head_weight) + self.markov_head.markov_w2(codes).to(
+            head_weight.dtype)
+
+    def block_outputs(self, hidden: torch.Tensor, previous: torch.Tensor,
+                      head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DSpark teacher-forced over whole blocks, as speculators trains and its model computes: hidden [N, B, H],
+        previous [N, B] each position's true previous token -> (logits [N, B, V], confidence logits [N, B])."""
+        codes = self.markov_head.block_codes(previous, hidden)
+        return self.markov_logits(hidden, previous, head_weight, codes), self.confidence(hidden, previous)
+
+    def confidence(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """DSpark's confidence logits [...]: hidden [..., H] and each position's previous token [...]."""
+        features = hidden
+        if self.confidence_with_markov:
+            embedding = self.markov_head.markov_w1(previous.long())
+            features = torch.cat([hidden, embedding.to(hidden.dtype)], dim=-1)
+        return self.confidence_head(features.to(self.confidence_head.proj.weight.dtype))
+
+    def predicted_acceptance(self, hidden: torch.Tensor, anchors: torch.Tensor,
+                             drafts: torch.Tensor) -> torch.Tensor | None:
+        """DSpark's confidence head on a drafted block: each slot's predicted chance of acceptance [b, n] (hidden
+        [b, n, H] of slots 1..n, anchors [b], drafts [b, n]: each slot's previous token is the one drafted
+        before it); None for the other kinds."""
+        if self.confidence_head is None:
+            return None
+        previous = torch.cat([anchors[:, None], drafts[:, :-1]], dim=1)
+        return torch.sigmoid(self.confidence(hidden, previous).float())
+
+    def _markov_path(self, hidden, anchors, head_weight, temperature, noise):
+        """DSpark's drafts along the block: each position's logits biased by the token drafted before it."""
+        previous, state, path, q_rows = anchors, None, [], []
+        for position in range(hidden.shape[1]):
+            code, state = self.markov_head.step(previous, hidden[:, position], state)
+            logits = self.markov_logits(hidden[:, position], previous, head_weight, code)
+            if temperature is None:
+                previous = logits.argmax(-1)
+            else:
+                q = temperature_probs(logits, temperature)
+                previous = race(q, noise[:, position])
+                q_rows.append(q)
+            path.append(previous)
+        return torch.stack(path, dim=1), (torch.stack(q_rows, dim=1) if q_rows else None)
+
     def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, head_weight: torch.Tensor,
                 temperature: torch.Tensor | None = None,
                 noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -335,7 +414,10 @@ class DFlashDrafter(nn.Module):
 
         temperature None: greedy (the logits' argmax, or DFlash 2's candidate selector along the block). A 0-dim
         fp32 temperature > 0 with Exp(1) noise [b, n, V]: sampled by the exponential race (model/sampling.py),
-        each slot from softmax(logits / T), or DFlash 2's selector sampling along the block."""
+        each slot from softmax(logits / T), or DFlash 2's selector sampling along the block. DSpark: each
+        position's logits biased by its Markov head with the token drafted before it, greedy or sampled."""
+        if self.markov_head is not None:
+            return self._markov_path(hidden, anchors, head_weight, temperature, noise)
         logits = self.logits(hidden.to(head_weight.dtype), head_weight)
         if self.candidate_selector is not None:
             return self.candidate_selector.select(hidden, logits, anchors, temperature, noise)
@@ -352,7 +434,8 @@ class DFlashDrafter(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
         config = copy.deepcopy(self.config)
-        config.auto_map = dict(AUTO_MAP[self.kind])
+        if self.kind in AUTO_MAP:
+            config.auto_map = dict(AUTO_MAP[self.kind])
         config.dtype = next(v.dtype for v in state.values() if v.is_floating_point())  # what dtype="auto" loads
         config.save_pretrained(directory)
         shutil.copyfile(modeling_dflash.__file__, directory / MODELING_FILE)

@@ -47,4 +47,6 @@ def drafter_step_flops(config, batch: int, ctx_len: int, num_blocks: int, pairs:
         groups = h // int(dflash["conv_group_size"])
         per_layer += 2 * 2 * q_rows * h * 2 * int(dflash["conv_kernel_size"]) * groups
         selector = 2 * batch * num_blocks * (config.block_size - 1) * h * int(dflash["selector_rank"])
+    if "markov_rank" in dflash:  # DSpark: the Markov bias's rank x vocab GEMM, trained (forward, both gradients)
+        selector = 2 * batch * num_blocks * (config.block_size - 1) * int(dflash["markov_rank"]) * vocab
     return 3 * (layers * (per_layer + attention) + selector) + 2 * fc + 2 * head

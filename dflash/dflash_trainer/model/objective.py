@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from .anchors import Blocks, build_blocks, sample_anchors
 from .dflash2.objective import predecessors, selector_ce
 from .drafter import AttentionFn, DFlashDrafter
+from .dspark.objective import dspark_loss, dspark_sums
 from .flops import visible_pairs
 from .loss import LossSums, Objective, chunked_block_loss, scored_rows
 from .mask import dense_mask, dflash_block_mask
@@ -124,6 +125,7 @@ def drafter_loss(
     objective: Objective | None = None,
     target_hidden: torch.Tensor | None = None,
     selector_loss_weight: float = 1.0,
+    confidence_loss_weight: float = 1.0,
 ) -> LossSums:
     """`model` is what runs the forward (the DDP wrapper on drafter ranks); `drafter` by default.
 
@@ -133,6 +135,7 @@ def drafter_loss(
     compiled_layers: run each layer through COMPILED_LAYER, and the norms around them through COMPILED_FUSE
     and COMPILED_NORM (GPU training with the flex backend).
     selector_loss_weight: DFlash 2's selector CE weight beside the unary term (speculators' selector_loss_alpha).
+    confidence_loss_weight: DSpark's confidence BCE weight (speculators' confidence_head_alpha).
     """
     b, ctx_len = features.shape[:2]
     block_embeds = F.embedding(blocks.token_ids, embed_weight)
@@ -149,6 +152,9 @@ def drafter_loss(
         # Block position a+k predicts x[a+k]; the target predicts that token from position a+k-1.
         before = (blocks.position_ids - 1).clamp(0, ctx_len - 1)
         target_rows = target_hidden.gather(1, before.unsqueeze(-1).expand(-1, -1, target_hidden.shape[-1]))
+    if drafter.markov_head is not None:
+        return _dspark(drafter, hidden, head_weight, blocks, chunk_rows, objective, target_rows,
+                       confidence_loss_weight)
     selector = drafter.candidate_selector
     sums = unary_objective(drafter, hidden, head_weight, blocks, chunk_rows, selector.top_k if selector else 0,
                            objective, target_rows)
@@ -186,3 +192,19 @@ def _with_selector(drafter: DFlashDrafter, hidden, head_weight, blocks: Blocks, 
     correct = torch.zeros(block, device=hidden.device).index_add_(0, slots, (hit & (weights > 0)).float())
     return LossSums(sums.weighted_loss + weight * total, correct, sums.slot_count, sums.weight, sums.candidates,
                     sums.row_weights)
+
+
+def _dspark(drafter: DFlashDrafter, hidden, head_weight, blocks: Blocks, chunk_rows: int,
+            objective: Objective | None, target_rows, confidence_weight: float) -> LossSums:
+    """DSpark: the mixture over the Markov-biased logits plus the confidence BCE (model/dspark/objective.py),
+    the slots' accuracy that of the biased logits (teacher-forced, as speculators measures it)."""
+    block = drafter.block_size
+
+    def rows(t):
+        return scored_rows(t, block)
+
+    weights = rows(blocks.weights)
+    total, hit = dspark_loss(drafter, rows(hidden), rows(predecessors(blocks.labels, block)), rows(blocks.labels),
+                             weights, head_weight, objective,
+                             None if target_rows is None else rows(target_rows), confidence_weight, chunk_rows)
+    return dspark_sums(total, hit, weights, block)

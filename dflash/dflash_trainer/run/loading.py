@@ -268,6 +268,8 @@ def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
             target_layer_ids=tuple(d.target_layer_ids) if d.target_layer_ids else None,
             intermediate_size=d.intermediate_size, kind=d.kind, conv_kernel_size=d.conv_kernel_size,
             conv_group_size=d.conv_group_size, selector_rank=d.selector_rank, selector_top_k=d.selector_top_k,
+            markov_rank=d.markov_rank, markov_head_type=d.markov_head_type,
+            confidence_head_with_markov=d.confidence_head_with_markov,
         ), borrowed)
     except ValueError as exc:  # layer ids or mask token outside the target
         raise ConfigError(f"drafter: {exc}") from exc

@@ -78,9 +78,32 @@ def _scales(config: dict) -> str:
            "\nThe engines draft the tokens the drafter was trained to draft.\n"))
 
 
+def _serve_dspark(target: str, block: int, drafter_path: str) -> str:
+    """A DSpark drafter: served by speculators' DSparkDraftModel and vLLM, from its speculators export."""
+    return f"""## Serve it
+
+A DSpark drafter (a DFlash body with a Markov logit-bias head and a confidence head) is served from speculators'
+format, which this directory exports to (`sample_from_anchor` false: the block's first token is the verified one):
+
+```bash
+dflash-export --format speculators {drafter_path} OUT
+```
+
+speculators' `DSparkDraftModel.from_pretrained("OUT")` loads it; vLLM (one with speculators-format DSpark and its
+`sample_from_anchor` key) serves it:
+
+```bash
+vllm serve {target} \\
+  --speculative-config '{{"method": "dspark", "model": "OUT", "num_speculative_tokens": {block - 1}}}'
+```
+"""
+
+
 def _serve(target: str, block: int, drafter_path: str, architecture: str) -> str:
     """The commands that serve the drafter in each engine, with the keys each reads (architecture: z-lab's class,
-    DFlashDraftModel or DFlash2DraftModel)."""
+    DFlashDraftModel or DFlash2DraftModel; DSparkDraftModel: speculators' and vLLM's)."""
+    if architecture == "DSparkDraftModel":
+        return _serve_dspark(target, block, drafter_path)
     export = ("speculators' format (vLLM reads it too): `dflash-export --format speculators "
               f"{drafter_path} OUT`." if architecture == "DFlashDraftModel" else
               "speculators' DFlash format has no convolutions or selector: serve this directory as it is.")

@@ -128,7 +128,8 @@ class DrafterStep:
     def __init__(self, drafter, embed_weight: torch.Tensor, head_weight: torch.Tensor,
                  optimizer: MasterWeightAdamW, *, num_anchors: int, gamma: float | None, chunk_rows: int,
                  backend: str, compiled_layers: bool, vocab_size: int, model=None, gradient_sync=None,
-                 scheduler=None, objective: Objective | None = None, selector_loss_weight: float = 1.0):
+                 scheduler=None, objective: Objective | None = None, selector_loss_weight: float = 1.0,
+                 confidence_loss_weight: float = 1.0):
         self.drafter = drafter
         self.embed_weight, self.head_weight = embed_weight, head_weight
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -136,6 +137,7 @@ class DrafterStep:
         self.backend, self.compiled_layers, self.vocab_size = backend, compiled_layers, vocab_size
         self.objective = objective  # the loss's terms; None: CE alone
         self.selector_loss_weight = selector_loss_weight  # DFlash 2: its selector's CE beside the unary CE
+        self.confidence_loss_weight = confidence_loss_weight  # DSpark: its confidence head's BCE
         self.model = model or drafter  # what runs the forward: the drafter, or its DDP/FSDP wrapper
         # gradient_sync(enabled) -> context: skip the gradient reduction on all but a step's last micro-batch
         self.gradient_sync = gradient_sync or (lambda enabled: nullcontext())
@@ -155,7 +157,8 @@ class DrafterStep:
                 sums = drafter_loss(self.drafter, self.embed_weight, self.head_weight, features, mb.blocks,
                                     mb.attention, self.chunk_rows, self.drafter if bare else self.model,
                                     compiled_layers=self.compiled_layers, objective=self.objective,
-                                    target_hidden=target_hidden, selector_loss_weight=self.selector_loss_weight)
+                                    target_hidden=target_hidden, selector_loss_weight=self.selector_loss_weight,
+                                    confidence_loss_weight=self.confidence_loss_weight)
             with phase("backward"):
                 sums.weighted_loss.backward()
         batch, ctx_len = features.shape[:2]
