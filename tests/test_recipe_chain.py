@@ -67,16 +67,25 @@ def test_plan_wires_each_stage_output_into_the_next(tmp_path):
         str(Path(build["dir"]) / "target")
 
 
+def test_paths_given_relative_are_made_absolute_for_the_stages(tmp_path, monkeypatch):
+    (tmp_path / "chats.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    plan = recipe.make_plan(Path("c"), "qwen3-8b", "embedded", ["chats.jsonl", "org/hub-set"], [], {})
+    regen = plan["stages"][1]["argv"]
+    assert regen[regen.index("--data") + 1:regen.index("--out")] == [str(tmp_path / "chats.jsonl"), "org/hub-set"]
+    assert plan["stages"][0]["dir"] == str(tmp_path / "c" / "embedded")
+    assert "qwen3-8b" in plan["stages"][2]["argv"]  # a bundled config's name stays a name
+
+
 def test_a_changed_stage_and_those_after_it_run_again(tmp_path):
     chain = tmp_path / "c"
     first = recipe.make_plan(chain, "embedded", "/t", ["a.jsonl"], [], {}, python="py")
     assert recipe.save_plan(chain, first) == []
-    supervise.write_state(chain, state="finished", stages={n: {"state": "finished"} for n in
-                                                           ("regenerate", "train", "eval")})
+    recipe.write_ended(chain, {n: {"state": "finished"} for n in ("regenerate", "train", "eval")})
     assert recipe.save_plan(chain, first) == []  # the same plan again: nothing is redone
     assert recipe.save_plan(chain, recipe.make_plan(chain, "embedded", "/t", ["a.jsonl"], ["train.steps=9"], {},
                                                     python="py")) == ["train", "eval"]
-    assert list(supervise.read_state(chain)["stages"]) == ["regenerate"]
+    assert list(recipe.read_ended(chain)) == ["regenerate"]
 
 
 def test_bad_stage_arguments_are_refused_before_anything_is_written(tmp_path):
@@ -90,8 +99,8 @@ def test_bad_stage_arguments_are_refused_before_anything_is_written(tmp_path):
 def test_a_job_that_refuses_its_input_is_not_restarted(tmp_path):
     run = tmp_path / "job"
     run.mkdir()
-    (run / supervise.LAUNCH).write_text(json.dumps({"argv": [sys.executable, "-c", "import sys; print('bad row', "
-                                                             "flush=True); sys.exit(2)"],
+    child = "import sys; print('bad row', flush=True); sys.exit(2)"
+    (run / supervise.LAUNCH).write_text(json.dumps({"argv": [sys.executable, "-c", child],
                                                     "restart_delay_s": 0, "max_restarts": 3}))
     assert supervise.run(run, restart=True) == 2
     assert supervise.read_state(run)["state"] == "failed"
@@ -147,6 +156,6 @@ def test_a_stage_that_refuses_its_input_stops_the_chain(tmp_path, tiny_target):
     assert res.returncode == 2, res.stdout + res.stderr
     failed = chain_status(chain)
     assert "state:       failed at stage regenerate (exit 2)" in failed
-    assert "error:       Error: no row of" in failed and "Regeneration needs chat rows" in failed
+    assert "no row of" in failed and "Regeneration needs chat rows" in failed  # the error line, naming the fix
     assert "regenerate failed, train not started, eval not started" in failed
     assert not (chain / "run").exists()  # the chain stopped: training never started

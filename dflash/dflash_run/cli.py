@@ -79,20 +79,26 @@ def main(argv: list[str] | None = None) -> int:
         return supervise.start_detached(a.run_dir, job)
     if a.cmd == "stop":
         return supervise.stop(a.run_dir, a.unit, a.timeout, job)
-    if a.cmd == "recipe":
-        return start_recipe(a)
-    if job is RECIPE and a.cmd == "status":
-        rep = recipe.report(a.run_dir)
-        print(json.dumps(rep, indent=1) if a.json else recipe.format_report(rep))
-        return recipe.exit_code(rep)
-    if job is RECIPE and a.cmd in ("start", "run"):
-        return supervise.start_detached(a.run_dir, job, recipe.run_chain) if a.cmd == "start" else \
-            recipe.run_chain(a.run_dir)
+    if a.cmd == "recipe" or (job is RECIPE and a.cmd in ("status", "start", "run")):
+        return recipe_command(a)
     if a.cmd == "status":
         rep = status.report(a.run_dir, a.unit, job=job)
         print(json.dumps(rep, indent=1) if a.json else status.format_report(rep))
         return status.exit_code(rep)
     return logs(a.run_dir, a.lines, a.follow, a.unit, job.log)
+
+
+def recipe_command(a: argparse.Namespace) -> int:
+    """The recipe chain's own commands: plan and start it, its status, start or run an existing plan."""
+    if a.cmd == "recipe":
+        return start_recipe(a)
+    if a.cmd == "status":
+        rep = recipe.report(a.run_dir)
+        print(json.dumps(rep, indent=1) if a.json else recipe.format_report(rep))
+        return recipe.exit_code(rep)
+    if a.cmd == "start":
+        return supervise.start_detached(a.run_dir, RECIPE, recipe.run_chain)
+    return recipe.run_chain(a.run_dir)
 
 
 def start_recipe(a: argparse.Namespace) -> int:

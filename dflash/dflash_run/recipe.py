@@ -1,8 +1,8 @@
 """The recipe chain: regenerate -> train -> eval as one detached job, each stage started when the one before finished.
 
 The chain's directory holds its plan (recipe.json: each stage's directory and command line, the output of one
-wired into the next's input), its state (supervisor.json: the stage it is on, how each stage ended) and its log
-(logs/recipe.log). Each stage is a job of its own in a subdirectory (regen/, run/, eval/), run by that job's
+wired into the next's input), its state (supervisor.json: the stage it is on; stages.json: how each stage
+ended) and its log (logs/recipe.log). Each stage is a job of its own in a subdirectory (regen/, run/, eval/), run by that job's
 supervisor as `dflash-run start` runs it (restarts after a fault, graceful stop), so `dflash-run status --job
 train --run-dir DIR/run` works on it too. The embedded default first builds its tiny target (embedded/).
 
@@ -13,6 +13,7 @@ with the stage's error line.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from .jobs import JOBS, RECIPE
 from .procs import alive
 
 PLAN = "recipe.json"
+ENDED = "stages.json"  # how each stage ended (its state, exit code, when): what a second start skips
 EMBEDDED = "embedded"  # --target embedded: the embedded default's tiny target, built by the chain's first stage
 BUILD_TARGET = "target"  # that first stage's name (not a supervised job: it builds in seconds, cached)
 
@@ -44,11 +46,18 @@ def launcher(python: str, nproc: int) -> list[str]:
     return [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc > 1 else [python]
 
 
+def here(path: str) -> str:
+    """A path that names something here, made absolute (the stages run in their own directories); anything else
+    (a hub dataset's name, a bundled config's name) as given."""
+    return os.path.abspath(path) if glob.glob(path) else path
+
+
 def make_plan(chain_dir: Path, config: str, target: str, data: list[str], sets: list[str],
               stage_args: dict[str, list[str]], nproc: int = 1, python: str = sys.executable) -> dict:
     """Each stage's directory and command line. The outputs feed the next stage: regeneration's shards are the
     run's data.train, the run's directory (drafter, target, held-out prompts) is the evaluation's --run."""
-    chain_dir = chain_dir.absolute()
+    chain_dir, config, data = chain_dir.absolute(), here(config), [here(d) for d in data]
+    target = target if target == EMBEDDED else here(target)
     regen, run, ev = chain_dir / "regen", chain_dir / "run", chain_dir / "eval"
     stages = []
     if target == EMBEDDED:
@@ -77,18 +86,25 @@ def save_plan(chain_dir: Path, plan: dict) -> list[str]:
     again. Returns the stages that will run again that had finished."""
     chain_dir.mkdir(parents=True, exist_ok=True)
     old = {s["name"]: s["argv"] for s in (read_plan(chain_dir) or {}).get("stages", [])}
-    st = supervise.read_state(chain_dir)
-    ended = st.get("stages") or {}
+    ended = read_ended(chain_dir)
     changed, redo = False, []
     for stage in plan["stages"]:
         changed = changed or old.get(stage["name"]) != stage["argv"]
-        if changed and ended.get(stage["name"], {}).get("state") == "finished":
-            redo.append(stage["name"])
-            ended.pop(stage["name"])
-    if redo:
-        supervise.write_state(chain_dir, **dict(st, stages=ended))
+        if changed and stage["name"] in ended:
+            redo += [stage["name"]] if ended.pop(stage["name"]).get("state") == "finished" else []
+    write_ended(chain_dir, ended)
     (chain_dir / PLAN).write_text(json.dumps(plan, indent=1))
     return redo
+
+
+def read_ended(chain_dir: Path) -> dict:
+    return status.read_json(chain_dir / ENDED) or {}
+
+
+def write_ended(chain_dir: Path, ended: dict) -> None:
+    tmp = chain_dir / (ENDED + ".tmp")
+    tmp.write_text(json.dumps(ended, indent=1))
+    tmp.replace(chain_dir / ENDED)
 
 
 class Chain:
@@ -103,7 +119,7 @@ class Chain:
         self.child: subprocess.Popen | None = None
         self.log = self.dir / RECIPE.log
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        self.ended: dict = supervise.read_state(self.dir).get("stages") or {}
+        self.ended = read_ended(self.dir)
 
     def note(self, line: str) -> None:
         with open(self.log, "a") as log:
@@ -116,7 +132,7 @@ class Chain:
 
     def state(self, state: str, **extra) -> None:
         supervise.write_state(self.dir, state=state, job=RECIPE.name, pid=os.getpid(),
-                              log=str(self.log), supervisor="process", stages=self.ended, **extra)
+                              log=str(self.log), supervisor="process", **extra)
 
     def loop(self) -> int:
         for stage in self.plan["stages"]:
@@ -130,6 +146,7 @@ class Chain:
             self.note(f"stage {name}: start in {stage['dir']}")
             rc, outcome = self.run_stage(stage)
             self.ended[name] = {"state": outcome, "rc": rc, "at": supervise.now()}
+            write_ended(self.dir, self.ended)
             if outcome == "stopped" or self.stopping.is_set():
                 return self.stopped(name)
             if outcome != "finished":
@@ -196,15 +213,15 @@ def report(chain_dir: Path, log_lines: int = 5) -> dict:
     elif state in ("running", "starting") and not alive(int(st.get("pid") or 0)):
         state = "dead"  # the chain's process went away without recording why (a reboot, SIGKILL)
     stages = [s["name"] for s in (plan or {}).get("stages", [])]
-    ended = st.get("stages") or {}
+    ended = read_ended(chain_dir)
     current = st.get("stage")
     stage = next((s for s in (plan or {}).get("stages", []) if s["name"] == current), None)
     job = JOBS.get(current or "")
     latest = status.last_progress(Path(stage["dir"]) / job.log) if stage and job else None
     log = Path(st.get("log") or chain_dir / RECIPE.log)
     return {"job": RECIPE.name, "run_dir": str(chain_dir), "state": state, "stage": current, "rc": st.get("rc"),
-            "stages": {n: (ended.get(n) or {}).get("state", "running" if n == current and state == "running"
-                                                   else "not started") for n in stages},
+            "stages": {n: "running" if n == current and state == "running" else
+                       (ended.get(n) or {}).get("state", "not started") for n in stages},
             "stage_dir": stage and stage["dir"], "last_progress": latest, "error": st.get("error"),
             "result": result(plan) if state == "finished" else None,
             "log": str(log), "log_tail": status.tail(log, log_lines)}

@@ -28,7 +28,7 @@ from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
-from .jobs import JOBS, REGENERATE, TRAIN, Job, finished_run
+from .jobs import JOBS, RECIPE, REGENERATE, TRAIN, Job, finished_run
 from .procs import alive, job_processes, of_run, started_at, torchrun_workers
 
 LAUNCH = "launch.json"  # written by `make deploy`: the job, its argv and the restart policy
@@ -376,7 +376,8 @@ def stop(run_dir: Path, unit: str | None, timeout_s: float, job: Job = TRAIN) ->
         if alive(pid):
             print(f"supervisor {pid} still running after {timeout_s:g} s", file=sys.stderr)
             return 1
-        print(f"stopped: {read_state(run_dir).get('state')}; checkpoints in {run_dir / 'checkpoints'}")
+        kept = RECIPE.again if job is RECIPE else f"checkpoints in {run_dir / 'checkpoints'}"
+        print(f"stopped: {read_state(run_dir).get('state')}; {kept}")
         return 0
     found = of_run(run_dir, job_processes(), job)
     if not found:
