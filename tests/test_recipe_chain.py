@@ -96,6 +96,23 @@ def test_bad_stage_arguments_are_refused_before_anything_is_written(tmp_path):
     assert res.returncode == 2 and "no such directory" in res.stdout
 
 
+def test_a_stage_process_left_running_keeps_the_chain_from_starting(tmp_path):
+    chain = tmp_path / "c"
+    recipe.save_plan(chain, recipe.make_plan(chain, "embedded", str(tmp_path), ["d.jsonl"], [], {}))
+    regen = chain / "regen"
+    # a regeneration the killed chain left behind: its module and --out on the command line
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "dflash_trainer.regenerate",
+                              "--out", str(regen)])
+    try:
+        assert wait_for(lambda: recipe.stray_processes(chain), 10)
+        res = dflash_run("recipe", "--run-dir", str(chain))
+        assert res.returncode == 1 and f"regeneration process {stray.pid} still writes to {regen}" in res.stderr
+        assert not regen.exists()  # nothing was started
+    finally:
+        stray.kill()
+        stray.wait()
+
+
 def test_a_job_that_refuses_its_input_is_not_restarted(tmp_path):
     run = tmp_path / "job"
     run.mkdir()

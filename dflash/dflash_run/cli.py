@@ -103,6 +103,10 @@ def recipe_command(a: argparse.Namespace) -> int:
 
 def start_recipe(a: argparse.Namespace) -> int:
     """Write the chain's plan (the previous one when no plan argument is given), then start it."""
+    current = supervise.read_state(a.run_dir.absolute())
+    if current.get("state") in ("running", "starting") and supervise.alive(int(current.get("pid") or 0)):
+        print(f"already running (pid {current['pid']}): make recipe-status / make recipe-stop")
+        return 1
     given = any((a.config, a.target, a.data, a.set, a.args, a.nproc))
     if given or recipe.read_plan(a.run_dir.absolute()) is None:
         stage_args = {}
@@ -118,13 +122,12 @@ def start_recipe(a: argparse.Namespace) -> int:
             return 2
         plan = recipe.make_plan(a.run_dir, a.config or "embedded", a.target or recipe.EMBEDDED,
                                 a.data or [recipe.default_data()], a.set, stage_args, a.nproc or 1)
-        current = supervise.read_state(a.run_dir.absolute())
-        if current.get("state") in ("running", "starting") and supervise.alive(int(current.get("pid") or 0)):
-            print(f"already running (pid {current['pid']}): make recipe-status / make recipe-stop")
-            return 1
         redo = recipe.save_plan(a.run_dir.absolute(), plan)
         if redo:
             print(f"the plan changed: {', '.join(redo)} will run again")
+    if stray := recipe.stray_processes(a.run_dir.absolute()):
+        print("\n".join(stray), file=sys.stderr)
+        return 1
     if a.foreground:
         return recipe.run_chain(a.run_dir)
     rc = supervise.start_detached(a.run_dir, RECIPE, recipe.run_chain)

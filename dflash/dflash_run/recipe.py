@@ -25,7 +25,7 @@ from pathlib import Path
 
 from . import status, supervise
 from .jobs import JOBS, RECIPE
-from .procs import alive
+from .procs import alive, job_processes, of_run
 
 PLAN = "recipe.json"
 ENDED = "stages.json"  # how each stage ended (its state, exit code, when): what a second start skips
@@ -105,6 +105,16 @@ def write_ended(chain_dir: Path, ended: dict) -> None:
     tmp = chain_dir / (ENDED + ".tmp")
     tmp.write_text(json.dumps(ended, indent=1))
     tmp.replace(chain_dir / ENDED)
+
+
+def stray_processes(chain_dir: Path) -> list[str]:
+    """Stage processes still running with no chain over them (its process was killed, SIGKILL or a reboot of a
+    container that kept running them): a second start must not run the stage beside them."""
+    procs = job_processes()
+    return [f"{p.job.what} process {p.pid} still writes to {s['dir']}: stop it (dflash-run stop --job {p.job.name} "
+            f"--run-dir {s['dir']}), then start the chain again"
+            for s in (read_plan(chain_dir) or {}).get("stages", []) if s["name"] in JOBS
+            for p in of_run(s["dir"], procs, JOBS[s["name"]])]
 
 
 class Chain:
