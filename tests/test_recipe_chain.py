@@ -176,3 +176,13 @@ def test_a_stage_that_refuses_its_input_stops_the_chain(tmp_path, tiny_target):
     assert "no row of" in failed and "Regeneration needs chat rows" in failed  # the error line, naming the fix
     assert "regenerate failed, train not started, eval not started" in failed
     assert not (chain / "run").exists()  # the chain stopped: training never started
+
+
+@pytest.mark.slow
+def test_a_failed_target_build_stops_the_chain_with_its_error(tmp_path):
+    chain = tmp_path / "chain"
+    res = dflash_run("recipe", "--run-dir", str(chain), "--foreground", "--args", "target=--pretrain-steps 0")
+    assert res.returncode == 2, res.stdout + res.stderr
+    failed = chain_status(chain)
+    assert "state:       failed at stage target (exit 2)" in failed
+    assert "--pretrain-steps: 0: must be >= 1" in failed and "regenerate not started" in failed

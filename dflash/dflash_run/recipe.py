@@ -160,7 +160,7 @@ class Chain:
             if outcome == "stopped" or self.stopping.is_set():
                 return self.stopped(name)
             if outcome != "finished":
-                error = error_line(stage)
+                error = error_line(stage, self.log)
                 self.note(f"stage {name} failed (exit {rc}): {error}")
                 self.state("failed", stage=name, rc=rc, error=error)
                 return rc or 1
@@ -204,10 +204,11 @@ def run_chain(chain_dir: Path) -> int:
     return chain.loop()
 
 
-def error_line(stage: dict) -> str:
-    """The stage's last line that is not the supervisor's own: the job's error, which names the fix."""
-    log = Path(stage["dir"]) / JOBS[stage["name"]].log if stage["name"] in JOBS else None
-    lines = status.tail(log, 200) if log else []
+def error_line(stage: dict, chain_log: Path) -> str:
+    """The stage's last line that is not the supervisor's own: the job's error, which names the fix (the target's
+    build writes into the chain's log)."""
+    log = Path(stage["dir"]) / JOBS[stage["name"]].log if stage["name"] in JOBS else chain_log
+    lines = status.tail(log, 200)
     said = [x.strip() for x in lines if x.strip() and not x.startswith("[dflash_run ")]
     return said[-1] if said else f"no output (see {log})"
 
