@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pretrain-steps", type=cli_args.STEPS, default=150, help="the target's training steps")
     ap.add_argument("--max-new-tokens", type=cli_args.NEW_TOKENS, default=48, help="the length of its answers")
     a = ap.parse_args(argv)
+    print(f"embedded default: building the tiny target, its tokenizer and data in {a.out} (cached)", flush=True)
     assets = build_embedded(a.out, a.pretrain_steps, max_new_tokens=a.max_new_tokens)
     print(f"embedded default: target {assets['target']}, data {assets['train']}", flush=True)
     return 0
