@@ -63,8 +63,12 @@ def test_plan_wires_each_stage_output_into_the_next(tmp_path):
     embedded = recipe.make_plan(tmp_path / "e", "embedded", "embedded", ["d.jsonl"], [], {})
     build = embedded["stages"][0]
     assert build["name"] == "target"
-    assert embedded["stages"][1]["argv"][embedded["stages"][1]["argv"].index("--target") + 1] == \
-        str(Path(build["dir"]) / "target")
+    regen = embedded["stages"][1]["argv"]
+    assert regen[regen.index("--target") + 1] == str(Path(build["dir"]) / "target")
+    assert regen[-2:] == ["--max-new-tokens", "48"]  # the tiny target's context is 512 tokens
+    with_args = recipe.make_plan(tmp_path / "e", "embedded", "embedded", ["d.jsonl"], [],
+                                 {"regenerate": ["--max-new-tokens", "8"]})["stages"][1]["argv"]
+    assert with_args[-4:] == ["--max-new-tokens", "48", "--max-new-tokens", "8"]  # the last one given wins
 
 
 def test_paths_given_relative_are_made_absolute_for_the_stages(tmp_path, monkeypatch):

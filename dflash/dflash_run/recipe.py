@@ -65,9 +65,11 @@ def make_plan(chain_dir: Path, config: str, target: str, data: list[str], sets: 
         stages.append({"name": BUILD_TARGET, "dir": str(built), "argv": [
             python, "-m", "dflash_trainer.embedded", str(built), *stage_args.get(BUILD_TARGET, [])]})
         target = str(built / "target")
+    # the tiny target's context is 512 tokens: answers as long as its build's own (regenerate's default is 2048)
+    sized = ["--max-new-tokens", "48"] if stages else []
     stages.append({"name": "regenerate", "dir": str(regen), "argv": [
         *launcher(python, nproc), "-m", "dflash_trainer.regenerate", "--target", target, "--data", *data,
-        "--out", str(regen), *stage_args.get("regenerate", [])]})
+        "--out", str(regen), *sized, *stage_args.get("regenerate", [])]})
     train_sets = [f"target.path={target}", "data.train=" + json.dumps([str(regen / "part-*.jsonl")]), *sets]
     stages.append({"name": "train", "dir": str(run), "argv": [
         *launcher(python, nproc), "-m", "dflash_trainer.train", "--config", config, "--output-dir", str(run),
