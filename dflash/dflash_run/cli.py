@@ -1,4 +1,4 @@
-"""dflash-run {preflight,run,start,stop,status,logs} --run-dir DIR [--job train|regenerate|eval] ...
+"""dflash-run {preflight,run,start,stop,status,logs,recipe} --run-dir DIR [--job train|regenerate|eval|recipe] ...
 
 (python -m dflash_run is the same; see the package docstring.)
 """
@@ -9,12 +9,13 @@ import argparse
 import json
 import os
 import select
+import shlex
 import sys
 import time
 from pathlib import Path
 
-from . import preflight, status, supervise
-from .jobs import JOBS
+from . import preflight, recipe, status, supervise
+from .jobs import JOBS, RECIPE
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,6 +47,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     lg = sub.add_parser("logs", parents=[common], help="the job's log (the supervisor's log file)")
     lg.add_argument("-n", "--lines", type=int, default=50)
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    rc = sub.add_parser("recipe", parents=[common], help="plan and start the recipe chain (regenerate -> train -> "
+                        "eval) detached; again: continue where it stopped")
+    rc.add_argument("--config", help="the run config (name or TOML; default: embedded)")
+    rc.add_argument("--target", help="the target model's directory (default: embedded, built by the chain)")
+    rc.add_argument("--data", nargs="+", help="the prompts regeneration answers (default: the bundled chats)")
+    rc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a run config override")
+    rc.add_argument("--args", action="append", default=[], metavar="STAGE=ARGS",
+                    help="more arguments for one stage (target, regenerate, train, eval), e.g. "
+                    "regenerate='--max-new-tokens 512'")
+    rc.add_argument("--nproc", type=int, help="processes (GPUs) for regeneration and training (default: 1)")
+    rc.add_argument("--foreground", action="store_true", help="run the chain here, not detached")
     return ap.parse_args(argv)
 
 
@@ -107,11 +119,62 @@ def _command(argv: list[str] | None) -> int:
         return supervise.start_detached(a.run_dir, job)
     if a.cmd == "stop":
         return supervise.stop(a.run_dir, a.unit, a.timeout, job)
+    if a.cmd == "recipe" or (job is RECIPE and a.cmd in ("status", "start", "run")):
+        return recipe_command(a)
     if a.cmd == "status":
         rep = status.report(a.run_dir, a.unit, job=job)
         print(json.dumps(rep, indent=1) if a.json else status.format_report(rep))
         return status.exit_code(rep)
     return logs(a.run_dir, a.lines, a.follow, a.unit, job.log)
+
+
+def recipe_command(a: argparse.Namespace) -> int:
+    """The recipe chain's own commands: plan and start it, its status, start or run an existing plan."""
+    if a.cmd == "recipe":
+        return start_recipe(a)
+    if a.cmd == "status":
+        rep = recipe.report(a.run_dir)
+        print(json.dumps(rep, indent=1) if a.json else recipe.format_report(rep))
+        return recipe.exit_code(rep)
+    if a.cmd == "start":
+        return supervise.start_detached(a.run_dir, RECIPE, recipe.run_chain)
+    return recipe.run_chain(a.run_dir)
+
+
+def start_recipe(a: argparse.Namespace) -> int:
+    """Write the chain's plan (the previous one when no plan argument is given), then start it."""
+    current = supervise.read_state(a.run_dir.absolute())
+    if current.get("state") in ("running", "starting") and supervise.alive(int(current.get("pid") or 0)):
+        print(f"already running (pid {current['pid']}): make recipe-status / make recipe-stop")
+        return 1
+    given = any((a.config, a.target, a.data, a.set, a.args, a.nproc))
+    if given or recipe.read_plan(a.run_dir.absolute()) is None:
+        stage_args = {}
+        for item in a.args:
+            stage, sep, rest = item.partition("=")
+            if not sep or stage not in (recipe.BUILD_TARGET, "regenerate", "train", "eval"):
+                print(f"--args {item!r}: give STAGE=ARGS with STAGE one of target, regenerate, train, eval",
+                      file=sys.stderr)
+                return 2
+            stage_args.setdefault(stage, []).extend(shlex.split(rest))
+        if a.nproc is not None and a.nproc < 1:
+            print(f"--nproc {a.nproc}: give 1 or more processes", file=sys.stderr)
+            return 2
+        plan = recipe.make_plan(a.run_dir, a.config or "embedded", a.target or recipe.EMBEDDED,
+                                a.data or [recipe.default_data()], a.set, stage_args, a.nproc or 1)
+        redo = recipe.save_plan(a.run_dir.absolute(), plan)
+        if redo:
+            print(f"the plan changed: {', '.join(redo)} will run again")
+    if stray := recipe.stray_processes(a.run_dir.absolute()):
+        print("\n".join(stray), file=sys.stderr)
+        return 1
+    if a.foreground:
+        return recipe.run_chain(a.run_dir)
+    rc = supervise.start_detached(a.run_dir, RECIPE, recipe.run_chain)
+    if rc == 0:
+        print(f"recipe chain started in {a.run_dir}: make recipe-status (dflash-run status --job recipe "
+              f"--run-dir {a.run_dir})")
+    return rc
 
 
 def logs(run_dir: Path, lines: int, follow: bool, unit: str | None = None, log: str = supervise.LOG) -> int:

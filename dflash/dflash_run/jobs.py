@@ -1,4 +1,4 @@
-"""The three jobs a container runs detached: training, regeneration, evaluation.
+"""The jobs a container runs detached: training, regeneration, evaluation, and the recipe chain of the three.
 
 Each job has a directory of its own (the run's output directory, regeneration's --out, the evaluation's
 --out) holding what `make deploy` wrote for it (launch.json), what the supervisor records (supervisor.json)
@@ -65,7 +65,11 @@ REGENERATE = Job("regenerate", "regeneration", ("dflash_trainer.regenerate",), (
                  ("regenerate.json", "part-*.jsonl"))
 EVAL = Job("eval", "evaluation", ("dflash_trainer.eval",), ("dflash-eval",), "--out", (),
            "evaluation", "`make eval` evaluates again", "eval.json", ("eval.json", "requests.jsonl"))
-JOBS = {job.name: job for job in (TRAIN, REGENERATE, EVAL)}
+# The recipe chain (recipe.py): regenerate -> train -> eval, each stage one of the jobs above in a subdirectory of
+# the chain's. No process of its own to find (it is dflash-run itself), so no module or script names it.
+RECIPE = Job("recipe", "recipe chain", (), (), "--run-dir", (), "recipe chain",
+             "`make recipe` continues from the stage it stopped at", "eval/eval.json", ("recipe.json",))
+JOBS = {job.name: job for job in (TRAIN, REGENERATE, EVAL, RECIPE)}
 
 
 # What a training run leaves in its directory (dflash_trainer.run.run_dir.RUN_MARKS): --resume continues it.

@@ -23,15 +23,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
-from .jobs import JOBS, REGENERATE, TRAIN, Job, finished_run
+from .jobs import JOBS, RECIPE, REGENERATE, TRAIN, Job, finished_run
 from .procs import alive, job_processes, of_run, started_at, torchrun_workers
 
 LAUNCH = "launch.json"  # written by `make deploy`: the job, its argv and the restart policy
 STATE = "supervisor.json"
 LOG = TRAIN.log
+BAD_INPUT = 2  # the jobs' exit code for bad input (a config, data or path they refuse before doing any work)
 
 
 def now() -> str:
@@ -269,6 +272,10 @@ class Supervisor:
                 self.note("finished")
                 self.state("finished", rc=0)
                 return 0
+            if rc == BAD_INPUT:  # a restart would be refused the same way: the error above names the fix
+                self.note(f"{noun} refused its input (exit {rc}): not restarted; fix what it names, then start again")
+                self.state("failed", rc=rc)
+                return rc
             if not self.restart or self.restarts >= self.launch["max_restarts"]:
                 self.note(f"{noun} failed (exit {rc})" + ("" if not self.restart else
                           f" after {self.restarts} restarts; giving up"))
@@ -292,10 +299,13 @@ def run(run_dir: Path, restart: bool, job: Job | None = None) -> int:
     return Supervisor(run_dir, restart, job).loop()
 
 
-def start_detached(run_dir: Path, job: Job = TRAIN) -> int:
-    """The process supervisor, detached from the caller (double fork, new session): survives disconnects."""
+def start_detached(run_dir: Path, job: Job = TRAIN, body: Callable[[Path], int] | None = None) -> int:
+    """The process supervisor, detached from the caller (double fork, new session): survives disconnects.
+    body: what the detached process runs in run_dir (default: the job's supervisor; the recipe chain's own)."""
     run_dir = run_dir.absolute()
-    load_launch(run_dir, job)  # fail here, in the caller, when the job was never deployed
+    if body is None:
+        load_launch(run_dir, job)  # fail here, in the caller, when the job was never deployed
+        body = partial(run, restart=True, job=job)
     current = read_state(run_dir)
     if current.get("state") in ("running", "restarting") and alive(int(current.get("pid", 0))):
         print(f"already running (supervisor pid {current['pid']}); make {job.name}-status / make {job.name}-stop")
@@ -317,7 +327,7 @@ def start_detached(run_dir: Path, job: Job = TRAIN) -> int:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     try:
-        code = run(run_dir, restart=True, job=job)
+        code = body(run_dir)
     except BaseException:  # noqa: BLE001 - a detached process has nobody to tell but its log
         import traceback
 
@@ -378,7 +388,8 @@ def stop(run_dir: Path, unit: str | None, timeout_s: float, job: Job = TRAIN) ->
         if alive(pid):
             print(f"supervisor {pid} still running after {timeout_s:g} s", file=sys.stderr)
             return 1
-        print(f"stopped: {read_state(run_dir).get('state')}; checkpoints in {run_dir / 'checkpoints'}")
+        kept = RECIPE.again if job is RECIPE else f"checkpoints in {run_dir / 'checkpoints'}"
+        print(f"stopped: {read_state(run_dir).get('state')}; {kept}")
         return 0
     found = of_run(run_dir, job_processes(), job)
     if not found:

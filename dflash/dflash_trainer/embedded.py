@@ -134,3 +134,25 @@ def resolve_target(cfg: RunConfig, ctx: parallel.Context) -> RunConfig:
         cfg.data.train = [assets["train"]]
         cfg.data.eval = cfg.data.eval or [assets["eval"]]
     return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m dflash_trainer.embedded DIR: build the embedded default's target and data in DIR (the recipe
+    chain's first stage on the embedded default; the trainer builds the same under its run directory)."""
+    import argparse
+
+    from . import cli_args
+
+    ap = argparse.ArgumentParser(prog="python -m dflash_trainer.embedded", description=main.__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="the directory: DIR/target, DIR/data (kept: a second build reuses them)")
+    ap.add_argument("--pretrain-steps", type=cli_args.STEPS, default=150, help="the target's training steps")
+    ap.add_argument("--max-new-tokens", type=cli_args.NEW_TOKENS, default=48, help="the length of its answers")
+    a = ap.parse_args(argv)
+    print(f"embedded default: building the tiny target, its tokenizer and data in {a.out} (cached)", flush=True)
+    assets = build_embedded(a.out, a.pretrain_steps, max_new_tokens=a.max_new_tokens)
+    print(f"embedded default: target {assets['target']}, data {assets['train']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

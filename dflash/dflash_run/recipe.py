@@ -1,0 +1,283 @@
+"""The recipe chain: regenerate -> train -> eval as one detached job, each stage started when the one before finished.
+
+The chain's directory holds its plan (recipe.json: each stage's directory and command line, the output of one
+wired into the next's input), its state (supervisor.json: the stage it is on; stages.json: how each stage
+ended) and its log (logs/recipe.log). Each stage is a job of its own in a subdirectory (regen/, run/, eval/), run by that job's
+supervisor as `dflash-run start` runs it (restarts after a fault, graceful stop), so `dflash-run status --job
+train --run-dir DIR/run` works on it too. The embedded default first builds its tiny target (embedded/).
+
+A second start continues: a stage that finished is not run again; the one that stopped or failed starts again
+(training resumes from its last checkpoint, regeneration answers only the rest). A failed stage stops the chain
+with the stage's error line.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from importlib.util import find_spec
+from pathlib import Path
+
+from . import status, supervise
+from .jobs import JOBS, RECIPE
+from .procs import alive, job_processes, of_run
+
+PLAN = "recipe.json"
+ENDED = "stages.json"  # how each stage ended (its state, exit code, when): what a second start skips
+EMBEDDED = "embedded"  # --target embedded: the embedded default's tiny target, built by the chain's first stage
+BUILD_TARGET = "target"  # that first stage's name (not a supervised job: it builds in seconds, cached)
+
+
+def default_data() -> str:
+    """The bundled chats the embedded default trains on (found without importing the trainer)."""
+    spec = find_spec("dflash_trainer")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("no dflash_trainer here: give the chain its prompts with --data FILE")
+    return str(Path(next(iter(spec.submodule_search_locations))) / "assets" / "tiny_chat.jsonl")
+
+
+def launcher(python: str, nproc: int) -> list[str]:
+    """How a stage's module starts: one process, or torchrun with one process per GPU."""
+    return [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc > 1 else [python]
+
+
+def here(path: str) -> str:
+    """A path that names something here, made absolute (the stages run in their own directories); anything else
+    (a hub dataset's name, a bundled config's name) as given."""
+    return os.path.abspath(path) if glob.glob(path) else path
+
+
+def make_plan(chain_dir: Path, config: str, target: str, data: list[str], sets: list[str],
+              stage_args: dict[str, list[str]], nproc: int = 1, python: str = sys.executable) -> dict:
+    """Each stage's directory and command line. The outputs feed the next stage: regeneration's shards are the
+    run's data.train, the run's directory (drafter, target, held-out prompts) is the evaluation's --run."""
+    chain_dir, config, data = chain_dir.absolute(), here(config), [here(d) for d in data]
+    target = target if target == EMBEDDED else here(target)
+    regen, run, ev = chain_dir / "regen", chain_dir / "run", chain_dir / "eval"
+    stages = []
+    if target == EMBEDDED:
+        built = chain_dir / EMBEDDED
+        stages.append({"name": BUILD_TARGET, "dir": str(built), "argv": [
+            python, "-m", "dflash_trainer.embedded", str(built), *stage_args.get(BUILD_TARGET, [])]})
+        target = str(built / "target")
+    # the tiny target's context is 512 tokens: answers as long as its build's own (regenerate's default is 2048)
+    sized = ["--max-new-tokens", "48"] if stages else []
+    stages.append({"name": "regenerate", "dir": str(regen), "argv": [
+        *launcher(python, nproc), "-m", "dflash_trainer.regenerate", "--target", target, "--data", *data,
+        "--out", str(regen), *sized, *stage_args.get("regenerate", [])]})
+    train_sets = [f"target.path={target}", "data.train=" + json.dumps([str(regen / "part-*.jsonl")]), *sets]
+    stages.append({"name": "train", "dir": str(run), "argv": [
+        *launcher(python, nproc), "-m", "dflash_trainer.train", "--config", config, "--output-dir", str(run),
+        *[a for s in train_sets for a in ("--set", s)], *stage_args.get("train", [])]})
+    stages.append({"name": "eval", "dir": str(ev), "argv": [
+        python, "-m", "dflash_trainer.eval", "--run", str(run), "--out", str(ev), *stage_args.get("eval", [])]})
+    return {"job": RECIPE.name, "stages": stages, "max_restarts": 3, "restart_delay_s": 10}
+
+
+def read_plan(chain_dir: Path) -> dict | None:
+    return status.read_json(chain_dir / PLAN)
+
+
+def save_plan(chain_dir: Path, plan: dict) -> list[str]:
+    """Write the plan; a stage whose command line changed since the last plan (and every stage after it) runs
+    again. Returns the stages that will run again that had finished."""
+    chain_dir.mkdir(parents=True, exist_ok=True)
+    old = {s["name"]: s["argv"] for s in (read_plan(chain_dir) or {}).get("stages", [])}
+    ended = read_ended(chain_dir)
+    changed, redo = False, []
+    for stage in plan["stages"]:
+        changed = changed or old.get(stage["name"]) != stage["argv"]
+        if changed and stage["name"] in ended:
+            redo += [stage["name"]] if ended.pop(stage["name"]).get("state") == "finished" else []
+    write_ended(chain_dir, ended)
+    (chain_dir / PLAN).write_text(json.dumps(plan, indent=1))
+    return redo
+
+
+def read_ended(chain_dir: Path) -> dict:
+    return status.read_json(chain_dir / ENDED) or {}
+
+
+def write_ended(chain_dir: Path, ended: dict) -> None:
+    tmp = chain_dir / (ENDED + ".tmp")
+    tmp.write_text(json.dumps(ended, indent=1))
+    tmp.replace(chain_dir / ENDED)
+
+
+def stray_processes(chain_dir: Path) -> list[str]:
+    """Stage processes still running with no chain over them (its process was killed, SIGKILL or a reboot of a
+    container that kept running them): a second start must not run the stage beside them."""
+    procs = job_processes()
+    return [f"{p.job.what} process {p.pid} still writes to {s['dir']}: stop it (dflash-run stop --job {p.job.name} "
+            f"--run-dir {s['dir']}), then start the chain again"
+            for s in (read_plan(chain_dir) or {}).get("stages", []) if s["name"] in JOBS
+            for p in of_run(s["dir"], procs, JOBS[s["name"]])]
+
+
+class Chain:
+    def __init__(self, chain_dir: Path):
+        self.dir = chain_dir.absolute()
+        plan = read_plan(self.dir)
+        if not plan or not isinstance(plan.get("stages"), list):
+            raise SystemExit(f"no recipe plan in {self.dir / PLAN}: start the chain with `dflash-run recipe` "
+                             "(make recipe)")
+        self.plan = plan
+        self.stopping = threading.Event()
+        self.child: subprocess.Popen | None = None
+        self.log = self.dir / RECIPE.log
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.ended = read_ended(self.dir)
+
+    def note(self, line: str) -> None:
+        with open(self.log, "a") as log:
+            log.write(f"[dflash_run {supervise.now()}] {line}\n")
+
+    def on_signal(self, signum, _frame) -> None:
+        self.stopping.set()
+        if self.child is not None and self.child.poll() is None:
+            self.child.terminate()
+
+    def state(self, state: str, **extra) -> None:
+        supervise.write_state(self.dir, state=state, job=RECIPE.name, pid=os.getpid(),
+                              log=str(self.log), supervisor="process", **extra)
+
+    def loop(self) -> int:
+        for stage in self.plan["stages"]:
+            name = stage["name"]
+            if self.ended.get(name, {}).get("state") == "finished":
+                self.note(f"stage {name}: finished before, not run again")
+                continue
+            if self.stopping.is_set():
+                return self.stopped(name)
+            self.state("running", stage=name)
+            self.note(f"stage {name}: start in {stage['dir']}")
+            rc, outcome = self.run_stage(stage)
+            self.ended[name] = {"state": outcome, "rc": rc, "at": supervise.now()}
+            write_ended(self.dir, self.ended)
+            if outcome == "stopped" or self.stopping.is_set():
+                return self.stopped(name)
+            if outcome != "finished":
+                error = error_line(stage, self.log)
+                self.note(f"stage {name} failed (exit {rc}): {error}")
+                self.state("failed", stage=name, rc=rc, error=error)
+                return rc or 1
+            self.note(f"stage {name}: finished")
+        self.note("finished: every stage has run")
+        self.state("finished", stage=None, rc=0)
+        return 0
+
+    def stopped(self, name: str) -> int:
+        self.note(f"stopped at stage {name}; {RECIPE.again}")
+        self.state("stopped", stage=name, rc=0)
+        return 0
+
+    def run_stage(self, stage: dict) -> tuple[int, str]:
+        """Run one stage to its end: (exit code, finished / stopped / failed)."""
+        stage_dir = Path(stage["dir"])
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        if stage["name"] == BUILD_TARGET:
+            with open(self.log, "a") as log:
+                self.child = subprocess.Popen(stage["argv"], stdout=log, stderr=subprocess.STDOUT)
+                rc = self.child.wait()
+            return rc, "stopped" if self.stopping.is_set() else "finished" if rc == 0 else "failed"
+        launch = {"job": stage["name"], "argv": stage["argv"], "max_restarts": self.plan.get("max_restarts", 3),
+                  "restart_delay_s": self.plan.get("restart_delay_s", 10), "supervisor": "process"}
+        (stage_dir / supervise.LAUNCH).write_text(json.dumps(launch, indent=1))
+        sup = supervise.Supervisor(stage_dir, restart=True, job=JOBS[stage["name"]])
+        try:
+            rc = sup.loop()  # it takes SIGTERM / SIGINT over while it runs: a stop is its graceful stop
+        finally:
+            self.handle_signals()
+        return rc, supervise.read_state(stage_dir).get("state", "failed")
+
+    def handle_signals(self) -> None:
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+
+def run_chain(chain_dir: Path) -> int:
+    chain = Chain(chain_dir)
+    chain.handle_signals()
+    return chain.loop()
+
+
+def error_line(stage: dict, chain_log: Path) -> str:
+    """The stage's last line that is not the supervisor's own: the job's error, which names the fix (the target's
+    build writes into the chain's log)."""
+    log = Path(stage["dir"]) / JOBS[stage["name"]].log if stage["name"] in JOBS else chain_log
+    lines = status.tail(log, 200)
+    said = [x.strip() for x in lines if x.strip() and not x.startswith("[dflash_run ")]
+    return said[-1] if said else f"no output (see {log})"
+
+
+def report(chain_dir: Path, log_lines: int = 5) -> dict:
+    """The chain's state, the stage it is on (or stopped or failed at), that stage's last progress line."""
+    chain_dir = chain_dir.absolute()
+    plan = read_plan(chain_dir)
+    st = supervise.read_state(chain_dir)
+    state = st.get("state", "never started")
+    if plan is None:
+        state = NO_CHAIN if not chain_dir.is_dir() else "never started (no recipe.json here: make recipe plans it)"
+    elif state in ("running", "starting") and not alive(int(st.get("pid") or 0)):
+        state = "dead"  # the chain's process went away without recording why (a reboot, SIGKILL)
+    stages = [s["name"] for s in (plan or {}).get("stages", [])]
+    ended = read_ended(chain_dir)
+    current = st.get("stage")
+    stage = next((s for s in (plan or {}).get("stages", []) if s["name"] == current), None)
+    job = JOBS.get(current or "")
+    latest = status.last_progress(Path(stage["dir"]) / job.log) if stage and job else None
+    log = Path(st.get("log") or chain_dir / RECIPE.log)
+    return {"job": RECIPE.name, "run_dir": str(chain_dir), "state": state, "stage": current, "rc": st.get("rc"),
+            "stages": {n: "running" if n == current and state == "running" else
+                       (ended.get(n) or {}).get("state", "not started") for n in stages},
+            "stage_dir": stage and stage["dir"], "last_progress": latest, "error": st.get("error"),
+            "result": result(plan) if state == "finished" else None,
+            "log": str(log), "log_tail": status.tail(log, log_lines)}
+
+
+def format_report(r: dict) -> str:
+    state = r["state"]
+    if r["stage"] and state in ("running", "stopped", "failed", "dead"):
+        state += f" at stage {r['stage']}" + (f" (exit {r['rc']})" if state == "failed" else "")
+    lines = [f"job:         recipe chain in {r['run_dir']}", f"state:       {state}",
+             "stages:      " + (", ".join(f"{n} {s}" for n, s in r["stages"].items()) or "none planned")]
+    if r["stage_dir"] and r["stage"] in JOBS:
+        lines.append(f"stage:       dflash-run status --job {r['stage']} --run-dir {r['stage_dir']}")
+    if r["last_progress"]:
+        lines.append(f"progress:    {r['last_progress']}")
+    if r["state"] == "failed":
+        lines += [f"error:       {r['error']}",
+                  f"fix:         what the error names, then make recipe continues from {r['stage']}"]
+    elif r.get("result"):
+        lines.append(f"result:      {r['result']}")
+    elif r["state"] in ("stopped", "dead"):
+        lines.append(f"next:        {RECIPE.again}")
+    lines.append(f"log:         {r['log']}")
+    if r["log_tail"]:
+        lines += ["last log lines:"] + ["  " + x for x in r["log_tail"]]
+    return "\n".join(lines)
+
+
+def result(plan: dict) -> str | None:
+    """The evaluation's numbers and where the drafter is, once the chain finished."""
+    dirs = {s["name"]: Path(s["dir"]) for s in plan.get("stages", [])}
+    if "eval" not in dirs or "train" not in dirs:
+        return None
+    overall = (status.read_json(dirs["eval"] / "eval.json") or {}).get("overall") or {}
+    tau, speedup = overall.get("tau"), overall.get("speedup")
+    return (f"tau {tau:.2f}" if isinstance(tau, (int, float)) else "tau n/a") + \
+        (f", speedup {speedup:.2f}x" if isinstance(speedup, (int, float)) else "") + \
+        f" ({dirs['eval'] / 'eval.json'}); drafter {dirs['train'] / 'drafter'}"
+
+
+NO_CHAIN = "never started (no such directory: make recipe creates it, or check the path)"
+
+
+def exit_code(r: dict) -> int:
+    """2 for a chain directory that does not exist (a mistyped path is bad input), else 0."""
+    return 2 if r["state"] == NO_CHAIN else 0

@@ -1,0 +1,192 @@
+"""The recipe chain (dflash_run.recipe): regenerate -> train -> eval as one detached job.
+
+End to end on a CPU with the embedded default, made small with --set and --args: a stop in the middle of
+training, a second start that finishes the chain without redoing regeneration, status at each point, and a
+stage that refuses its input stopping the chain with its error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from dflash_run import recipe, supervise
+
+CLI = [sys.executable, "-m", "dflash_run"]
+SMALL = ["--args", "target=--pretrain-steps 2 --max-new-tokens 8",
+         "--args", "regenerate=--max-new-tokens 8 --limit 24",
+         "--args", "eval=--limit 1 --device cpu",
+         "--set", "train.checkpoint_every=2", "--set", "train.log_every=1",
+         "--set", "eval.prompts=2", "--set", "eval.max_new_tokens=8"]
+
+
+def dflash_run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def chain_status(chain: Path) -> str:
+    res = dflash_run("status", "--job", "recipe", "--run-dir", str(chain))
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def wait_for(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def stamps(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_plan_wires_each_stage_output_into_the_next(tmp_path):
+    plan = recipe.make_plan(tmp_path / "c", "qwen3-8b", "/models/q", ["chats.jsonl"], ["train.steps=5"],
+                            {"eval": ["--limit", "3"]}, nproc=4, python="py")
+    stages = {s["name"]: s for s in plan["stages"]}
+    assert list(stages) == ["regenerate", "train", "eval"]  # a real target: nothing to build
+    regen, train, ev = stages["regenerate"]["argv"], stages["train"]["argv"], stages["eval"]["argv"]
+    assert regen[:5] == ["py", "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    assert regen[regen.index("--out") + 1] == stages["regenerate"]["dir"]
+    shards = json.dumps([str(Path(stages["regenerate"]["dir"]) / "part-*.jsonl")])
+    assert f"data.train={shards}" in train and "target.path=/models/q" in train and "train.steps=5" in train
+    assert train[train.index("--output-dir") + 1] == stages["train"]["dir"]
+    assert ev[ev.index("--run") + 1] == stages["train"]["dir"] and ev[-2:] == ["--limit", "3"]
+    embedded = recipe.make_plan(tmp_path / "e", "embedded", "embedded", ["d.jsonl"], [], {})
+    build = embedded["stages"][0]
+    assert build["name"] == "target"
+    regen = embedded["stages"][1]["argv"]
+    assert regen[regen.index("--target") + 1] == str(Path(build["dir"]) / "target")
+    assert regen[-2:] == ["--max-new-tokens", "48"]  # the tiny target's context is 512 tokens
+    with_args = recipe.make_plan(tmp_path / "e", "embedded", "embedded", ["d.jsonl"], [],
+                                 {"regenerate": ["--max-new-tokens", "8"]})["stages"][1]["argv"]
+    assert with_args[-4:] == ["--max-new-tokens", "48", "--max-new-tokens", "8"]  # the last one given wins
+
+
+def test_paths_given_relative_are_made_absolute_for_the_stages(tmp_path, monkeypatch):
+    (tmp_path / "chats.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    plan = recipe.make_plan(Path("c"), "qwen3-8b", "embedded", ["chats.jsonl", "org/hub-set"], [], {})
+    regen = plan["stages"][1]["argv"]
+    assert regen[regen.index("--data") + 1:regen.index("--out")] == [str(tmp_path / "chats.jsonl"), "org/hub-set"]
+    assert plan["stages"][0]["dir"] == str(tmp_path / "c" / "embedded")
+    assert "qwen3-8b" in plan["stages"][2]["argv"]  # a bundled config's name stays a name
+
+
+def test_a_changed_stage_and_those_after_it_run_again(tmp_path):
+    chain = tmp_path / "c"
+    first = recipe.make_plan(chain, "embedded", "/t", ["a.jsonl"], [], {}, python="py")
+    assert recipe.save_plan(chain, first) == []
+    recipe.write_ended(chain, {n: {"state": "finished"} for n in ("regenerate", "train", "eval")})
+    assert recipe.save_plan(chain, first) == []  # the same plan again: nothing is redone
+    assert recipe.save_plan(chain, recipe.make_plan(chain, "embedded", "/t", ["a.jsonl"], ["train.steps=9"], {},
+                                                    python="py")) == ["train", "eval"]
+    assert list(recipe.read_ended(chain)) == ["regenerate"]
+
+
+def test_bad_stage_arguments_are_refused_before_anything_is_written(tmp_path):
+    res = dflash_run("recipe", "--run-dir", str(tmp_path / "c"), "--args", "bogus=--x")
+    assert res.returncode == 2 and "STAGE one of target, regenerate, train, eval" in res.stderr
+    assert not (tmp_path / "c").exists()
+    res = dflash_run("status", "--job", "recipe", "--run-dir", str(tmp_path / "nope"))
+    assert res.returncode == 2 and "no such directory" in res.stdout
+
+
+def test_a_stage_process_left_running_keeps_the_chain_from_starting(tmp_path):
+    chain = tmp_path / "c"
+    recipe.save_plan(chain, recipe.make_plan(chain, "embedded", str(tmp_path), ["d.jsonl"], [], {}))
+    regen = chain / "regen"
+    # a regeneration the killed chain left behind: its module and --out on the command line
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "dflash_trainer.regenerate",
+                              "--out", str(regen)])
+    try:
+        assert wait_for(lambda: recipe.stray_processes(chain), 10)
+        res = dflash_run("recipe", "--run-dir", str(chain))
+        assert res.returncode == 1 and f"regeneration process {stray.pid} still writes to {regen}" in res.stderr
+        assert not regen.exists()  # nothing was started
+    finally:
+        stray.kill()
+        stray.wait()
+
+
+def test_a_job_that_refuses_its_input_is_not_restarted(tmp_path):
+    run = tmp_path / "job"
+    run.mkdir()
+    child = "import sys; print('bad row', flush=True); sys.exit(2)"
+    (run / supervise.LAUNCH).write_text(json.dumps({"argv": [sys.executable, "-c", child],
+                                                    "restart_delay_s": 0, "max_restarts": 3}))
+    assert supervise.run(run, restart=True) == 2
+    assert supervise.read_state(run)["state"] == "failed"
+    log = (run / supervise.LOG).read_text()
+    assert log.splitlines().count("bad row") == 1 and "not restarted" in log
+
+
+@pytest.mark.slow
+def test_chain_stops_in_training_and_a_second_start_finishes_it(tmp_path):
+    chain = tmp_path / "chain"
+    res = dflash_run("recipe", "--run-dir", str(chain), *SMALL, "--set", "train.steps=60")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "recipe chain started" in res.stdout
+    run = chain / "run"
+    assert wait_for(lambda: any((run / "checkpoints").glob("step-*/training_state.pt")), 400), chain_status(chain)
+    running = chain_status(chain)
+    assert "state:       running at stage train" in running
+    assert "target finished, regenerate finished, train running, eval not started" in running
+    assert "progress:    train: step" in running
+    regen = stamps(chain / "regen")
+    assets = (chain / "embedded" / "assets.json").stat().st_mtime_ns
+
+    res = dflash_run("stop", "--job", "recipe", "--run-dir", str(chain))
+    assert res.returncode == 0, res.stdout + res.stderr
+    stopped = chain_status(chain)
+    assert "state:       stopped at stage train" in stopped and "train stopped, eval not started" in stopped
+    assert "make recipe` continues" in stopped
+    assert not (run / "summary.json").exists()  # stopped before its last step
+
+    res = dflash_run("recipe", "--run-dir", str(chain))  # no arguments: the same plan, continued
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert wait_for(lambda: supervise.read_state(chain).get("state") in ("finished", "failed", "stopped"), 500)
+    done = chain_status(chain)
+    assert "state:       finished" in done, done
+    assert "target finished, regenerate finished, train finished, eval finished" in done
+    assert "result:      tau " in done and (chain / "eval" / "eval.json").is_file()
+    assert stamps(chain / "regen") == regen  # regeneration was not redone ...
+    assert (chain / "embedded" / "assets.json").stat().st_mtime_ns == assets  # ... nor the target built again
+    log = (chain / "logs" / "recipe.log").read_text()
+    assert "stage regenerate: finished before, not run again" in log
+    train_log = (run / "logs" / "train.log").read_text()
+    assert train_log.count("start: ") == 2 and "--resume" in train_log.split("start: ")[2].splitlines()[0]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 60
+
+
+@pytest.mark.slow
+def test_a_stage_that_refuses_its_input_stops_the_chain(tmp_path, tiny_target):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"foo": 1}\n{"bar": 2}\n')
+    chain = tmp_path / "chain"
+    res = dflash_run("recipe", "--run-dir", str(chain), "--foreground", "--target", tiny_target["target"],
+                     "--data", str(bad), timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    failed = chain_status(chain)
+    assert "state:       failed at stage regenerate (exit 2)" in failed
+    assert "no row of" in failed and "Regeneration needs chat rows" in failed  # the error line, naming the fix
+    assert "regenerate failed, train not started, eval not started" in failed
+    assert not (chain / "run").exists()  # the chain stopped: training never started
+
+
+@pytest.mark.slow
+def test_a_failed_target_build_stops_the_chain_with_its_error(tmp_path):
+    chain = tmp_path / "chain"
+    res = dflash_run("recipe", "--run-dir", str(chain), "--foreground", "--args", "target=--pretrain-steps 0")
+    assert res.returncode == 2, res.stdout + res.stderr
+    failed = chain_status(chain)
+    assert "state:       failed at stage target (exit 2)" in failed
+    assert "--pretrain-steps: 0: must be >= 1" in failed and "regenerate not started" in failed
