@@ -29,7 +29,8 @@ def test_the_readme_names_every_trainer_module_and_only_those():
             named.add(prefix)
     modules = {str(p.relative_to(TRAINER)) for p in TRAINER.rglob("*.py")
                if p.name not in ("__init__.py", "__main__.py")}
-    folders = {p.name + "/" for p in TRAINER.iterdir() if p.is_dir() and not p.name.startswith("__")}
+    folders = {str(p.relative_to(TRAINER)) + "/" for p in TRAINER.rglob("*")
+               if p.is_dir() and not p.name.startswith("__") and (p.parent == TRAINER or any(p.glob("*.py")))}
     missing = (modules | folders) - named
     assert not missing, f"docs/architecture.md's trainer file list lacks {sorted(missing)}"
     unknown = named - modules - folders
