@@ -1,9 +1,10 @@
 """vLLM speculators 0.9.0's DFlash drafter, trained by speculators' own modules on our dumped features.
 
-Install (hs-connectors, pydantic-settings and loguru are what its modules below import; its vLLM client, datasets, ...
-are not needed):
+Install (hs-connectors, pydantic-settings, loguru and openai are what its modules below import; its vLLM client,
+datasets, ... are not needed; pydantic and openai's own dependencies must be there, as they are beside transformers'
+serving extras, else `pip install openai pydantic`):
 
-    pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 pydantic-settings python-dotenv loguru
+    pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 pydantic-settings python-dotenv loguru openai
 
 speculators': the settings (speculators/train/config/schema.py TrainConfig with speculator_type "dflash": its
 resolved defaults, the objective among them), the draft model built as its CLI builds one from a draft config
@@ -55,7 +56,7 @@ from .common import (
 )
 
 NAME, DIST, VERSION = "speculators", "speculators", "0.9.0"
-INSTALL = "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 pydantic-settings python-dotenv loguru"
+INSTALL = "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 pydantic-settings python-dotenv loguru openai"
 MODULES = ("speculators.models.dflash", "speculators.train.config.schema", "speculators.train.optimizers",
            "speculators.utils.loading")
 CLIP = 1.0  # speculators/train/trainer.py Trainer.train_epoch: clip_grad_norm_(model.parameters(), 1.0)

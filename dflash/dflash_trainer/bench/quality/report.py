@@ -110,8 +110,12 @@ def plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sets = list(dict.fromkeys(r.prompt_set for r in rows))
-    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.2), squeeze=False)
-    for ax, name in zip(axes[0], sets, strict=True):
+    columns = min(2, len(sets))  # two panels a row: a page's width
+    lines = -(-len(sets) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(6 * columns, 4.2 * lines), squeeze=False)
+    for ax in axes.flat[len(sets):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, sets, strict=False):
         for r in (r for r in rows if r.prompt_set == name):
             ax.plot(range(1, len(r.slot_acceptance) + 1), r.slot_acceptance, marker="o", markersize=3,
                     label=f"{r.drafter} (tau {r.tau:.2f})")
