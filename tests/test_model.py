@@ -143,3 +143,24 @@ def test_published_weights_are_readable_by_other_users(tmp_path):
     os.umask(umask)
     for name in ("config.json", "model.safetensors", "modeling_dflash.py"):
         assert oct((tmp_path / name).stat().st_mode & 0o777) == oct(0o666 & ~umask), name
+
+
+@pytest.mark.parametrize("setting, scale", [("target", 32 ** 0.5), ("none", 1.0)])
+def test_drafter_embedding_scale_follows_the_target_or_none(setting, scale):
+    """drafter.embedding_scale = none: the block's embeddings unscaled (as vLLM and SGLang serve a drafter), the
+    logit scales still the target's; target: Gemma's sqrt(hidden), written to the drafter's config."""
+    from dflash_trainer.config import RunConfig
+    from dflash_trainer.run.loading import drafter_config_for
+    from transformers import Gemma3TextConfig
+
+    target = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                              final_logit_softcapping=30.0)
+    cfg = RunConfig()
+    cfg.drafter.num_layers, cfg.drafter.block_size, cfg.drafter.mask_token_id = 1, 4, 3
+    cfg.drafter.embedding_scale = setting
+    dconfig = drafter_config_for(cfg, target, tokenizer=None)
+    drafter = DFlashDrafter(dconfig)
+    assert drafter.input_embedding_scale == pytest.approx(scale)
+    assert ("input_embedding_scale" in dconfig.dflash_config) == (setting == "target")
+    assert dconfig.dflash_config["final_logit_softcapping"] == 30.0

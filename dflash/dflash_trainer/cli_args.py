@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -252,6 +253,11 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     """The parser's answer, or the exit code argparse chose after saying why (2: a bad flag; 0: --help): main()
     returns it as it returns every other refusal, rather than raising SystemExit."""
     try:
+        # `--flag=--`: Python 3.11's argparse drops the "--" and hands the option [] without calling its type,
+        # where `--flag --` is refused for want of a value: refused the same way here.
+        for arg in sys.argv[1:] if argv is None else argv:
+            if arg.startswith("--") and arg.endswith("=--"):
+                parser.error(f"argument {arg[:-3]}: expected one argument")
         return parser.parse_args(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else BAD_INPUT

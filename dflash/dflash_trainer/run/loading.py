@@ -262,6 +262,8 @@ def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
         return Qwen3Config.from_pretrained(d.init_from)
     check_tap_points(cfg, target_config)
     borrowed = borrowed_scales(target_config, trust_remote_code=cfg.target.trust_remote_code)
+    if d.embedding_scale == "none":  # the block's embeddings unscaled, as vLLM and SGLang serve a drafter
+        borrowed = {**borrowed, "input_embedding_scale": IDENTITY_SCALES["input_embedding_scale"]}
     try:
         return drafter_config(target_config, DrafterShape(
             num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_token_id(cfg, tokenizer),
