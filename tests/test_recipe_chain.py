@@ -136,7 +136,7 @@ def test_chain_stops_in_training_and_a_second_start_finishes_it(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "recipe chain started" in res.stdout
     run = chain / "run"
-    assert wait_for(lambda: any((run / "checkpoints").glob("step-*/training_state.pt")), 400), chain_status(chain)
+    assert wait_for(lambda: any((run / "checkpoints").glob("step-*/training_state.json")), 400), chain_status(chain)
     running = chain_status(chain)
     assert "state:       running at stage train" in running
     assert "target finished, regenerate finished, train running, eval not started" in running
