@@ -535,7 +535,13 @@ def test_a_target_with_remote_code_loads_only_with_trust_remote_code(tiny_target
     answered with it; --set target.trust_remote_code=true is the same key."""
     import transformers.dynamic_module_utils as dynamic
 
-    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "hf-modules"))  # not the user's cache
+    cache = tmp_path / "hf-modules"
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(cache))  # not the user's cache
+    # Another test may have run remote code already (a published drafter's modelling file through AutoModel):
+    # transformers_modules is then imported from another cache, which this test sets aside while it runs.
+    for name in [m for m in sys.modules if m.split(".")[0] == "transformers_modules"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not os.path.isdir(os.path.join(p, "transformers_modules"))])
     remote = tmp_path / "remote"
     shutil.copytree(tiny_target["target"], remote)
     (remote / "configuration_remote.py").write_text(

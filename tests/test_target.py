@@ -17,7 +17,7 @@ def test_tapped_forward_matches_the_hooked_forward_and_hf_hidden_states(tiny_tar
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[1, 25:] = 0  # the second row is right-padded, as data.collate pads
     tapped = target.features(input_ids, mask)
-    hooked = target._hooked_features(input_ids, mask)
+    hooked, _ = target._hooked_features(input_ids, mask, False)  # (features, no final state)
     torch.testing.assert_close(tapped[0], hooked[0])
     torch.testing.assert_close(tapped[1, :25], hooked[1, :25])  # real tokens; padding is never read
     with torch.no_grad():
