@@ -169,3 +169,18 @@ def test_bench_quality_end_to_end_on_a_tiny_target(tmp_path, tmp_path_factory):
     assert again.returncode == 0, again.stdout[-2000:]
     assert "train dflash-trainer" not in again.stdout and "evaluate dflash-trainer" not in again.stdout
     assert json.loads((out / "quality.json").read_text())["rows"] == result["rows"]
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--eval-prompts", "foo"], "give NAME=FILE"),
+    (["--variant", "bad"], "write LABEL=KEY=VALUE"),
+    (["--target", "/nonexistent-target"], "no config.json there"),
+    (["--data-fraction", "1.5"], "a fraction in (0, 1]"),
+    (["--train-count", "0"], "give 1 or more"),
+])
+def test_bad_flags_end_in_one_line_and_write_nothing(tmp_path, flags, said):
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, "-m", "dflash_trainer.bench.quality", "--out", str(out), *flags],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not out.exists()

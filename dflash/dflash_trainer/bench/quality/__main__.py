@@ -94,12 +94,16 @@ def run_stage(name: str, cmd: list[str], log: Path) -> float:
         code = proc.wait()
     seconds = time.perf_counter() - start
     if code:
-        raise StageFailed(f"{name} failed (exit {code}); its log: {log}")
+        raise StageFailed(f"{name} failed (exit {code}); its log: {log}", code)
     return seconds
 
 
 class StageFailed(Exception):
-    pass
+    """A stage's command failed; its exit code is the benchmark's (2: the stage refused its input)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = 2 if code == 2 else 1
 
 
 def py(module: str, *args: str) -> list[str]:
@@ -110,11 +114,11 @@ def config_flags(args) -> list[str]:
     return ["--config", args.config, *(x for s in args.set for x in ("--set", s))]
 
 
-def parse_variant(text: str) -> tuple[str, list[str]]:
+def parse_variant(text: str, p: argparse.ArgumentParser | None = None) -> tuple[str, list[str]]:
     label, sep, settings = text.partition("=")
-    if not sep or not label or "=" not in settings:
-        raise SystemExit(f"--variant {text!r}: write LABEL=KEY=VALUE[;KEY=VALUE...], e.g. "
-                         "'tv=train.loss_ce=0.1;train.loss_tv=0.9'")
+    if (not sep or not label or "=" not in settings) and p is not None:
+        p.error(f"--variant {text!r}: write LABEL=KEY=VALUE[;KEY=VALUE...], e.g. "
+                "'tv=train.loss_ce=0.1;train.loss_tv=0.9'")
     return label, [s.strip() for s in settings.split(";") if s.strip()]
 
 
@@ -138,9 +142,31 @@ def wall_file(run: Path) -> Path:
     return run / "bench_wall.json"
 
 
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """Every flag checked before anything is written: a bad one ends in argparse's one line, exit 2."""
+    for text in args.eval_prompts or []:
+        name, sep, path = text.partition("=")
+        if not sep or not name or not Path(path).is_file():
+            p.error(f"--eval-prompts {text!r}: give NAME=FILE with FILE a JSONL file of prompts")
+    for text in args.variant:
+        parse_variant(text, p)
+    if args.target and not (Path(args.target) / "config.json").is_file():
+        p.error(f"--target {args.target}: no config.json there; give a Hugging Face model directory")
+    if args.train_prompts and not args.train_prompts.is_file():
+        p.error(f"--train-prompts {args.train_prompts}: no such file")
+    for fraction in args.data_fraction:
+        if not 0 < fraction <= 1:
+            p.error(f"--data-fraction {fraction:g}: give a fraction in (0, 1]")
+    for name in ("train_count", "held_out", "answer_tokens", "eval_tokens", "max_prompt_chars"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+
+
 def main(argv: list[str] | None = None) -> int:
     plain_output_off_a_terminal()
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
     out: Path = args.out.resolve()
     for stage in args.redo:
         for path in {"target": [out / "target"], "prompts": [out / "prompts"], "regenerate": [out / "regen"],
@@ -168,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         rows, meta = pipeline(args, out, target, train_prompts, eval_sets)
     except StageFailed as exc:
         console.print(f"[red]error:[/] {exc}", soft_wrap=True)
-        return 1
+        return exc.code
     said = report.verdict(rows, OURS, [d for d in args.trainers if d in PEERS])
     report.write(rows, out, meta, said)
     console.print(report.markdown(rows), markup=False, soft_wrap=True)
