@@ -462,6 +462,29 @@ def test_fast_loops_give_the_reference_loops_tokens_and_acceptance_lengths(model
     assert sum(packs) > 0
 
 
+def test_a_row_that_stops_keeps_no_more_cache_slots_while_the_batch_goes_on(models, drafter_dir, tiny_target):
+    """A row stopped by a stop token drafts and keeps nothing more: before, it kept a slot or more per step
+    until the batch's slowest row finished, and a long prompt then overflowed the static cache."""
+    from dflash_trainer.decoding import fast as fast_decode
+    from dflash_trainer.decoding.speculative import speculative_generate
+
+    tokenizer, model = models
+    drafter = DFlashDrafter.from_pretrained(drafter_dir).eval()
+    target = FrozenTarget(model, drafter.target_layer_ids)
+    prompts = eval_prompts(tiny_target, tokenizer)
+    first = greedy_generate(target, prompts[0], NEW)
+    stop = {first[len(prompts[0]) + 1]}  # the first prompt's second answer token ends it early
+    reference = [speculative_generate(drafter, target, p, NEW, stop) for p in prompts]
+    assert len(reference[0].tokens) == len(prompts[0]) + 2
+    assert max(len(r.accept_lengths) for r in reference) > 3  # another row goes on for more steps
+    loops = fast_decode.FastDecoding(target, drafter, len(prompts))
+    fast = loops.speculative(prompts, NEW, stop)
+    assert [r.tokens for r in fast] == [r.tokens for r in reference]
+    slot_pos = loops._decoders[(True, False)][1].slot_pos
+    kept = [int((slot_pos[i] >= 0).sum()) for i in range(len(prompts))]
+    assert all(k <= len(r.tokens) for k, r in zip(kept, fast, strict=True)), (kept, [len(r.tokens) for r in fast])
+
+
 def test_bench_prints_the_step_times_and_refuses_a_large_shape_on_a_cpu(capsys):
     assert main(["--bench", "--preset", "tiny", "--batch-size", "2", "--max-new-tokens", "6", "--device", "cpu"]) == 0
     out = capsys.readouterr().out

@@ -50,6 +50,7 @@ AT_LEAST_1 = Rule(ge=1)
 AT_LEAST_2 = Rule(ge=2)
 NOT_NEGATIVE = Rule(ge=0)
 FRACTION = Rule(ge=0, le=1)
+ADAM_BETA = Rule(ge=0, le=0.9999)  # 1 would divide AdamW's bias correction by zero
 DTYPE = Rule(choices=DTYPE_NAMES)
 
 # Upper bounds on counts of work: far above any real run, low enough that a typo (train.steps = 1e23, a
@@ -186,6 +187,8 @@ class TrainConfig:
     warmup_ratio: Annotated[float, FRACTION] = 0.04  # fraction of the steps spent warming the lr up linearly
     min_lr_ratio: Annotated[float, FRACTION] = 0.0  # the lr the cosine decay ends at, as a fraction of lr
     weight_decay: Annotated[float, NOT_NEGATIVE] = 0.0  # AdamW's decoupled weight decay
+    adam_beta1: Annotated[float, ADAM_BETA] = 0.9  # AdamW's first-moment decay
+    adam_beta2: Annotated[float, ADAM_BETA] = 0.95  # AdamW's second-moment decay (torch's default: 0.999)
     max_grad_norm: Annotated[float, POSITIVE] = 1.0  # gradients are clipped to this global L2 norm
     seed: Annotated[int, SEED] = 0  # seeds the drafter's init, the data order and the anchors
     dtype: Annotated[str, DTYPE] = "bfloat16"  # drafter parameters; the optimizer keeps fp32 masters

@@ -237,6 +237,7 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
         side = borrowed_features(cfg, ctx, drafter, target_files, startup, my_batches, first_batch)
 
     optimizer = MasterWeightAdamW(drafter.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+                                  betas=(train.adam_beta1, train.adam_beta2),
                                   max_grad_norm=train.max_grad_norm, moments_dtype=DTYPES[train.moments_dtype])
     scheduler = warmup_cosine(optimizer.opt, train.steps, int(train.warmup_ratio * train.steps), train.min_lr_ratio)
     startup.mark("optimizer")

@@ -174,8 +174,10 @@ class Graphed:
             with torch.cuda.graph(graph):
                 self.out = fn()
         except RuntimeError as exc:
-            log(f"fast decoding: the step cannot be recorded as a CUDA graph ({str(exc).splitlines()[0]}); "
-                "it runs eagerly on the static cache")
+            # The capture's end reports only that something failed inside it: the first error says what.
+            first = exc.__context__ if isinstance(exc.__context__, Exception) else exc
+            log(f"fast decoding: the step cannot be recorded as a CUDA graph ({type(first).__name__}: "
+                f"{str(first).splitlines()[0] if str(first) else ''}); it runs eagerly on the static cache")
             torch.cuda.synchronize(device)
             return
         self.graph = graph
@@ -309,7 +311,10 @@ class StaticDecoder:
             accepted = agree.long().cumprod(1).sum(1)
         features = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
         self.context.write(drafter, drafter.fuse(features.to(drafter.fc.weight.dtype)), positions, self.step_slots)
-        keep = self.offsets <= accepted[:, None]  # the rejected drafts' slots are rolled back on every layer
+        # The rejected drafts' slots are rolled back on every layer; a finished row (at its token limit, or
+        # stopped: the host set its limit to 0) keeps nothing, so its slots do not grow while others go on.
+        live = self.anchor_pos < self.limit_pos
+        keep = (self.offsets <= accepted[:, None]) & live[:, None]
         self.slot_pos.index_copy_(1, self.step_slots, torch.where(keep, positions, INVALID))
         self.anchor.copy_(posterior.gather(1, accepted[:, None])[:, 0])
         self.anchor_pos.add_(accepted + 1)
@@ -392,7 +397,11 @@ class StaticDecoder:
         results = [SpecResult(tokens=list(p) + [t]) for p, t in zip(prompts, first, strict=True)]
         limits = [len(p) + max_new_tokens for p in prompts]
         active = [len(r.tokens) < n and r.tokens[-1] not in stop_ids for r, n in zip(results, limits, strict=True)]
+        finished = [i for i, a in enumerate(active) if not a]
         while any(active):
+            if finished:  # stopped rows draft and keep nothing more (see _spec_step)
+                self.limit_pos[finished] = 0
+                finished.clear()
             self._make_room()
             if self.sampled:
                 self._draw(self.draft_noise, self.uniforms, self.step_noise)
@@ -410,6 +419,8 @@ class StaticDecoder:
                 r.tokens.extend(new)
                 r.accept_lengths.append(len(new))
                 active[i] = not done
+                if done:
+                    finished.append(i)
                 grown = max(grown, row[-1] + 1)
             self._set_pointer(self.written + grown)
         return results
