@@ -292,3 +292,37 @@ def test_one_tp2_group_and_one_drafter_train_as_one_target_and_resume(tiny_targe
     torchrun(3, [*args, "--resume"])
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["losses"] == pytest.approx(summary["losses"][2:], rel=1e-5)
+
+
+# Each drafter kind's extra inputs ride the same path: DSpark's TV and confidence term read the target's final
+# hidden states (its distribution), DFlash 2's unary KL reads them too and its selector the drafter's own top-k.
+KIND_SETTINGS = {
+    "dflash2": ["drafter.kind=dflash2", "drafter.selector_rank=16", "drafter.selector_top_k=8", "train.loss_ce=0",
+                "train.loss_kl=1"],
+    "dspark": ["drafter.kind=dspark", "drafter.markov_rank=16", "train.loss_ce=0.1", "train.loss_tv=0.9"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(KIND_SETTINGS))
+def test_a_tp2_group_trains_each_drafter_kind_as_one_process_and_resumes(kind, tiny_target, tmp_path):
+    """One TP=2 target group and one drafter rank: the features and the target's final hidden states the group
+    sends train the losses (finite) and tau of one process holding the whole target; a resume continues them."""
+    import math
+
+    from dflash_trainer.train import run
+
+    settings = KIND_SETTINGS[kind] + ["train.checkpoint_every=2"]
+    alone = run(load_config("embedded", overrides(tiny_target, tmp_path / "alone") + settings))
+    out = tmp_path / "tp2"
+    args = ["--config", "embedded", *[x for o in overrides(tiny_target, out) + settings + ["parallel.target_tp=2"]
+                                      for x in ("--set", o)], "--target-gpus", "2", "--drafter-gpus", "1"]
+    proc = torchrun(3, args)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["target_tp"] == 2 and all(math.isfinite(x) for x in summary["losses"])
+    assert f"drafter: {kind}," in proc.stderr
+    assert summary["losses"] == pytest.approx(alone["losses"], rel=1e-4)
+    assert summary["tau_after"] == pytest.approx(alone["tau_after"])
+    shutil.rmtree(out / "checkpoints" / "step-00000004")
+    torchrun(3, [*args, "--resume"])
+    assert json.loads((out / "summary.json").read_text())["losses"] == pytest.approx(summary["losses"][2:], rel=1e-5)
