@@ -183,3 +183,33 @@ def test_a_colocated_run_trains_on_the_fp8_targets_features_and_dumps_and_evalua
     err = " ".join(capsys.readouterr().err.split())
     assert "is quantized already" in err and "give --target-quantization none to run it as it is" in err
     assert not refused.exists()
+
+
+KIND_SETTINGS = {  # each kind with the loss its authors train it with: DSpark's and DFlash 2's read the target's
+    "dflash2": ["drafter.kind=dflash2", "drafter.selector_rank=16", "drafter.selector_top_k=8", "train.loss_ce=0",
+                "train.loss_kl=1"],
+    "dspark": ["drafter.kind=dspark", "drafter.markov_rank=16", "train.loss_ce=0.1", "train.loss_tv=0.9"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_SETTINGS))
+def test_each_drafter_kind_trains_on_the_fp8_targets_features_and_distribution(kind, tiny_target, tmp_path, capsys):
+    """DFlash 2 (KL) and DSpark (CE + TV): the FP8 target's features and final hidden states reach the loss; the
+    first loss differs from the bf16 target's by FP8 rounding, not more; the loss falls and the FP8 target
+    verifies the drafts."""
+    import math
+
+    from dflash_trainer.train import run
+
+    from tests.test_train import tiny_config
+
+    settings = [*KIND_SETTINGS[kind], "target.dtype=bfloat16", "train.checkpoint_every=0", "train.lr=3e-3"]
+    bf16 = run(tiny_config(tiny_target, tmp_path / "bf16", *settings, "train.steps=1", "eval.prompts=1"))
+    capsys.readouterr()
+    fp8 = run(tiny_config(tiny_target, tmp_path / "fp8", *settings, "target.quantization=fp8"))
+    said = capsys.readouterr().err
+    assert f"drafter: {kind}," in said and "42 linears of its decoder layers as FP8-dynamic GEMMs" in said
+    assert all(math.isfinite(x) for x in fp8["losses"]) and fp8["final_loss"] < fp8["first_loss"]
+    assert fp8["first_loss"] != bf16["first_loss"]  # the FP8 target's outputs, not the bf16 one's
+    assert fp8["first_loss"] == pytest.approx(bf16["first_loss"], rel=0.1)
+    assert 1.0 <= fp8["tau_after"] <= 8
