@@ -280,3 +280,37 @@ def test_compile_workers_start_after_the_cache_variables_are_set(tmp_path, monke
 
     monkeypatch.setattr(async_compile, "maybe_warm_pool", broken)
     start_compile_workers(tmp_path / "cc")  # only a head start: a failure is left to the compile step
+
+
+@pytest.mark.slow
+def test_the_target_compile_step_covers_the_layers_a_loss_against_its_distribution_runs(tmp_path):
+    """A loss against the target's distribution (DSpark's TV, DFlash 2's KL) runs every layer to the final norm,
+    where the features stop at the last tapped one: layers above it that differ (a MoE model's sparse layers
+    above dense ones) compile to graphs of their own. The compile step compiles what the run calls; compiling
+    only the features, the first step's final hidden states raise (a recompile), never run eager."""
+    from dflash_trainer.run.compile_step import compile_target_step
+    from dflash_trainer.target.frozen import FrozenTarget
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0, 1])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)  # layers 0-1 dense (tapped), 2-3 sparse
+    ids = torch.randint(128, (2, 24))
+    eager = FrozenTarget(model, [0, 1], compile_layers=False).features_and_final(ids)
+    for with_final in (True, False):
+        reset_compile_state()
+        target = FrozenTarget(model, [0, 1], compile_layers=True)  # the tapped forward compiled, as on a GPU
+        report = compile_target_step(target, [24], 2, tmp_path, log=lambda _: None, serialized=False,
+                                     with_final=with_final)
+        assert report.counters["unique_graphs"] == (2 if with_final else 1), report.counters
+        if with_final:
+            features, final = target.features_and_final(ids)
+            torch.testing.assert_close(features, eager[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(final, eager[1], rtol=1e-4, atol=1e-5)
+        else:
+            with pytest.raises(RuntimeError, match="fail_on_recompile"):
+                target.features_and_final(ids)
+    reset_compile_state()

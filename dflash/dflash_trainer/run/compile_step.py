@@ -71,12 +71,13 @@ def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir
         drafter.train()  # the step's mode: compiled graphs are guarded on it
         t0 = time.perf_counter()
         ids = torch.randint(config.vocab_size, (micro_batch, ctx_len), device=device)
+        with_final = step.objective is not None and step.objective.needs_target
         if target is not None:
-            target.features(ids)
+            probe_target(target, ids, with_final)
         loss_mask = torch.ones(micro_batch, ctx_len, dtype=torch.uint8, device=device)
         features = torch.randn(micro_batch, ctx_len, feat_dim, device=device, dtype=drafter.fc.weight.dtype)
         target_hidden = None  # an objective against the target's distribution reads its final hidden states
-        if step.objective is not None and step.objective.needs_target:
+        if with_final:
             target_hidden = torch.randn(micro_batch, ctx_len, config.hidden_size, device=device,
                                         dtype=drafter.fc.weight.dtype)
         step.forward_backward(ids, loss_mask, features, bare=True, target_hidden=target_hidden)
@@ -89,12 +90,22 @@ def compile_drafter_step(step: DrafterStep, buckets, micro_batch: int, cache_dir
     return compile_variants(probe, list(buckets), lock, log=log, label=label, share="drafter")
 
 
+def probe_target(target, ids: torch.Tensor, with_final: bool) -> None:
+    """The target's forward as the run calls it: the features, or with_final (a loss against the target's
+    distribution) every layer and the final norm too, whose layers above the tapped ones may compile to graphs
+    of their own (a MoE model's sparse layers): compiled here, not at step 1, where a new graph is an error."""
+    if with_final:
+        target.features_and_final(ids)
+    else:
+        target.features(ids)
+
+
 def compile_target_step(target, buckets, micro_batch: int, cache_dir: Path, log, label: str = "",
-                        serialized: bool = True):
+                        serialized: bool = True, with_final: bool = False):
     """A target rank's compile step: its compiled feature forward for every bucket in `buckets`, through the
     same lock and cache as the drafter ranks' (no-op where the target runs eagerly: not on a GPU, or a
     backbone without the tapped forward). serialized=False: no lock, for a tensor-parallel target group,
-    whose forward needs every rank of the group."""
+    whose forward needs every rank of the group. with_final: the run sends the target's final hidden states."""
     from ..compile.guard import compile_cache_env, compile_variants
 
     if not target.compile_layers:
@@ -104,7 +115,7 @@ def compile_target_step(target, buckets, micro_batch: int, cache_dir: Path, log,
     vocab = target.embed_weight.shape[0]
 
     def probe(ctx_len: int) -> None:
-        target.features(torch.randint(vocab, (micro_batch, ctx_len), device=device))
+        probe_target(target, torch.randint(vocab, (micro_batch, ctx_len), device=device), with_final)
 
     lock = Path(cache_dir) / "compile.lock" if serialized else None
     return compile_variants(probe, list(buckets), lock, log=log, label=label, share="target")

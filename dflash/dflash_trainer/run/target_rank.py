@@ -68,7 +68,7 @@ def run_target(cfg: RunConfig, ctx: parallel.Context, start_step: int, target_fi
     target = _load_group_target(cfg, ctx, layer_ids, target_files.config)
     compile_target_step(target, buckets, cfg.train.micro_batch,
                         compile_cache_dir(cfg.train.compile_cache_dir), console.print,
-                        label=ctx.label, serialized=ctx.target_tp == 1)
+                        label=ctx.label, serialized=ctx.target_tp == 1, with_final=loss_objective(cfg).needs_target)
     supply = _feed_drafters(cfg, ctx, target, stream, start_step)
     ctx.barrier()  # the lead drafter has written the final drafter and the summary
     if ctx.roles.target_index(ctx.rank) != 0:  # the first target group measures tau: all its ranks run the target
