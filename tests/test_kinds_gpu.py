@@ -51,14 +51,15 @@ def fp8_tensor_cores() -> bool:
 def test_the_compile_step_covers_each_kinds_flex_step(kind):
     from dflash_trainer.run.compile_step import compile_cache_dir
 
-    # the trainer's own cache (per user): DSpark's layers are DFlash's graphs, and a second session loads them all
-    got = compile_and_train(kind, "cuda", "flex", True, [64, 128], compile_cache_dir(None))
+    # bf16 at the tiny target's shape and the trainer's own cache (per user): the trainer runs below load these
+    # graphs, DSpark's layers are DFlash's, and a second session loads them all
+    got = compile_and_train(kind, "cuda", "flex", True, [64, 128], compile_cache_dir(None), torch.bfloat16)
     report = got["report"]
     assert report.counters["graph_breaks"] == 0 and report.graph_break_reasons == [], report.graph_break_reasons
     assert got["graphs_after"] == 0 and got["untouched"], (report.counters, got["graphs_after"])
     assert all(math.isfinite(x) for x in got["losses"])
-    eager = train_steps(kind_step(kind, "cuda", "sdpa", False), [64, 128])  # the dense reference, uncompiled
-    assert got["losses"] == pytest.approx(eager, rel=2e-3)
+    eager = train_steps(kind_step(kind, "cuda", "sdpa", False, torch.bfloat16), [64, 128])  # dense, uncompiled
+    assert got["losses"] == pytest.approx(eager, rel=2e-2)  # bf16: the kernels round differently
     with pytest.raises(RuntimeError, match="fail_on_recompile"):
         train_steps(got["step"], [96])
 
