@@ -171,14 +171,32 @@ def test_bench_quality_end_to_end_on_a_tiny_target(tmp_path, tmp_path_factory):
     assert json.loads((out / "quality.json").read_text())["rows"] == result["rows"]
 
 
-@pytest.mark.parametrize("flags, said", [
+BAD_FLAGS = [
     (["--eval-prompts", "foo"], "give NAME=FILE"),
     (["--variant", "bad"], "write LABEL=KEY=VALUE"),
     (["--target", "/nonexistent-target"], "no config.json there"),
     (["--data-fraction", "1.5"], "a fraction in (0, 1]"),
     (["--train-count", "0"], "give 1 or more"),
-])
-def test_bad_flags_end_in_one_line_and_write_nothing(tmp_path, flags, said):
+]
+
+
+@pytest.mark.parametrize("flags, said", BAD_FLAGS)
+def test_bad_flags_end_in_one_line_and_write_nothing(tmp_path, capsys, flags, said):
+    """In this process (a Python that imports torch per flag is seconds each): argparse's exit 2 and its line;
+    any other exception would leave main() as itself, not as SystemExit."""
+    from dflash_trainer.bench.quality.__main__ import main
+
+    out = tmp_path / "bench"
+    with pytest.raises(SystemExit) as exited:
+        main(["--out", str(out), *flags])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and said in err, err
+    assert not out.exists()
+
+
+def test_a_bad_flag_ends_the_command_in_one_line_without_a_traceback(tmp_path):
+    """The same through `python -m`, as a user runs it: the exit status and stderr of the process itself."""
+    flags, said = BAD_FLAGS[0]
     out = tmp_path / "bench"
     done = subprocess.run([sys.executable, "-m", "dflash_trainer.bench.quality", "--out", str(out), *flags],
                           check=False, capture_output=True, text=True, timeout=120)

@@ -20,22 +20,28 @@ SAMPLES = 1500
 POSITIONS = 3  # the first generated tokens checked: the prefill's, then a verify step's drafts and its next token
 
 
-@pytest.fixture(scope="module", params=["dflash", "dflash2", "dspark"])
-def tiny(request):
-    """A target peaked enough that its distributions differ clearly from the drafter's near-uniform ones; the
-    drafter of each kind (DFlash 2: its selector samples along the block from its top 6 candidates, its
-    codebooks large enough that the predecessor moves the draws; DSpark: its Markov bias along the block, as large)."""
+@pytest.fixture(scope="module")
+def target() -> FrozenTarget:
+    """A target peaked enough that its distributions differ clearly from the drafters' near-uniform ones: one
+    for the module (the same for every drafter kind, and the target-only checks run once, not once per kind)."""
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.3,
                          attn_implementation="sdpa")
-    target = FrozenTarget(Qwen3ForCausalLM(config).eval(), [0, 2])
+    return FrozenTarget(Qwen3ForCausalLM(config).eval(), [0, 2])
+
+
+@pytest.fixture(scope="module", params=["dflash", "dflash2", "dspark"])
+def tiny(request, target):
+    """The target and a drafter of each kind (DFlash 2: its selector samples along the block from its top 6
+    candidates, its codebooks large enough that the predecessor moves the draws; DSpark: its Markov bias along
+    the block, as large)."""
     torch.manual_seed(1)
     selector = ({"selector_rank": 8, "selector_top_k": 6} if request.param == "dflash2"
                 else {"markov_rank": 8} if request.param == "dspark" else {})
-    drafter = DFlashDrafter(drafter_config(config, DrafterShape(num_layers=1, block_size=4, mask_token_id=VOCAB - 1,
-                                                                target_layer_ids=[0, 2], kind=request.param,
-                                                                **selector))).eval()
+    drafter = DFlashDrafter(drafter_config(target.model.config, DrafterShape(
+        num_layers=1, block_size=4, mask_token_id=VOCAB - 1, target_layer_ids=[0, 2], kind=request.param,
+        **selector))).eval()
     if drafter.candidate_selector is not None:
         with torch.no_grad():
             drafter.candidate_selector.reset_parameters(1.0)
@@ -95,9 +101,14 @@ def test_speculative_sampling_is_distributed_as_the_targets_own_sampling(tiny, t
     runs = speculative_samples(target, drafter, temperature, seed=11)
     for k, counts in enumerate(sampled_positions(runs)):
         assert chi_square_excess(counts, exact[k]) < 1, f"position {k + 1}: {counts} vs {exact[k].tolist()}"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_the_target_only_baseline_samples_the_same_distribution(target, temperature):
+    exact = exact_marginals(target, temperature)
     own = FastDecoding(target, None, batch_size=SAMPLES).greedy([PROMPT] * SAMPLES, POSITIONS,
                                                                  sampling=Sampling(temperature, 12, "cpu"))
-    for k, counts in enumerate(sampled_positions(own)):  # the target-only baseline samples the same distribution
+    for k, counts in enumerate(sampled_positions(own)):
         assert chi_square_excess(counts, exact[k]) < 1, f"target-only, position {k + 1}"
 
 
@@ -110,9 +121,12 @@ def test_a_broken_acceptance_rule_fails_the_same_check(tiny, monkeypatch):
     assert chi_square_excess(counts[1], exact[1]) > 3 and chi_square_excess(counts[2], exact[2]) > 3
 
 
+SEEDED_PROMPTS = [PROMPT, [1, 2, 3, 4, 5, 6, 7, 8, 9], [20]]
+
+
 def test_sampling_is_seeded_and_the_fast_loop_equals_the_reference_at_batch_one(tiny):
     target, drafter = tiny
-    prompts = [PROMPT, [1, 2, 3, 4, 5, 6, 7, 8, 9], [20]]
+    prompts = SEEDED_PROMPTS
     for temperature in (1.0, 0.7):
         fast = FastDecoding(target, drafter, batch_size=1).speculative(prompts, 24,
                                                                        sampling=Sampling(temperature, 5, "cpu"))
@@ -126,11 +140,16 @@ def test_sampling_is_seeded_and_the_fast_loop_equals_the_reference_at_batch_one(
         other = FastDecoding(target, drafter, batch_size=1).speculative(prompts, 24,
                                                                         sampling=Sampling(temperature, 6, "cpu"))
         assert [r.tokens for r in other] != [r.tokens for r in fast]  # the seed matters
-        own = FastDecoding(target, None, batch_size=1).greedy(prompts, 24, sampling=Sampling(temperature, 5, "cpu"))
-        sampling = Sampling(temperature, 5, "cpu")
-        assert own == [greedy_generate(target, p, 24, sampling=sampling) for p in prompts]
     steps = [n for r in fast for n in r.accept_lengths]
     assert max(steps) > 1 and min(steps) == 1  # drafts were accepted and rejected
+
+
+def test_target_only_sampling_is_seeded_and_the_fast_loop_equals_the_reference_at_batch_one(target):
+    for temperature in (1.0, 0.7):
+        own = FastDecoding(target, None, batch_size=1).greedy(SEEDED_PROMPTS, 24,
+                                                               sampling=Sampling(temperature, 5, "cpu"))
+        sampling = Sampling(temperature, 5, "cpu")
+        assert own == [greedy_generate(target, p, 24, sampling=sampling) for p in SEEDED_PROMPTS]
 
 
 def test_temperature_zero_is_greedy_and_sampling_refuses_it(tiny):
