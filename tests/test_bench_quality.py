@@ -202,3 +202,17 @@ def test_a_bad_flag_ends_the_command_in_one_line_without_a_traceback(tmp_path):
                           check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not out.exists()
+
+
+def test_a_whole_regeneration_is_reused_and_a_stopped_one_resumed(tmp_path):
+    from dflash_trainer.bench.quality.__main__ import regeneration_done
+
+    assert not regeneration_done(tmp_path, 10)  # none yet
+    (tmp_path / "summary.json").write_text('{"prompts": 10, ')  # cut off mid-write
+    assert not regeneration_done(tmp_path, 10)
+    (tmp_path / "summary.json").write_text(json.dumps({"prompts": 10, "answers": 6}))  # stopped
+    assert not regeneration_done(tmp_path, 10)
+    (tmp_path / "summary.json").write_text(json.dumps({"prompts": 10, "answers": 10}))
+    assert regeneration_done(tmp_path, 10)
+    (tmp_path / "summary.json").write_text(json.dumps({"prompts": 8, "answers": 8}))  # fewer prompts than asked
+    assert regeneration_done(tmp_path, 10)

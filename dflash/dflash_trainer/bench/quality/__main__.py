@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict[str, str]):
     logs = out / "logs"
     regen = out / "regen"
-    if not (regen / "summary.json").is_file() or json.loads((regen / "summary.json").read_text()).get("status") != "finished":
+    if not regeneration_done(regen, args.train_count):
         run_stage("regenerate", py("dflash_trainer.regenerate", "--target", str(target), "--data", str(train_prompts),
                                    "--out", str(regen), "--max-new-tokens", str(args.answer_tokens),
                                    "--temperature", str(args.regen_temperature), "--limit", str(args.train_count),
@@ -247,6 +247,16 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
             "regen_temperature": args.regen_temperature, "eval_tokens": args.eval_tokens,
             "eval_limit": args.eval_limit, "drafters": {d.label: str(d.run) for d in drafters}}
     return rows, meta
+
+
+def regeneration_done(regen: Path, count: int) -> bool:
+    """The regeneration answered every prompt asked for (its summary counts the directory's answers): a stopped
+    one is run again and resumes; a whole one is not started again."""
+    try:
+        summary = json.loads((regen / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return summary.get("answers", 0) >= min(count, summary.get("prompts", count))
 
 
 def dump_settings(args) -> list[str]:
