@@ -143,6 +143,32 @@ def test_deployed_stages_are_checked_before_anything_is_written(tmp_path):
     assert not chain.exists()
 
 
+def test_a_killed_chain_leaves_its_stage_running_and_recipe_stop_stops_it(tmp_path):
+    """SIGKILL takes the chain's process (and the stage's supervisor inside it) away, not the stage's own process,
+    which runs in a session of its own: status names it, recipe-stop stops it gracefully, and then a start may
+    continue the chain."""
+    run = tmp_path / "run"
+    run.mkdir()
+    child = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+             "pathlib.Path('up').touch(); time.sleep(60)")
+    (run / supervise.LAUNCH).write_text(json.dumps({"job": "train", "argv": [
+        sys.executable, "-c", child, "-m", "dflash_trainer.train", "--output-dir", str(run)]}))
+    chain = tmp_path / "chain"
+    recipe.save_plan(chain, recipe.deployed_plan({"train": run}))
+    assert dflash_run("start", "--job", "recipe", "--run-dir", str(chain)).returncode == 0
+    assert wait_for(lambda: (run / "up").exists(), 20)
+    os.kill(int(supervise.read_state(chain)["pid"]), 9)
+    assert wait_for(lambda: "state:       dead at stage train" in chain_status(chain), 10)
+    stage = int(supervise.read_state(run)["job_pid"])
+    assert f"left running: training process {stage} still writes to {run}: stop it (make recipe-stop" in \
+        chain_status(chain)
+    res = dflash_run("stop", "--job", "recipe", "--run-dir", str(chain))
+    assert res.returncode == 0 and "the recipe chain's process is gone; its train stage still ran" in res.stdout
+    assert "stopped 1 training process(es)" in res.stdout, res.stdout
+    assert wait_for(lambda: not recipe.stray_processes(chain), 10)
+    assert "next:        `make recipe` continues" in chain_status(chain)
+
+
 def test_a_changed_stage_and_those_after_it_run_again(tmp_path):
     chain = tmp_path / "c"
     first = recipe.make_plan(chain, "embedded", "/t", ["a.jsonl"], [], {}, python="py")

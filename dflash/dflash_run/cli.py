@@ -125,7 +125,8 @@ def _command(argv: list[str] | None) -> int:
     if a.cmd == "start":
         return supervise.start_detached(a.run_dir, job)
     if a.cmd == "stop":
-        return supervise.stop(a.run_dir, a.unit, a.timeout, job)
+        return recipe.stop(a.run_dir, a.unit, a.timeout) if job is RECIPE else supervise.stop(a.run_dir, a.unit,
+                                                                                               a.timeout, job)
     if a.cmd == "status":
         rep = status.report(a.run_dir, a.unit, job=job)
         print(json.dumps(rep, indent=1) if a.json else status.format_report(rep))

@@ -138,10 +138,25 @@ def stray_processes(chain_dir: Path) -> list[str]:
     """Stage processes still running with no chain over them (its process was killed, SIGKILL or a reboot of a
     container that kept running them): a second start must not run the stage beside them."""
     procs = job_processes()
-    return [f"{p.job.what} process {p.pid} still writes to {s['dir']}: stop it (dflash-run stop --job {p.job.name} "
-            f"--run-dir {s['dir']}), then start the chain again"
+    return [f"{p.job.what} process {p.pid} still writes to {s['dir']}: stop it (make recipe-stop, or dflash-run stop "
+            f"--job recipe --run-dir {chain_dir}), then start the chain again"
             for s in (read_plan(chain_dir) or {}).get("stages", []) if s["name"] in JOBS
             for p in of_run(s["dir"], procs, JOBS[s["name"]])]
+
+
+def stop(chain_dir: Path, unit: str | None, timeout_s: float) -> int:
+    """The chain's graceful stop. A chain whose process is gone (SIGKILL, out of memory) may have left its stage's
+    process running: that one gets the same graceful stop, through its stage's directory."""
+    chain_dir = chain_dir.absolute()
+    st = supervise.read_state(chain_dir)
+    chain_alive = st.get("state") in ("running", "starting") and alive(int(st.get("pid") or 0))
+    strays = [] if chain_alive else [
+        s for s in (read_plan(chain_dir) or {}).get("stages", [])
+        if s["name"] in JOBS and of_run(s["dir"], job_processes(), JOBS[s["name"]])]
+    if not strays:
+        return supervise.stop(chain_dir, unit, timeout_s, RECIPE)
+    print(f"the recipe chain's process is gone; its {', '.join(s['name'] for s in strays)} stage still ran:")
+    return max(supervise.stop(Path(s["dir"]), None, timeout_s, JOBS[s["name"]]) for s in strays)
 
 
 class Chain:
@@ -263,6 +278,7 @@ def report(chain_dir: Path, log_lines: int = 5) -> dict:
                        (ended.get(n) or {}).get("state", "not started") for n in stages},
             "stage_dir": stage and stage["dir"], "last_progress": latest, "error": st.get("error"),
             "result": result(plan) if state == "finished" else None,
+            "left_running": stray_processes(chain_dir) if state == "dead" else [],
             "log": str(log), "log_tail": status.tail(log, log_lines)}
 
 
@@ -281,6 +297,8 @@ def format_report(r: dict) -> str:
                   f"fix:         what the error names, then make recipe continues from {r['stage']}"]
     elif r.get("result"):
         lines.append(f"result:      {r['result']}")
+    elif r.get("left_running"):
+        lines += [f"left running: {line}" for line in r["left_running"]]
     elif r["state"] in ("stopped", "dead"):
         lines.append(f"next:        {RECIPE.again}")
     lines.append(f"log:         {r['log']}")
