@@ -103,3 +103,56 @@ def test_recipe_stopped_in_training_and_continued_to_its_evaluation(site):
     assert f"result: tau {report['overall']['tau']:.2f}" in said
     logs = site.make("recipe-logs")
     assert logs.returncode == 0 and "stage regenerate: finished before, not run again" in logs.stdout, logs.stdout
+
+
+# ---- the production path: the chain as its systemd unit, in a CT whose init is systemd -------------------------
+SYSTEMD_VMID = 9305
+UNIT = "dflash-recipe-default"
+
+
+@pytest.fixture(scope="module")
+def systemd_site(pve_host, debian_rootfs, tmp_path_factory, debian13_standins, tiny_target):
+    from tests.pve_testhost.templates import build_systemd_template
+    from tests.test_deploy_systemd import DEV_PYTHON, dev_python
+
+    work = tmp_path_factory.mktemp("deploy-recipe-systemd")
+    s = Site(pve_host, work, venv_inputs(debian13_standins, debian13_standins.wheelhouse), tiny_target,
+             vmid=SYSTEMD_VMID, template=build_systemd_template(debian_rootfs), steps=STEPS, every=EVERY, run_vars={
+                 "training_run_python": f"{DEV_PYTHON}/bin/python", "training_run_env": {},
+                 "training_run_regenerate_data": ["/srv/dflash/tiny/train.jsonl"],
+                 "training_run_regenerate_args": ["--max-new-tokens", "8", "--limit", str(PROMPTS)],
+                 "training_run_data_train": None, "training_run_eval_args": ["--limit", "2", "--max-new-tokens", "8"]})
+    s.mounts = dict(dev_python(work), mp2=f"{s.persist},mp=/srv/dflash")
+    yield s
+    if s.host.container_exists(SYSTEMD_VMID):
+        print(s.exec("journalctl", "-u", UNIT, "--no-pager", "-n", "200").stdout)  # shown when the test fails
+    s.destroy()
+
+
+def test_recipe_under_its_systemd_unit(systemd_site):
+    site = systemd_site
+    proc = site.prov.run(site.inv)  # the frozen environment, built from the stand-in lock; then the mount points
+    assert proc.returncode == 0, out(proc)[-3000:]
+    site.remount(site.mounts)
+    wait_for(lambda: site.exec("systemctl", "is-system-running").stdout.strip() in ("running", "degraded"), 60,
+             "systemd to boot", site, failed=lambda: False)
+
+    proc = site.make("recipe")
+    assert proc.returncode == 0, out(proc)[-3000:]
+    assert site.exec("systemctl", "is-active", UNIT).stdout.strip() == "active"
+    failed = lambda: site.state("recipe").get("state") == "failed"
+    wait_for(lambda: site.checkpoints() and site.checkpoints()[-1] >= EVERY, 600, "the first checkpoint", site,
+             failed=failed, job="recipe")
+    proc = site.make("recipe-stop")
+    assert proc.returncode == 0, out(proc)[-3000:]
+    assert f"stopped {UNIT} (unit inactive, result success): stopped" in proc.stdout, proc.stdout
+    assert site.state("recipe")["stage"] == "train" and not (site.run_dir / "summary.json").exists()
+    shards = stamps(site.job_dir("regenerate"))
+
+    proc = site.make("recipe")
+    assert proc.returncode == 0, out(proc)[-3000:]
+    wait_for(lambda: ended(site) and site.exec("systemctl", "is-active", UNIT).stdout.strip() == "inactive", 600,
+             "the chain to finish", site, failed=lambda: False, job="recipe")
+    assert site.state("recipe")["state"] == "finished"
+    assert (site.job_dir("eval") / "eval.json").is_file() and stamps(site.job_dir("regenerate")) == shards
+    assert json.loads((site.run_dir / "summary.json").read_text())["steps"] == STEPS
