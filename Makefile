@@ -70,27 +70,41 @@ endif
 
 # make recipe: regenerate -> train -> eval as one detached chain in RECIPE_DIR (dflash_run/recipe.py). RECIPE_ARGS
 # plans it (--config, --target, --data, --set, --args STAGE=ARGS, --nproc); empty: the plan already in RECIPE_DIR,
-# else the embedded default. Run again, it continues where it stopped.
+# else the embedded default. With INVENTORY: provision and deploy (both leave what is up to date alone), then the
+# chain of the deployed jobs, supervised in the containers (ansible/deploy.mk). Run again, it continues where it
+# stopped.
 RECIPE_DIR  ?= runs/recipe
 RECIPE_ARGS ?=
 .PHONY: recipe recipe-status recipe-logs recipe-stop
-recipe: venv ## regenerate -> train -> eval as one detached chain on this machine (RECIPE_ARGS="--config C --target DIR --data FILE..."; default: the embedded default); again: continues where it stopped
+recipe: venv ## regenerate -> train -> eval as one detached chain (RECIPE_ARGS="--config C --target DIR --data FILE..."; default: the embedded default); INVENTORY=...: provision, deploy, then the chain in the containers; again: continues where it stopped
 ifeq ($(ON_CONTAINER),)
 	$(RUNCTL) recipe --run-dir $(RECIPE_DIR) $(RECIPE_ARGS)
 else
-	@echo "make recipe runs the chain on this machine (no INVENTORY); in the containers: make deploy, then" \
-	  "make regenerate, make train and make eval with INVENTORY=... (docs/deploy.md)" >&2
-	@exit 2
+	$(ANSIBLE_PLAYBOOK) $(ARGS)
+	$(TRAINING_PLAYBOOK) -e training_run_action=deploy
+	$(TRAINING_PLAYBOOK) -e training_run_action=recipe -e training_run_job=recipe
 endif
 
-recipe-status: venv ## the chain's stages, the current one's last progress line, or the failed one's error and fix
+recipe-status: venv ## the chain's stages, the current one's last progress line, or the failed one's error and fix (INVENTORY=...: in the containers)
+ifeq ($(ON_CONTAINER),)
 	$(RUNCTL) status --job recipe --run-dir $(RECIPE_DIR)
+else
+	$(call JOB_PLAYBOOK,recipe,status)
+endif
 
-recipe-logs: venv ## the chain's log (FOLLOW=1 follows it); each stage's own: make recipe-status names its directory
+recipe-logs: venv ## the chain's log (FOLLOW=1 follows a local one); each stage's own: make recipe-status names its directory
+ifeq ($(ON_CONTAINER),)
 	$(RUNCTL) logs --job recipe --run-dir $(RECIPE_DIR) $(if $(FOLLOW),--follow)
+else
+	$(call JOB_PLAYBOOK,recipe,logs)
+endif
 
 recipe-stop: venv ## graceful stop of the chain (training stops after its checkpoint); make recipe continues it
+ifeq ($(ON_CONTAINER),)
 	$(RUNCTL) stop --job recipe --run-dir $(RECIPE_DIR)
+else
+	$(call JOB_PLAYBOOK,recipe,stop)
+endif
 
 bench: venv ## drafter-step benchmark (GPU); prints step time, tokens/s, MFU, peak memory
 	$(PY) -m dflash_trainer.bench $(BENCH_ARGS)

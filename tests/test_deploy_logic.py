@@ -33,7 +33,8 @@ CLI = [str(Path(sys.executable).parent / "dflash-run")]  # the trainer wheel's e
 def render_all(base: Path, variants: dict[str, dict]) -> subprocess.CompletedProcess:
     """Run the role's validate.yml and its templates on localhost, once per variant (the defaults + that
     variant's overrides), into base/<variant>: run.toml, and <job>/launch.json and <job>/dflash-job.service for
-    each job deploy renders. One ansible-playbook run for them all (its start-up is most of the time)."""
+    each job deploy renders, recipe/dflash-job.service (the chain's unit) and recipe/stages.json (the chain's
+    --job-dir arguments). One ansible-playbook run for them all (its start-up is most of the time)."""
     each = {"training_run_each_job": "{{ item.0 }}"}
     plays = []
     for name, overrides in variants.items():
@@ -56,7 +57,10 @@ def render_all(base: Path, variants: dict[str, dict]) -> subprocess.CompletedPro
                 {"name": "jobs", "ansible.builtin.set_fact": {"rendered_files": (
                     "{{ rendered_files | combine({item.0 ~ '/' ~ item.1: lookup('template', '%s/' ~ item.1 ~ '.j2')}) }}"
                     % (ROLE / "templates"))},
-                 "vars": each, "loop": "{{ training_run_deployed_jobs | product(training_run_job_files) }}"},
+                 "vars": each, "loop": ("{{ training_run_deployed_jobs | product(training_run_job_files) | list"
+                                         " + [['recipe', 'dflash-job.service']] }}")},
+                {"name": "recipe stages", "ansible.builtin.set_fact": {"rendered_files": (
+                    "{{ rendered_files | combine({'recipe/stages.json': training_run_recipe_stages | to_json}) }}")}},
                 {"name": "write them", "ansible.builtin.copy": {"content": "{{ rendered_files | to_json }}",
                                                                 "dest": str(out / "rendered.json"), "mode": "0644"}},
             ],
@@ -137,8 +141,9 @@ def test_run_config_renders_for_the_trainer(rendered):
                  "RequiresMountsFor=/srv/d/runs/qwen3-8b", "StartLimitBurst=4", "TimeoutStopSec=930"):
         assert line in unit
     assert not any("PYTHONPATH" in line for line in unit)
-    # no regeneration prompts: deploy leaves the regeneration out
+    # no regeneration prompts: deploy leaves the regeneration out, and the chain with it
     assert (tmp_path / "eval" / "launch.json").is_file() and not (tmp_path / "regenerate").exists()
+    assert "regenerate" not in (tmp_path / "recipe" / "stages.json").read_text()
 
 
 def test_regenerate_and_eval_jobs_render(rendered):
@@ -160,6 +165,15 @@ def test_regenerate_and_eval_jobs_render(rendered):
     assert "ExecStart=/opt/venv/bin/dflash-run run --run-dir /srv/d/regen/default --job regenerate" in units["regenerate"]
     assert "Restart=on-failure" in units["regenerate"] and "SyslogIdentifier=dflash-regenerate-default" in units["regenerate"]
     assert "Restart=no" in units["eval"] and not any(x.startswith("StartLimitBurst") for x in units["eval"])
+    # the recipe chain: its stages are these jobs, in their directories; the run trains on regeneration's shards
+    # without a path in the inventory (training_run_data_train's default); the chain's unit is not restarted by systemd
+    assert sorted(json.loads((tmp_path / "recipe" / "stages.json").read_text())) == [
+        "--job-dir=eval=/srv/d/runs/default/eval", "--job-dir=regenerate=/srv/d/regen/default",
+        "--job-dir=train=/srv/d/runs/default"]
+    assert 'train = ["/srv/d/regen/default/part-*.jsonl"]' in (tmp_path / "run.toml").read_text()
+    chain = (tmp_path / "recipe" / "dflash-job.service").read_text().splitlines()
+    assert "ExecStart=/opt/venv/bin/dflash-run run --run-dir /srv/d/recipe/default --job recipe" in chain
+    assert "Restart=no" in chain and "KillMode=mixed" in chain and "SyslogIdentifier=dflash-recipe-default" in chain
     # the jobs' names, commands and directories the controller knows are the ones the role renders
     for job, launch in ((REGENERATE, regen), (EVAL, ev)):
         assert job.matches(launch["argv"]) and not TRAIN.matches(launch["argv"])
@@ -186,7 +200,7 @@ def test_single_rank_run_is_one_process(rendered):
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze is missing (Debian: systemd)")
 def test_systemd_unit_passes_systemd_analyze(rendered):
     tmp_path = rendered / "systemd"  # ExecStart names this venv's dflash-run: an executable that exists here
-    for job in ("train", "regenerate", "eval"):
+    for job in ("train", "regenerate", "eval", "recipe"):
         unit = tmp_path / f"dflash-{job}-ci.service"
         shutil.copy(tmp_path / job / "dflash-job.service", unit)
         check = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60,

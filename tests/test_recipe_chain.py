@@ -81,6 +81,94 @@ def test_paths_given_relative_are_made_absolute_for_the_stages(tmp_path, monkeyp
     assert "qwen3-8b" in plan["stages"][2]["argv"]  # a bundled config's name stays a name
 
 
+def deploy_jobs(root: Path) -> dict[str, Path]:
+    """Each job's launch.json as `make deploy` writes it, in its own directory."""
+    dirs = {"regenerate": root / "regen", "train": root / "run", "eval": root / "run" / "eval"}
+    for name, job_dir in dirs.items():
+        job_dir.mkdir(parents=True, exist_ok=True)
+        (job_dir / supervise.LAUNCH).write_text(json.dumps({
+            "job": name, "argv": ["/venv/bin/python", "-m", f"dflash_trainer.{name}", "--out", str(job_dir)],
+            "env": {"HF_HOME": "/srv/hf"}, "max_restarts": 3, "supervisor": "systemd"}))
+    return dirs
+
+
+def test_a_deployed_chain_runs_each_jobs_own_launch(tmp_path):
+    dirs = deploy_jobs(tmp_path)
+    chain = tmp_path / "chain"
+    res = dflash_run("recipe", "--plan-only", "--run-dir", str(chain),
+                     *[f"--job-dir={n}={d}" for n, d in reversed(list(dirs.items()))])
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"recipe chain in {chain}: regenerate to run, train to run, eval to run"
+    plan = recipe.read_plan(chain)
+    assert [s["name"] for s in plan["stages"]] == ["regenerate", "train", "eval"]  # the chain's order, not the flags'
+    assert all(s["deployed"] and s["dir"] == str(dirs[s["name"]]) for s in plan["stages"])
+    assert plan["stages"][1]["argv"][-2:] == ["--out", str(dirs["train"])]
+    assert not (chain / "supervisor.json").exists()  # planned, not started
+    recipe.write_ended(chain, {"regenerate": {"state": "finished"}})
+    res = dflash_run("recipe", "--plan-only", "--run-dir", str(chain), *[f"--job-dir={n}={d}" for n, d in dirs.items()])
+    assert "regenerate finished before (not run again), train to run" in res.stdout
+    # a redeploy that changed regeneration's command line runs it again
+    launch = json.loads((dirs["regenerate"] / supervise.LAUNCH).read_text())
+    (dirs["regenerate"] / supervise.LAUNCH).write_text(json.dumps(dict(launch, argv=launch["argv"] + ["--limit", "9"])))
+    res = dflash_run("recipe", "--plan-only", "--run-dir", str(chain), *[f"--job-dir={n}={d}" for n, d in dirs.items()])
+    assert "the deployed jobs changed: regenerate will run again" in res.stdout
+
+
+def test_a_deployed_chain_keeps_the_deployed_launch(tmp_path):
+    """The chain's stage runs the job as make deploy described it (its environment too), and leaves its
+    launch.json as deploy wrote it."""
+    job_dir = tmp_path / "run"
+    job_dir.mkdir()
+    child = "import os, pathlib; pathlib.Path('summary.json').write_text(os.environ['MARK'])"
+    deployed = json.dumps({"job": "train", "argv": [sys.executable, "-c", child, "-m", "dflash_trainer.train"],
+                           "env": {"MARK": "from the inventory"}, "supervisor": "systemd"})
+    (job_dir / supervise.LAUNCH).write_text(deployed)
+    chain = tmp_path / "chain"
+    recipe.save_plan(chain, recipe.deployed_plan({"train": job_dir}))
+    res = dflash_run("run", "--job", "recipe", "--run-dir", str(chain))  # what the chain's systemd unit runs
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (job_dir / "summary.json").read_text() == "from the inventory"
+    assert (job_dir / supervise.LAUNCH).read_text() == deployed
+    assert recipe.read_ended(chain)["train"]["state"] == "finished"
+
+
+def test_deployed_stages_are_checked_before_anything_is_written(tmp_path):
+    chain = tmp_path / "chain"
+    res = dflash_run("recipe", "--run-dir", str(chain), "--job-dir=train=/x", "--config", "embedded")
+    assert res.returncode == 2 and "--job-dir takes the stages from the deployed jobs" in res.stderr
+    res = dflash_run("recipe", "--run-dir", str(chain), "--job-dir=bogus=/x")
+    assert res.returncode == 2 and "STAGE one of regenerate, train, eval" in res.stderr
+    res = dflash_run("recipe", "--run-dir", str(chain), f"--job-dir=train={tmp_path / 'never'}")
+    assert res.returncode != 0 and "the training was not deployed" in res.stderr and "make deploy" in res.stderr
+    assert not chain.exists()
+
+
+def test_a_killed_chain_leaves_its_stage_running_and_recipe_stop_stops_it(tmp_path):
+    """SIGKILL takes the chain's process (and the stage's supervisor inside it) away, not the stage's own process,
+    which runs in a session of its own: status names it, recipe-stop stops it gracefully, and then a start may
+    continue the chain."""
+    run = tmp_path / "run"
+    run.mkdir()
+    child = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+             "pathlib.Path('up').touch(); time.sleep(60)")
+    (run / supervise.LAUNCH).write_text(json.dumps({"job": "train", "argv": [
+        sys.executable, "-c", child, "-m", "dflash_trainer.train", "--output-dir", str(run)]}))
+    chain = tmp_path / "chain"
+    recipe.save_plan(chain, recipe.deployed_plan({"train": run}))
+    assert dflash_run("start", "--job", "recipe", "--run-dir", str(chain)).returncode == 0
+    assert wait_for(lambda: (run / "up").exists(), 20)
+    os.kill(int(supervise.read_state(chain)["pid"]), 9)
+    assert wait_for(lambda: "state:       dead at stage train" in chain_status(chain), 10)
+    stage = int(supervise.read_state(run)["job_pid"])
+    assert f"left running: training process {stage} still writes to {run}: stop it (make recipe-stop" in \
+        chain_status(chain)
+    res = dflash_run("stop", "--job", "recipe", "--run-dir", str(chain))
+    assert res.returncode == 0 and "the recipe chain's process is gone; its train stage still ran" in res.stdout
+    assert "stopped 1 training process(es)" in res.stdout, res.stdout
+    assert wait_for(lambda: not recipe.stray_processes(chain), 10)
+    assert "next:        `make recipe` continues" in chain_status(chain)
+
+
 def test_a_changed_stage_and_those_after_it_run_again(tmp_path):
     chain = tmp_path / "c"
     first = recipe.make_plan(chain, "embedded", "/t", ["a.jsonl"], [], {}, python="py")

@@ -57,7 +57,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="more arguments for one stage (target, regenerate, train, eval), e.g. "
                     "regenerate='--max-new-tokens 512'")
     rc.add_argument("--nproc", type=int, help="processes (GPUs) for regeneration and training (default: 1)")
+    rc.add_argument("--job-dir", action="append", default=[], metavar="STAGE=DIR",
+                    help="in a container: the deployed job (regenerate, train, eval) whose launch.json is that stage "
+                    "(make recipe INVENTORY=... gives each); instead of --config, --target, --data, ...")
     rc.add_argument("--foreground", action="store_true", help="run the chain here, not detached")
+    rc.add_argument("--plan-only", action="store_true", help="write the plan and say what will run; start nothing "
+                    "(systemd starts the chain's unit then)")
     return ap.parse_args(argv)
 
 
@@ -113,14 +118,15 @@ def _command(argv: list[str] | None) -> int:
         else:
             print(f"preflight: ok ({a.run_dir})")
         return 1 if problems else 0
+    if a.cmd == "recipe" or (job is RECIPE and a.cmd in ("status", "start", "run")):
+        return recipe_command(a)
     if a.cmd == "run":
         return supervise.run(a.run_dir, a.restart, job)
     if a.cmd == "start":
         return supervise.start_detached(a.run_dir, job)
     if a.cmd == "stop":
-        return supervise.stop(a.run_dir, a.unit, a.timeout, job)
-    if a.cmd == "recipe" or (job is RECIPE and a.cmd in ("status", "start", "run")):
-        return recipe_command(a)
+        return recipe.stop(a.run_dir, a.unit, a.timeout) if job is RECIPE else supervise.stop(a.run_dir, a.unit,
+                                                                                               a.timeout, job)
     if a.cmd == "status":
         rep = status.report(a.run_dir, a.unit, job=job)
         print(json.dumps(rep, indent=1) if a.json else status.format_report(rep))
@@ -148,26 +154,20 @@ def start_recipe(a: argparse.Namespace) -> int:
         print(f"already running (pid {current['pid']}): make recipe-status / make recipe-stop")
         return 1
     given = any((a.config, a.target, a.data, a.set, a.args, a.nproc))
-    if given or recipe.read_plan(a.run_dir.absolute()) is None:
-        stage_args = {}
-        for item in a.args:
-            stage, sep, rest = item.partition("=")
-            if not sep or stage not in (recipe.BUILD_TARGET, "regenerate", "train", "eval"):
-                print(f"--args {item!r}: give STAGE=ARGS with STAGE one of target, regenerate, train, eval",
-                      file=sys.stderr)
-                return 2
-            stage_args.setdefault(stage, []).extend(shlex.split(rest))
-        if a.nproc is not None and a.nproc < 1:
-            print(f"--nproc {a.nproc}: give 1 or more processes", file=sys.stderr)
-            return 2
-        plan = recipe.make_plan(a.run_dir, a.config or "embedded", a.target or recipe.EMBEDDED,
-                                a.data or [recipe.default_data()], a.set, stage_args, a.nproc or 1)
-        redo = recipe.save_plan(a.run_dir.absolute(), plan)
-        if redo:
-            print(f"the plan changed: {', '.join(redo)} will run again")
+    if a.job_dir and given:
+        print("--job-dir takes the stages from the deployed jobs: give it without --config, --target, --data, "
+              "--set, --args and --nproc (the inventory sets those)", file=sys.stderr)
+        return 2
+    planned = plan_deployed(a) if a.job_dir else plan_local(a) if given or recipe.read_plan(
+        a.run_dir.absolute()) is None else 0
+    if planned:
+        return planned
     if stray := recipe.stray_processes(a.run_dir.absolute()):
         print("\n".join(stray), file=sys.stderr)
         return 1
+    if a.plan_only:
+        print(recipe.plan_summary(a.run_dir.absolute()))
+        return 0
     if a.foreground:
         return recipe.run_chain(a.run_dir)
     rc = supervise.start_detached(a.run_dir, RECIPE, recipe.run_chain)
@@ -175,6 +175,41 @@ def start_recipe(a: argparse.Namespace) -> int:
         print(f"recipe chain started in {a.run_dir}: make recipe-status (dflash-run status --job recipe "
               f"--run-dir {a.run_dir})")
     return rc
+
+
+def plan_deployed(a: argparse.Namespace) -> int:
+    """The plan of a container's chain: its stages are the deployed jobs --job-dir names. 0, or 2 for bad input."""
+    job_dirs = {}
+    for item in a.job_dir:
+        stage, sep, where = item.partition("=")
+        if not sep or not where or stage not in ("regenerate", "train", "eval"):
+            print(f"--job-dir {item!r}: give STAGE=DIR with STAGE one of regenerate, train, eval", file=sys.stderr)
+            return 2
+        job_dirs[stage] = Path(where)
+    if redo := recipe.save_plan(a.run_dir.absolute(), recipe.deployed_plan(job_dirs)):
+        print(f"the deployed jobs changed: {', '.join(redo)} will run again")
+    return 0
+
+
+def plan_local(a: argparse.Namespace) -> int:
+    """The plan of a chain on this machine, from --config, --target, --data, --set, --args and --nproc. 0, or 2 for
+    bad input."""
+    stage_args = {}
+    for item in a.args:
+        stage, sep, rest = item.partition("=")
+        if not sep or stage not in (recipe.BUILD_TARGET, "regenerate", "train", "eval"):
+            print(f"--args {item!r}: give STAGE=ARGS with STAGE one of target, regenerate, train, eval",
+                  file=sys.stderr)
+            return 2
+        stage_args.setdefault(stage, []).extend(shlex.split(rest))
+    if a.nproc is not None and a.nproc < 1:
+        print(f"--nproc {a.nproc}: give 1 or more processes", file=sys.stderr)
+        return 2
+    plan = recipe.make_plan(a.run_dir, a.config or "embedded", a.target or recipe.EMBEDDED,
+                            a.data or [recipe.default_data()], a.set, stage_args, a.nproc or 1)
+    if redo := recipe.save_plan(a.run_dir.absolute(), plan):
+        print(f"the plan changed: {', '.join(redo)} will run again")
+    return 0
 
 
 def logs(run_dir: Path, lines: int, follow: bool, unit: str | None = None, log: str = supervise.LOG) -> int:

@@ -6,6 +6,9 @@ ended) and its log (logs/recipe.log). Each stage is a job of its own in a subdir
 supervisor as `dflash-run start` runs it (restarts after a fault, graceful stop), so `dflash-run status --job
 train --run-dir DIR/run` works on it too. The embedded default first builds its tiny target (embedded/).
 
+In a container the stages are the jobs `make deploy` described (deployed_plan): each one's launch.json, rendered
+from the inventory, is its stage's command line, so the inventory's settings for each job are the chain's.
+
 A second start continues: a stage that finished is not run again; the one that stopped or failed starts again
 (training resumes from its last checkpoint, regeneration answers only the rest). A failed stage stops the chain
 with the stage's error line.
@@ -79,6 +82,20 @@ def make_plan(chain_dir: Path, config: str, target: str, data: list[str], sets: 
     return {"job": RECIPE.name, "stages": stages, "max_restarts": 3, "restart_delay_s": 10}
 
 
+def deployed_plan(job_dirs: dict[str, Path]) -> dict:
+    """The chain of the jobs deployed in a container: each stage runs its job's own launch.json (command line,
+    environment, restarts, stop timeout) in that job's directory, as `make train` would. The inventory wires
+    them: regeneration's shards are the run's data.train, the evaluation's --run is the run's directory.
+    SystemExit (naming the fix) when a job was not deployed."""
+    stages = []
+    for name in ("regenerate", "train", "eval"):
+        if name in job_dirs:
+            job_dir = job_dirs[name].absolute()
+            launch = supervise.load_launch(job_dir, JOBS[name])
+            stages.append({"name": name, "dir": str(job_dir), "argv": launch["argv"], "deployed": True})
+    return {"job": RECIPE.name, "stages": stages}
+
+
 def read_plan(chain_dir: Path) -> dict | None:
     return status.read_json(chain_dir / PLAN)
 
@@ -99,6 +116,14 @@ def save_plan(chain_dir: Path, plan: dict) -> list[str]:
     return redo
 
 
+def plan_summary(chain_dir: Path) -> str:
+    """What a start of the planned chain runs: each stage, and whether it finished before (then it is skipped)."""
+    ended = read_ended(chain_dir)
+    return f"recipe chain in {chain_dir}: " + ", ".join(
+        f"{s['name']} " + ("finished before (not run again)" if ended.get(s["name"], {}).get("state") == "finished"
+                           else "to run") for s in (read_plan(chain_dir) or {}).get("stages", []))
+
+
 def read_ended(chain_dir: Path) -> dict:
     return status.read_json(chain_dir / ENDED) or {}
 
@@ -113,10 +138,25 @@ def stray_processes(chain_dir: Path) -> list[str]:
     """Stage processes still running with no chain over them (its process was killed, SIGKILL or a reboot of a
     container that kept running them): a second start must not run the stage beside them."""
     procs = job_processes()
-    return [f"{p.job.what} process {p.pid} still writes to {s['dir']}: stop it (dflash-run stop --job {p.job.name} "
-            f"--run-dir {s['dir']}), then start the chain again"
+    return [f"{p.job.what} process {p.pid} still writes to {s['dir']}: stop it (make recipe-stop, or dflash-run stop "
+            f"--job recipe --run-dir {chain_dir}), then start the chain again"
             for s in (read_plan(chain_dir) or {}).get("stages", []) if s["name"] in JOBS
             for p in of_run(s["dir"], procs, JOBS[s["name"]])]
+
+
+def stop(chain_dir: Path, unit: str | None, timeout_s: float) -> int:
+    """The chain's graceful stop. A chain whose process is gone (SIGKILL, out of memory) may have left its stage's
+    process running: that one gets the same graceful stop, through its stage's directory."""
+    chain_dir = chain_dir.absolute()
+    st = supervise.read_state(chain_dir)
+    chain_alive = st.get("state") in ("running", "starting") and alive(int(st.get("pid") or 0))
+    strays = [] if chain_alive else [
+        s for s in (read_plan(chain_dir) or {}).get("stages", [])
+        if s["name"] in JOBS and of_run(s["dir"], job_processes(), JOBS[s["name"]])]
+    if not strays:
+        return supervise.stop(chain_dir, unit, timeout_s, RECIPE)
+    print(f"the recipe chain's process is gone; its {', '.join(s['name'] for s in strays)} stage still ran:")
+    return max(supervise.stop(Path(s["dir"]), None, timeout_s, JOBS[s["name"]]) for s in strays)
 
 
 class Chain:
@@ -185,9 +225,10 @@ class Chain:
                 self.child = subprocess.Popen(stage["argv"], stdout=log, stderr=subprocess.STDOUT)
                 rc = self.child.wait()
             return rc, "stopped" if self.stopping.is_set() else "finished" if rc == 0 else "failed"
-        launch = {"job": stage["name"], "argv": stage["argv"], "max_restarts": self.plan.get("max_restarts", 3),
-                  "restart_delay_s": self.plan.get("restart_delay_s", 10), "supervisor": "process"}
-        (stage_dir / supervise.LAUNCH).write_text(json.dumps(launch, indent=1))
+        if not stage.get("deployed"):  # a deployed job's launch.json is make deploy's: used as it is
+            launch = {"job": stage["name"], "argv": stage["argv"], "max_restarts": self.plan.get("max_restarts", 3),
+                      "restart_delay_s": self.plan.get("restart_delay_s", 10), "supervisor": "process"}
+            (stage_dir / supervise.LAUNCH).write_text(json.dumps(launch, indent=1))
         sup = supervise.Supervisor(stage_dir, restart=True, job=JOBS[stage["name"]])
         try:
             rc = sup.loop()  # it takes SIGTERM / SIGINT over while it runs: a stop is its graceful stop
@@ -237,6 +278,7 @@ def report(chain_dir: Path, log_lines: int = 5) -> dict:
                        (ended.get(n) or {}).get("state", "not started") for n in stages},
             "stage_dir": stage and stage["dir"], "last_progress": latest, "error": st.get("error"),
             "result": result(plan) if state == "finished" else None,
+            "left_running": stray_processes(chain_dir) if state == "dead" else [],
             "log": str(log), "log_tail": status.tail(log, log_lines)}
 
 
@@ -255,6 +297,8 @@ def format_report(r: dict) -> str:
                   f"fix:         what the error names, then make recipe continues from {r['stage']}"]
     elif r.get("result"):
         lines.append(f"result:      {r['result']}")
+    elif r.get("left_running"):
+        lines += [f"left running: {line}" for line in r["left_running"]]
     elif r["state"] in ("stopped", "dead"):
         lines.append(f"next:        {RECIPE.again}")
     lines.append(f"log:         {r['log']}")

@@ -36,7 +36,7 @@ class Site:
 
     Defaults: the busybox template with python, this machine's dev venv as the trainer's interpreter, a run
     of STEPS steps with a checkpoint every EVERY; `template`, `vmid`, `steps`, `every` and `run_vars`
-    (training_run_* and other group vars) change them.
+    (training_run_* and other group vars; None leaves a setting at the role's default) change them.
     """
 
     def __init__(self, host, work: Path, inputs: dict, tiny: dict, *, vmid: int = VMID,
@@ -66,6 +66,7 @@ class Site:
             "training_run_env": {"LD_LIBRARY_PATH": f"{sys.base_prefix}/lib:/host-libs"}, "training_run_min_free_gb": 0.1, "training_run_restart_delay_s": 1, "training_run_stop_timeout_s": 120,
             **(run_vars or {}),
         }
+        group_vars = {key: value for key, value in group_vars.items() if value is not None}
         self.inv = self.prov.inventory({f"ct{vmid}": {
             "proxmox_lxc_vmid": vmid, "proxmox_lxc_hostname": f"ct{vmid}", "proxmox_gpu_devices": [0],
             "training_venv_stage_dir": str(work / "stage" / "venv"),
@@ -114,7 +115,7 @@ class Site:
     def job_dir(self, job: str = "train") -> Path:
         """Where a job's launch, state, log and output are, seen from this machine (the roles' defaults)."""
         return {"train": self.run_dir, "regenerate": self.persist / "regen" / "default",
-                "eval": self.run_dir / "eval"}[job]
+                "eval": self.run_dir / "eval", "recipe": self.persist / "recipe" / "default"}[job]
 
     def state(self, job: str = "train") -> dict:
         try:
