@@ -307,7 +307,7 @@ def test_the_recipe_runs_and_serves_as_zlab_does(family, targets, tokenizer, tmp
         data[name].write_text("".join(json.dumps(r) + "\n" for r in part))
     colocated = run(run_config(target_dir, data, tmp_path / "run"))
     published = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
-    assert ("input_embedding_scale" in published["dflash_config"]) == (family in SCALED_EMBEDDINGS)
+    assert "input_embedding_scale" not in published["dflash_config"]  # drafter.embedding_scale = none, the default
     assert colocated["target_attention"] == ("eager" if family in EAGER else "sdpa")
     features = tmp_path / "features"
     dump_features(run_config(target_dir, data, tmp_path / "dump"), features, 2)
