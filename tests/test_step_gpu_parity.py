@@ -32,6 +32,7 @@ from dflash_trainer.run.step import DrafterStep
 from transformers import Qwen3Config
 
 STEPS = 20
+WARMUP = 2  # steps of linear warmup before the cosine decay
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,7 @@ def reference_lr_factor(step: int, total: int, warmup: int) -> float:
 def check_parity(shape: Shape, device: str, dtype: torch.dtype, *, backend: str, compiled: bool, chunk_rows: int,
                  one_pass: bool | None, tol: dict, grad_accum: int = 2) -> None:
     torch.manual_seed(0)
-    train = TrainConfig()  # the trainer's defaults: lr, betas, weight decay, clip, schedule
-    warmup = max(1, int(train.warmup_ratio * STEPS) or 2)
+    train = TrainConfig()  # the trainer's defaults: lr, betas, weight decay, clip
     drafter = make_drafter(shape, device).to(dtype)
     reference = copy.deepcopy(drafter).float()  # the same initial weights (rounded to dtype), in fp32
     init = {n: p.detach().clone() for n, p in reference.named_parameters()}
@@ -154,7 +154,7 @@ def check_parity(shape: Shape, device: str, dtype: torch.dtype, *, backend: str,
     optimizer = MasterWeightAdamW(drafter.parameters(), lr=train.lr, weight_decay=train.weight_decay,
                                   betas=(train.adam_beta1, train.adam_beta2), max_grad_norm=train.max_grad_norm,
                                   one_pass=one_pass)
-    scheduler = warmup_cosine(optimizer.opt, STEPS, warmup, 0.0)
+    scheduler = warmup_cosine(optimizer.opt, STEPS, WARMUP, 0.0)
     step = DrafterStep(drafter, embed, head, optimizer, num_anchors=shape.anchors, gamma=None, chunk_rows=chunk_rows,
                        backend=backend, compiled_layers=compiled, vocab_size=shape.vocab, scheduler=scheduler)
     if device == "cuda":
@@ -164,7 +164,7 @@ def check_parity(shape: Shape, device: str, dtype: torch.dtype, *, backend: str,
     ref_params = dict(reference.named_parameters())
     ref_opt = torch.optim.AdamW(ref_params.values(), lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
                                 weight_decay=train.weight_decay, eps=1e-8)
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: reference_lr_factor(s, STEPS, warmup))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: reference_lr_factor(s, STEPS, WARMUP))
     ref_embed, ref_head = embed.float(), head.float()
 
     def reference_step(micro_batches):
