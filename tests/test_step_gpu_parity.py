@@ -299,6 +299,33 @@ def test_the_comparison_catches_a_dropped_loss_chunk(monkeypatch):
                      tol=CPU_TOL_FP32)
 
 
+def test_block_mask_tables_at_the_gpu_shape_equal_torchs_own():
+    """The hand-built BlockMask the GPU step attends with, at GEMMA_270M's shape (16 query tiles, 24 key tiles,
+    a row with padding blocks), holds the tiles create_block_mask derives from the mask's definition: the
+    forward's KV-direction tables and the backward's Q-direction ones, partial and full, in counts and indices."""
+    from dflash_trainer.model.mask import dflash_block_mask, dflash_mask_mod
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    shape = GEMMA_270M
+    batch = make_batches(shape, 1, "cpu", torch.float32, count=1)[0]
+    anchors, keep = sample_anchors(batch.loss_mask, shape.anchors, anchor_generator("cpu", 0))
+    assert not keep[0].all() and keep[1].all()
+    q_len, kv_len = shape.anchors * shape.block, shape.ctx_len + shape.anchors * shape.block
+    built = dflash_block_mask(anchors, keep, shape.block, shape.ctx_len)
+    derived = create_block_mask(dflash_mask_mod(anchors, keep, shape.block, shape.ctx_len), shape.batch, None,
+                                q_len, kv_len, device="cpu")
+    assert built.seq_lengths == derived.seq_lengths == (q_len, kv_len)
+
+    def tiles(mask, counts: str, indices: str) -> list[list[set[int]]]:
+        n, idx = getattr(mask, counts), getattr(mask, indices)
+        return [[set(idx[b, 0, r, :n[b, 0, r]].tolist()) for r in range(n.shape[-1])] for b in range(n.shape[0])]
+
+    for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                            ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        assert torch.equal(getattr(built, counts), getattr(derived, counts)), counts
+        assert tiles(built, counts, indices) == tiles(derived, counts, indices), indices
+
+
 @pytest.fixture
 def default_compiler_stance():
     """The compile step leaves fail_on_recompile on: give the next test the default stance back."""
