@@ -138,19 +138,38 @@ def reference_lr_factor(step: int, total: int, warmup: int) -> float:
 # --- the comparison ------------------------------------------------------------------------------------------
 
 
-def check_parity(shape: Shape, device: str, dtype: torch.dtype, *, backend: str, compiled: bool, chunk_rows: int,
-                 one_pass: bool | None, tol: dict, grad_accum: int = 2) -> None:
-    torch.manual_seed(0)
-    train = TrainConfig()  # the trainer's defaults: lr, betas, weight decay, clip
-    drafter = make_drafter(shape, device).to(dtype)
-    reference = copy.deepcopy(drafter).float()  # the same initial weights (rounded to dtype), in fp32
-    init = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    feat_dim = len(drafter.target_layer_ids) * shape.hidden
-    g = torch.Generator().manual_seed(2)
-    embed = (torch.randn(shape.vocab, shape.hidden, generator=g) * 0.02).to(device, dtype)
-    head = (torch.randn(shape.vocab, shape.hidden, generator=g) * 0.02).to(device, dtype)
-    batches = make_batches(shape, feat_dim, device, dtype)
+class Reference:
+    """The drafter's modules in fp32 from the production drafter's initial weights, trained eagerly: the loss
+    over every slot normalised by the step's total weight, torch's clip and torch's AdamW, its own schedule."""
 
+    def __init__(self, drafter: DFlashDrafter, embed, head, shape: Shape, device, train: TrainConfig):
+        self.model = copy.deepcopy(drafter).float()  # the same initial weights (rounded to dtype), in fp32
+        self.params = dict(self.model.named_parameters())
+        self.init = {n: p.detach().clone() for n, p in self.params.items()}
+        self.opt = torch.optim.AdamW(self.params.values(), lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
+                                     weight_decay=train.weight_decay, eps=1e-8)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: reference_lr_factor(s, STEPS, WARMUP))
+        self.embed, self.head = embed.float(), head.float()
+        self.shape, self.device, self.max_grad_norm = shape, device, train.max_grad_norm
+
+    def step(self, micro_batches: list[FeatureBatch]) -> tuple[float, float, dict[str, torch.Tensor]]:
+        """(the step's loss, the gradient norm before the clip, each parameter's gradient before the clip)."""
+        self.opt.zero_grad(set_to_none=True)
+        sums = [reference_loss(self.model, self.embed, self.head, mb, self.device, self.shape.block,
+                               self.shape.anchors) for mb in micro_batches]
+        loss = sum(s for s, _ in sums) / sum(w for _, w in sums)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in self.params.items()}
+        norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.max_grad_norm)
+        self.opt.step()
+        self.sched.step()
+        return loss.item(), norm.item(), grads
+
+
+def production_step(shape: Shape, drafter, embed, head, device: str, dtype, *, backend: str, compiled: bool,
+                    chunk_rows: int, one_pass: bool | None, train: TrainConfig) -> DrafterStep:
+    """DrafterStep with MasterWeightAdamW and the warmup-cosine schedule, as train.py builds them; on a GPU,
+    compiled by the compile step."""
     optimizer = MasterWeightAdamW(drafter.parameters(), lr=train.lr, weight_decay=train.weight_decay,
                                   betas=(train.adam_beta1, train.adam_beta2), max_grad_norm=train.max_grad_norm,
                                   one_pass=one_pass)
@@ -160,70 +179,63 @@ def check_parity(shape: Shape, device: str, dtype: torch.dtype, *, backend: str,
     if device == "cuda":
         assert optimizer.one_pass == (dtype != torch.float32), "the GPU trainer's optimizer path"
         compile_production_step(step, shape)
+    return step
 
-    ref_params = dict(reference.named_parameters())
-    ref_opt = torch.optim.AdamW(ref_params.values(), lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
-                                weight_decay=train.weight_decay, eps=1e-8)
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: reference_lr_factor(s, STEPS, WARMUP))
-    ref_embed, ref_head = embed.float(), head.float()
 
-    def reference_step(micro_batches):
-        """The loss normalised by the total weight of all the step's micro-batches."""
-        ref_opt.zero_grad(set_to_none=True)
-        sums = [reference_loss(reference, ref_embed, ref_head, mb, device, shape.block, shape.anchors)
-                for mb in micro_batches]
-        loss = sum(s for s, _ in sums) / sum(w for _, w in sums)
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in ref_params.items()}  # before the clip scales them
-        norm = torch.nn.utils.clip_grad_norm_(list(ref_params.values()), train.max_grad_norm)
-        ref_opt.step()
-        ref_sched.step()
-        return loss.item(), norm.item(), grads
-
-    # Step 1, unrolled as DrafterStep.run runs it for one rank and one micro-batch, to read the gradients.
-    first = batches[0]
+def check_first_step(step: DrafterStep, reference: Reference, first: FeatureBatch, device,
+                     tol: dict) -> tuple[float, float]:
+    """Step 1, unrolled as DrafterStep.run runs it for one rank and one micro-batch, to read the gradients:
+    the loss, the gradient norm and every parameter's gradient against the reference's. Returns both losses."""
     sums = step.forward_backward(first.input_ids, first.loss_mask, first.features, anchor_generator(device, 0))
     weight = sums.weight.float()
-    prod_loss = (sums.weighted_loss / weight).item()
-    prod_grads = {n: p.grad.float() / weight for n, p in drafter.named_parameters()}
-    prod_norm = step.optimizer_step(1.0 / weight.clamp(min=1e-6)).item()
-    ref_loss, ref_norm, ref_grads = reference_step([first])
-
-    assert set(prod_grads) == set(ref_grads)
-    assert prod_loss == pytest.approx(ref_loss, rel=tol["loss"]), "step 1's loss"
-    assert prod_norm == pytest.approx(ref_norm, rel=tol["norm"]), "step 1's gradient norm (before the clip)"
+    loss = (sums.weighted_loss / weight).item()
+    grads = {n: p.grad.float() / weight for n, p in step.drafter.named_parameters()}
+    norm = step.optimizer_step(1.0 / weight.clamp(min=1e-6)).item()
+    ref_loss, ref_norm, ref_grads = reference.step([first])
+    assert set(grads) == set(ref_grads)
+    assert loss == pytest.approx(ref_loss, rel=tol["loss"]), "step 1's loss"
+    assert norm == pytest.approx(ref_norm, rel=tol["norm"]), "step 1's gradient norm (before the clip)"
     gaps = []
     for name, ref in ref_grads.items():
-        got = prod_grads[name]
-        cos = F.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
-        ratio = (got.norm() / ref.norm()).item()
+        cos = F.cosine_similarity(grads[name].flatten(), ref.flatten(), dim=0).item()
+        ratio = (grads[name].norm() / ref.norm()).item()
         if cos < tol["cos"] or abs(ratio - 1) > tol["grad_norm"]:
             gaps.append(f"{name}: cosine {cos:.5f}, norm ratio {ratio:.4f}")
     assert not gaps, "step 1's gradients differ:\n" + "\n".join(gaps)
+    return loss, ref_loss
+
+
+def check_parity(shape: Shape, device: str, dtype: torch.dtype, *, backend: str, compiled: bool, chunk_rows: int,
+                 one_pass: bool | None, tol: dict, grad_accum: int = 2) -> None:
+    torch.manual_seed(0)
+    train = TrainConfig()  # the trainer's defaults: lr, betas, weight decay, clip
+    drafter = make_drafter(shape, device).to(dtype)
+    g = torch.Generator().manual_seed(2)
+    embed = (torch.randn(shape.vocab, shape.hidden, generator=g) * 0.02).to(device, dtype)
+    head = (torch.randn(shape.vocab, shape.hidden, generator=g) * 0.02).to(device, dtype)
+    batches = make_batches(shape, len(drafter.target_layer_ids) * shape.hidden, device, dtype)
+    reference = Reference(drafter, embed, head, shape, device, train)
+    step = production_step(shape, drafter, embed, head, device, dtype, backend=backend, compiled=compiled,
+                           chunk_rows=chunk_rows, one_pass=one_pass, train=train)
+    losses = [check_first_step(step, reference, batches[0], device, tol)]
 
     # Steps 2..20: DrafterStep.run itself over grad_accum micro-batches, the reference beside it on the same
     # micro-batches and anchors.
-    prod_losses, ref_losses = [prod_loss], [ref_loss]
     for i in range(1, STEPS):
-        step_batches = []
-        for j in range(grad_accum):
-            index = i * grad_accum + j
-            b = batches[index % len(batches)]
-            step_batches.append(FeatureBatch(b.features, b.input_ids, b.loss_mask, b.tokens, index, b.wait))
-        result = step.run(iter(step_batches), grad_accum, generator_for=lambda index: anchor_generator(device, index))
-        prod_losses.append(result.read().loss)
-        ref_losses.append(reference_step(step_batches)[0])
-    drift = [abs(p - r) / r for p, r in zip(prod_losses, ref_losses)]
-    table = "\n".join(f"step {i + 1}: production {p:.4f}, reference {r:.4f}"
-                      for i, (p, r) in enumerate(zip(prod_losses, ref_losses)))
-    learned = sum(ref_losses[-5:]) / 5 < ref_losses[0] * 0.95
-    assert learned, "the reference learned nothing: the check would be vacuous\n" + table
-    assert max(drift) < tol["losses"], "the per-step losses part\n" + table
+        indices = range(i * grad_accum, (i + 1) * grad_accum)
+        micro = [batches[k % len(batches)] for k in indices]
+        micro = [FeatureBatch(b.features, b.input_ids, b.loss_mask, b.tokens, k, b.wait) for b, k in zip(micro, indices)]
+        result = step.run(iter(micro), grad_accum, generator_for=lambda index: anchor_generator(device, index))
+        losses.append((result.read().loss, reference.step(micro)[0]))
+    table = "\n".join(f"step {i + 1}: production {p:.4f}, reference {r:.4f}" for i, (p, r) in enumerate(losses))
+    ref_losses = [r for _, r in losses]
+    assert sum(ref_losses[-5:]) / 5 < ref_losses[0] * 0.95, "the reference learned nothing: a vacuous check\n" + table
+    assert max(abs(p - r) / r for p, r in losses) < tol["losses"], "the per-step losses part\n" + table
 
     # The weights: what each side's 20 updates moved them by (fp32 masters against the reference's fp32).
-    masters = dict(zip([n for n, _ in drafter.named_parameters()], optimizer.master))
-    moved = torch.cat([(masters[n].detach().float() - init[n]).flatten() for n in ref_params])
-    ref_moved = torch.cat([(ref_params[n].detach() - init[n]).flatten() for n in ref_params])
+    masters = dict(zip([n for n, _ in drafter.named_parameters()], step.optimizer.master))
+    moved = torch.cat([(masters[n].detach().float() - reference.init[n]).flatten() for n in reference.params])
+    ref_moved = torch.cat([(p.detach() - reference.init[n]).flatten() for n, p in reference.params.items()])
     cos = F.cosine_similarity(moved, ref_moved, dim=0).item()
     ratio = (moved.norm() / ref_moved.norm()).item()
     assert cos > tol["weights_cos"] and abs(ratio - 1) < tol["weights_norm"], (
