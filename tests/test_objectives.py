@@ -122,6 +122,30 @@ def test_ce_alone_takes_the_default_path_exactly():
         chunked_block_loss(h, head, labels, weights, 4, objective=CASES["tv"])
 
 
+@pytest.mark.slow
+def test_the_compiled_mixture_matches_the_reference_for_any_chunk_length_in_one_graph():
+    """COMPILED_MIXTURE (the GPU training path; Inductor's CPU code here) gives the eager mixture's loss,
+    gradient, hits and CE, and the reference's gradient over the logits, for chunks of different lengths (a
+    run's last chunk is shorter) from one graph: after the compile step a second graph would be an error."""
+    from dflash_trainer.model.loss import compiled_mixture_and_grad, mixture_and_grad
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    objective = CASES["all"]
+    g = torch.Generator().manual_seed(7)
+    for rows in (24, 24, 11):
+        logits, target_logits = (torch.randn(rows, 300, generator=g) * 3 for _ in range(2))
+        labels, weights = torch.randint(300, (rows,), generator=g), torch.rand(rows, generator=g)
+        got = compiled_mixture_and_grad(logits, target_logits, labels, weights, objective)
+        for a, b in zip(got, mixture_and_grad(logits, target_logits, labels, weights, objective, True), strict=True):
+            torch.testing.assert_close(a, b)
+        ref_logits = logits.clone().requires_grad_()
+        ref = reference_loss(ref_logits, target_logits, labels, weights, objective)
+        torch.testing.assert_close(got[0].sum(), ref.detach())
+        torch.testing.assert_close(got[1], torch.autograd.grad(ref, ref_logits)[0])
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def plain_dpace(ce, carries, block, alpha):
     """speculators' dpace_loss_decay, one block and one slot at a time."""
     weights = torch.zeros_like(ce)
