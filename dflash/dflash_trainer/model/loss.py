@@ -135,7 +135,9 @@ def mixture_rows_and_grad(logits: torch.Tensor, target_logits: torch.Tensor, lab
             grad.sub_(q_below, alpha=tv_weight)
         if kl_weight:
             grad.sub_(p, alpha=kl_weight)
-        if ce_weight:
+        if ce_weight and torch.compiler.is_compiling():  # element-wise: fuses into the gradient's one write
+            grad = grad - ce_weight * (torch.arange(x.shape[1], device=x.device) == labels.unsqueeze(1)).float()
+        elif ce_weight:  # eager: one small op, not a pass over [rows, vocab]
             grad.scatter_add_(1, labels.unsqueeze(1), torch.full((x.shape[0], 1), -ce_weight, device=x.device))
         grad = grad.mul_(weights.unsqueeze(1)).to(logits.dtype)
     return loss * weights, grad, x.argmax(-1) == labels, ce
