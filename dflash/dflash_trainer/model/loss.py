@@ -15,8 +15,9 @@ no-grad passes (`ce_and_grad`, the reference).
 Against the target's distribution (`Objective`: kl, tv, mixed with ce as DSpark's 0.1 CE + 0.9 TV): the
 target's logits at each block position come from its final normed hidden state through the same head,
 chunk by chunk beside the drafter's, and the mixture and its gradient are computed in torch
-(`mixture_and_grad`) on chunks capped at MIXTURE_CHUNK_LOGITS logits, since that path holds a few fp32
-[rows, vocab] tensors at once. A pure CE objective takes the CE path above, unchanged.
+(`mixture_and_grad`; compiled on GPUs with a gradient, COMPILED_MIXTURE) on chunks capped at
+MIXTURE_CHUNK_LOGITS logits, since that path holds a few fp32 [rows, vocab] tensors at once. A pure CE
+objective takes the CE path above, unchanged.
 """
 
 from __future__ import annotations
@@ -143,9 +144,10 @@ def mixture_rows_and_grad(logits: torch.Tensor, target_logits: torch.Tensor, lab
     return loss * weights, grad, x.argmax(-1) == labels, ce
 
 
-# The mixture on GPUs with a gradient: eager, each of its ~40 element-wise ops is a pass over fp32 [rows, vocab]
-# tensors (at Gemma 3 270M's shape that made a 0.1 CE + 0.9 TV step ~10x a CE step); compiled, they fuse into a
-# few kernels that read the two logits a few times and write the gradient once. Rows are dynamic (the last chunk
+# The mixture on GPUs with a gradient. Eager, each of its element-wise ops is a pass over fp32 [rows, vocab]
+# tensors (before this was compiled, 0.1 CE + 0.9 TV spent 12.5x the CE kernel's element-wise CPU time on a
+# 65,536-token vocabulary; compiled, 2.3x); compiled, they fuse into one kernel that reads the two logits and
+# writes the gradient once. Rows are dynamic (the last chunk
 # is shorter), so one graph serves every chunk; the compile step compiles it with the drafter's step.
 COMPILED_MIXTURE = torch.compile(mixture_rows_and_grad, dynamic=False, fullgraph=True)
 
