@@ -320,3 +320,16 @@ def test_a_tiny_run_learns_with_the_loss_against_the_target(tiny_target, tmp_pat
         from transformers import AutoTokenizer
 
         assert summary["first_loss"] < 0.5 * math.log(len(AutoTokenizer.from_pretrained(tiny_target["target"])))
+
+
+@pytest.mark.parametrize("rows, chunk", [(11, 5), (10, 5), (1, 5), (5, 5), (6, 5), (1025, 512), (3, 2)])
+def test_chunks_cover_the_rows_once_and_none_but_a_lone_row_has_one_row(rows, chunk):
+    """A compiled mixture kernel marked dynamic in its rows would compile a graph of its own for a chunk of one
+    row (after the compile step: an error); the last such chunk joins the one before it."""
+    from dflash_trainer.model.loss import chunk_slices
+
+    slices = chunk_slices(rows, chunk)
+    assert [i for s in slices for i in range(rows)[s]] == list(range(rows))
+    sizes = [s.stop - s.start for s in slices]
+    assert all(n >= 2 for n in sizes) or sizes == [1]
+    assert max(sizes) <= chunk + 1

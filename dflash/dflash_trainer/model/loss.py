@@ -23,6 +23,7 @@ objective takes the CE path above, unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +160,16 @@ def compiled_mixture_and_grad(logits, target_logits, labels, weights, objective:
     return COMPILED_MIXTURE(logits, target_logits, labels, weights, objective.ce, objective.kl, objective.tv, True)
 
 
+def chunk_slices(rows: int, chunk_rows: int) -> list[slice]:
+    """[0, rows) in chunks of chunk_rows, none of exactly one row where rows > 1: a compiled kernel marked dynamic
+    in its rows (COMPILED_MIXTURE) specialises a size of 1 into a graph of its own, a recompile after the compile
+    step. A last chunk of one row joins the chunk before it."""
+    bounds = list(range(0, rows, chunk_rows)) + [rows]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return [slice(a, b) for a, b in pairwise(bounds)]
+
+
 def _chunk_kernel(mixture: Objective | None, head_weight, shaping, on_gpu_with_grad: bool, with_grad: bool):
     """f(logits, labels, weights, target_rows) -> (w * loss per row, gradient, argmax == label, CE per row)."""
     if mixture is not None:
@@ -197,7 +208,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, head_weight, labels, weights, slots, block_size, chunk_rows, with_grad, shaping,
                 mixture, target_hidden, dpace, top_k):
         if mixture is not None:  # the torch mixture holds several fp32 [rows, vocab] tensors: smaller chunks
-            chunk_rows = max(1, min(chunk_rows, MIXTURE_CHUNK_LOGITS // head_weight.shape[0]))
+            chunk_rows = max(2, min(chunk_rows, MIXTURE_CHUNK_LOGITS // head_weight.shape[0]))
         kernel = _chunk_kernel(mixture, head_weight, shaping, hidden.is_cuda and with_grad, with_grad)
         scored = weights > 0
         if dpace is not None:
@@ -208,8 +219,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         count = torch.zeros(block_size, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if with_grad else None
         candidates = torch.zeros(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_rows):
-            sl = slice(start, start + chunk_rows)
+        for sl in chunk_slices(hidden.shape[0], chunk_rows):
             logits = F.linear(hidden[sl], head_weight)
             if shaping is not None:  # the target's logit transform (Gemma 2's soft-cap): chain rule through it
                 logits, slope = _shaped_with_slope(logits, *shaping)
