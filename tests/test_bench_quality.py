@@ -105,8 +105,14 @@ def test_the_table_leaves_looping_answers_out_of_one_tau(tmp_path):
     looping = list(range(60)) + [3, 4] * 30
     plain = list(range(120))
     d = _eval_dir(tmp_path / "e", {"chat": [([4, 4, 4], looping), ([1, 2, 1], plain)], "code": [([2, 2], plain)]})
-    rows = report.rows_for("ours", d, train_s=120.0)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"losses": [9.0] * 50 + [2.0] * 50 + [1.0] * 50}))
+    rows = report.rows_for("ours", d, train_s=120.0, run_dir=run)
     chat = next(r for r in rows if r.prompt_set == "chat")
+    assert chat.train_loss == pytest.approx(1.5)  # the last 100 steps' mean
+    assert "| 1.500 |" in report.markdown(rows)
+    assert report.rows_for("ours", d, train_s=None)[0].train_loss is None  # no run: no loss, the row still made
     assert chat.looping == 0.5
     assert chat.tau == pytest.approx(16 / 6)
     assert chat.tau_without_loops == pytest.approx(4 / 3)  # only the plain answer's steps

@@ -241,7 +241,7 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
                 *(["--limit", str(args.eval_limit)] if args.eval_limit else []), *shlex.split(args.eval_args),
                 *config_flags(args), "--set", f"target.path={target}"), logs / f"eval-{d.run.name}.log")
         wall = json.loads(wall_file(d.run).read_text())["seconds"] if wall_file(d.run).is_file() else None
-        rows += report.rows_for(d.label, eval_dir, wall)
+        rows += report.rows_for(d.label, eval_dir, wall, d.run)
     meta = {"target": str(target), "train_prompts": str(train_prompts), "eval_sets": eval_sets,
             "config": args.config, "set": args.set, "answer_tokens": args.answer_tokens,
             "regen_temperature": args.regen_temperature, "eval_tokens": args.eval_tokens,

@@ -13,6 +13,7 @@ from .loops import loops
 # the issue's goal, reported beside the table (a figure of this benchmark, never a test's assertion)
 GOAL_MARGIN = 1.10  # tau at least 10% above the best peer's on every prompt set
 GOAL_LAST_SLOT = 0.6  # the last slot's acceptance at least 0.6 of the first slot's
+LAST_STEPS = 100  # the training loss reported: the mean of the last 100 steps' losses
 
 
 @dataclass
@@ -27,6 +28,9 @@ class Row:
     outputs_equal: str  # "n/m" equal to target-only greedy
     train_s: float | None  # wall time of the training process (start-up and compile step included)
     slot_acceptance: list[float]
+    # the trainer's own loss, per step, over its last LAST_STEPS steps: trainers given the same micro-batches and
+    # the same objective fit them this well (how well each fits, apart from how well it decodes)
+    train_loss: float | None = None
 
     @property
     def tau_per_gpu_minute(self) -> float | None:
@@ -39,9 +43,21 @@ def read_eval(eval_dir: Path) -> tuple[dict, list[dict]]:
     return report, requests
 
 
-def rows_for(drafter: str, eval_dir: Path, train_s: float | None) -> list[Row]:
-    """One row per prompt set and temperature (a set named "NAME T=t" when the evaluation sampled or had several)."""
+def final_loss(run_dir: Path | None) -> float | None:
+    """The mean of the last LAST_STEPS per-step losses in the run's summary.json (ours and the peers' write them)."""
+    try:
+        losses = json.loads((run_dir / "summary.json").read_text())["losses"]
+    except (TypeError, OSError, ValueError, KeyError):
+        return None
+    last = [x for x in losses[-LAST_STEPS:] if isinstance(x, int | float)]
+    return sum(last) / len(last) if last else None
+
+
+def rows_for(drafter: str, eval_dir: Path, train_s: float | None, run_dir: Path | None = None) -> list[Row]:
+    """One row per prompt set and temperature (a set named "NAME T=t" when the evaluation sampled or had several);
+    run_dir: the training run, for its loss."""
     report, requests = read_eval(eval_dir)
+    loss = final_loss(run_dir)
     views = report.get("by_temperature") or {f"{report.get('temperature', 0):g}": report}
     labelled = len(views) > 1 or any(float(t) > 0 for t in views)
     out = []
@@ -60,7 +76,7 @@ def rows_for(drafter: str, eval_dir: Path, train_s: float | None) -> list[Row]:
                 looping=len(looping) / max(1, len(mine)),
                 last_over_first=slots[-1] / slots[0] if slots and slots[0] else None,
                 outputs_equal="sampled" if equal is None else f"{equal}/{s['prompts']}", train_s=train_s,
-                slot_acceptance=slots))
+                slot_acceptance=slots, train_loss=loss))
     return out
 
 
@@ -69,7 +85,7 @@ def _f(value, fmt: str) -> str:
 
 
 HEADER = ("drafter", "prompt set", "tau", "tau/request", "tau w/o loops", "looping", "last/first slot",
-          "= target-only", "train s", "tau per GPU-min")
+          "= target-only", "train s", "tau per GPU-min", "train loss")
 
 
 def markdown(rows: list[Row]) -> str:
@@ -77,7 +93,7 @@ def markdown(rows: list[Row]) -> str:
     for r in rows:
         cells = (r.drafter, r.prompt_set, _f(r.tau, ".2f"), _f(r.tau_per_request, ".2f"),
                  _f(r.tau_without_loops, ".2f"), _f(r.looping, ".0%"), _f(r.last_over_first, ".2f"),
-                 r.outputs_equal, _f(r.train_s, ".0f"), _f(r.tau_per_gpu_minute, ".2f"))
+                 r.outputs_equal, _f(r.train_s, ".0f"), _f(r.tau_per_gpu_minute, ".2f"), _f(r.train_loss, ".3f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
