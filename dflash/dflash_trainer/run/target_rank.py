@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from ..compile.guard import leave_run_phase
@@ -183,6 +184,12 @@ def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
         from ..compile.guard import isolate_local_gpu
 
         isolate_local_gpu(int(os.environ.get("LOCAL_RANK", "0")))
+        # Every rank checks the directory (above) before any writes, and meta.json, which says the dump is whole,
+        # comes after every rank's shards: a rank that started late saw rank 0's meta.json and refused the dump.
+        owned = not dist.is_initialized()
+        if owned:
+            dist.init_process_group("gloo")
+        dist.barrier()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(cfg)
     layer_ids = drafter_config_for(cfg, target_config(cfg), tokenizer).dflash_config["target_layer_ids"]
@@ -192,6 +199,10 @@ def dump_features(cfg: RunConfig, root: Path, num_batches: int | None) -> None:
     with_final = loss_objective(cfg).needs_target  # the target's final hidden states only for a loss that reads them
     for i in tqdm(range(rank, count, world), desc="dumping features", disable=None if rank == 0 else True):
         write_shard(root, i, _target_outputs(target, stream.batch(i).to(device), with_final))
+    if world > 1:
+        dist.barrier()
+        if owned:
+            dist.destroy_process_group()
     if rank == 0:
         write_meta(root, cfg.target.path, layer_ids, count, cfg.train.micro_batch, cfg.target.quantization,
                    target_fingerprint(text_config(target_config(cfg))), target_hidden=with_final)
