@@ -131,6 +131,7 @@ def test_the_compiled_mixture_matches_the_reference_for_any_chunk_length_in_one_
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]  # counters outlive reset(): other tests in this process compiled
     objective = CASES["all"]
     g = torch.Generator().manual_seed(7)
     for rows in (24, 24, 11):
@@ -143,7 +144,7 @@ def test_the_compiled_mixture_matches_the_reference_for_any_chunk_length_in_one_
         ref = reference_loss(ref_logits, target_logits, labels, weights, objective)
         torch.testing.assert_close(got[0].sum(), ref.detach())
         torch.testing.assert_close(got[1], torch.autograd.grad(ref, ref_logits)[0])
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] - graphs == 1
 
 
 def plain_dpace(ce, carries, block, alpha):
