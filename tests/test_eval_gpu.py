@@ -56,26 +56,17 @@ def test_speculative_vs_target_only_wall_time_at_the_8b_shape(tmp_path):
 def test_fast_loops_replayed_as_cuda_graphs_equal_the_reference_loops(family, tmp_path):
     """On a GPU the fast loops' steps are recorded as CUDA graphs; in float32 their tokens and acceptance
     lengths are the eager reference loops', at batch 1 and 2 (gemma3: sliding-window layers rolled back)."""
-    from dflash_trainer.decoding.fast import FastDecoding
-    from dflash_trainer.decoding.speculative import greedy_generate, speculative_generate
-
     from tests.helpers.families import tokenizer_for_tests
+    from tests.helpers.fast_loops import random_prompts, replayed_greedy_equals_the_reference
     from tests.test_speculative_fast import target_and_drafter
 
     tokenizer = tokenizer_for_tests()
     target, drafter = target_and_drafter(family, tokenizer, tmp_path)
     target.model.cuda()
     drafter.cuda()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(len(tokenizer), (n,), generator=g).tolist() for n in (30, 11, 5)]
-    reference = [speculative_generate(drafter, target, p, 40) for p in prompts]
-    greedy = [greedy_generate(target, p, 40) for p in prompts]
-    for batch in (1, 2):
-        loops = FastDecoding(target, drafter, batch)
-        fast = loops.speculative(prompts, 40)
-        assert loops._decoders[True, False][1].spec_step.graph is not None  # replayed, not run eagerly
-        assert [r.tokens for r in fast] == [r.tokens for r in reference] == greedy
-        assert [r.accept_lengths for r in fast] == [r.accept_lengths for r in reference]
+    prompts = random_prompts(len(tokenizer), (30, 11, 5))
+    loops_by_batch, greedy = replayed_greedy_equals_the_reference(target, drafter, prompts, (1, 2))
+    for loops in loops_by_batch.values():
         assert loops.greedy(prompts, 40) == greedy
         assert loops._decoders[False, False][1].greedy_step.graph is not None
 

@@ -102,11 +102,11 @@ def test_each_kind_trains_with_flex_and_dflash_eval_replays_cuda_graphs(kind, ti
 def test_each_kinds_fast_loops_replayed_as_cuda_graphs_equal_the_reference_loops(kind, tmp_path):
     """float32: greedy at batch 1 and 4 gives the reference loop's tokens and acceptance lengths (the target's own
     tokens); sampled at batch 1 consumes the reference loop's draws; sampled at batch 4 is seeded."""
-    from dflash_trainer.decoding.fast import FastDecoding
-    from dflash_trainer.decoding.speculative import Sampling, greedy_generate, speculative_generate
+    from dflash_trainer.decoding.speculative import Sampling, speculative_generate
     from dflash_trainer.model.drafter import DFlashDrafter, DrafterShape, drafter_config
 
     from tests.helpers.families import tokenizer_for_tests
+    from tests.helpers.fast_loops import random_prompts, replayed_greedy_equals_the_reference
     from tests.test_speculative_fast import target_and_drafter
 
     tokenizer = tokenizer_for_tests()
@@ -124,16 +124,8 @@ def test_each_kinds_fast_loops_replayed_as_cuda_graphs_equal_the_reference_loops
             drafter.markov_head.markov_w2.weight.normal_(0, 1.0)
     target.model.cuda()
     drafter.cuda()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(len(tokenizer), (n,), generator=g).tolist() for n in (30, 11, 5, 17, 8)]
-    reference = [speculative_generate(drafter, target, p, 40) for p in prompts]
-    greedy = [greedy_generate(target, p, 40) for p in prompts]
-    for batch in (1, 4):
-        loops = FastDecoding(target, drafter, batch)
-        fast = loops.speculative(prompts, 40)
-        assert loops._decoders[True, False][1].spec_step.graph is not None  # replayed, not run eagerly
-        assert [r.tokens for r in fast] == [r.tokens for r in reference] == greedy
-        assert [r.accept_lengths for r in fast] == [r.accept_lengths for r in reference]
+    prompts = random_prompts(len(tokenizer), (30, 11, 5, 17, 8))
+    for batch, loops in replayed_greedy_equals_the_reference(target, drafter, prompts, (1, 4))[0].items():
         sampled = [loops.speculative(prompts, 40, sampling=Sampling(0.8, 7, "cuda")) for _ in range(2)]
         assert loops._decoders[True, True][1].spec_step.graph is not None
         assert [r.tokens for r in sampled[0]] == [r.tokens for r in sampled[1]]  # seeded
