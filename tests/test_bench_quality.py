@@ -152,7 +152,7 @@ def test_bench_quality_end_to_end_on_a_tiny_target(tmp_path, tmp_path_factory):
            "--trainers", "dflash-trainer", "--data-fraction", "0.5", "--eval-tokens", "16",
            "--variant", "tv=train.loss_ce=0.1;train.loss_tv=0.9",
            "--config", "embedded", "--set", "train.steps=8", "--set", "train.micro_batch=8",
-           "--eval-args", "--device cpu --temperature 0 1"]
+           "--eval-args", "--device cpu --temperature 0 1", "--jobs", "2"]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "quality.json").read_text())
@@ -162,10 +162,13 @@ def test_bench_quality_end_to_end_on_a_tiny_target(tmp_path, tmp_path_factory):
     for r in result["rows"]:
         assert 1.0 <= r["tau"] <= 8 and len(r["slot_acceptance"]) == 7 and r["train_s"] > 0
         assert r["outputs_equal"] == ("sampled" if r["prompt_set"].endswith("T=1") else "4/4")
+        assert r["trained_at_once"] == 2  # --jobs 2: the three drafters trained two at a time
     # the variant trained against the target's distribution: the one dump carries it
     assert "train.loss_tv" in (out / "runs" / "dflash-trainer-tv" / "bench_wall.json").read_text()
     assert (out / "quality.png").stat().st_size > 0
     assert "| dflash-trainer | chat T=0 |" in (out / "quality.md").read_text()
+    assert " (2 at once) |" in (out / "quality.md").read_text()  # overlapping wall times are marked
+    assert "evaluate dflash-trainer tv: done in" in done.stderr  # side by side: a line per stage, logs apart
     # the half-data run read half the micro-batches, by links to the same files
     meta = json.loads((out / "features" / "meta.json").read_text())
     half = json.loads((out / "features-0.5" / "meta.json").read_text())
@@ -173,7 +176,9 @@ def test_bench_quality_end_to_end_on_a_tiny_target(tmp_path, tmp_path_factory):
     # a second run reuses every stage: nothing is trained or evaluated again
     again = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-2000:]
-    assert "train dflash-trainer" not in again.stdout and "evaluate dflash-trainer" not in again.stdout
+    said = again.stdout + again.stderr  # the stage lines go to stderr (the log console)
+    assert "train dflash-trainer" in done.stderr and "train dflash-trainer" not in said
+    assert "evaluate dflash-trainer" not in said
     assert json.loads((out / "quality.json").read_text())["rows"] == result["rows"]
 
 
@@ -183,6 +188,7 @@ BAD_FLAGS = [
     (["--target", "/nonexistent-target"], "no config.json there"),
     (["--data-fraction", "1.5"], "a fraction in (0, 1]"),
     (["--train-count", "0"], "give 1 or more"),
+    (["--jobs", "0"], "give 1 or more"),
 ]
 
 

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,12 +77,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-tokens", type=int, default=128, help="tokens decoded per evaluation prompt (default 128)")
     p.add_argument("--eval-args", default="", help="more dflash-eval flags, e.g. '--batch-size 8'")
     p.add_argument("--redo", nargs="+", default=[], choices=STAGES, help="make these stages again")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="train and evaluate up to N drafters at once on the one GPU (a small target leaves most of "
+                        "it idle); their wall times then overlap, and the table says so (default 1)")
     return p
 
 
-def run_stage(name: str, cmd: list[str], log: Path) -> float:
-    """Run one stage's command, its output on the terminal and in `log`; its wall time. A failure stops the
-    benchmark with the stage's own message (exit 1)."""
+def run_stage(name: str, cmd: list[str], log: Path, echo: bool = True) -> float:
+    """Run one stage's command, its output on the terminal (echo) and in `log`; its wall time. A failure stops
+    the benchmark with the stage's own message (exit 1). Stages run side by side (--jobs) keep their output to
+    their logs: the terminal gets a line as each starts and ends."""
     log.parent.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]{name}[/]: {shlex.join(cmd)}", soft_wrap=True)
     start = time.perf_counter()
@@ -89,10 +94,14 @@ def run_stage(name: str, cmd: list[str], log: Path) -> float:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         for line in proc.stdout:
-            sys.stdout.write(line)
+            if echo:
+                sys.stdout.write(line)
             f.write(line)
         code = proc.wait()
     seconds = time.perf_counter() - start
+    if not echo:
+        console.print(f"{name}: {'done' if not code else f'exit {code}'} in {seconds:.0f} s (log: {log})",
+                      markup=False, soft_wrap=True)
     if code:
         raise StageFailed(f"{name} failed (exit {code}); its log: {log}", code)
     return seconds
@@ -157,7 +166,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     for fraction in args.data_fraction:
         if not 0 < fraction <= 1:
             p.error(f"--data-fraction {fraction:g}: give a fraction in (0, 1]")
-    for name in ("train_count", "held_out", "answer_tokens", "eval_tokens", "max_prompt_chars"):
+    for name in ("train_count", "held_out", "answer_tokens", "eval_tokens", "max_prompt_chars", "jobs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
 
@@ -229,8 +238,7 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
         for fraction in args.data_fraction:
             drafters.append(Drafter(f"{OURS} {fraction:g} data", OURS, out / "runs" / f"{OURS}-data-{fraction:g}",
                                     features=fraction_features(features, fraction)))
-    rows = []
-    for d in drafters:  # each drafter trained, then judged: a stop leaves whole results behind
+    def train_and_judge(d: Drafter) -> list[report.Row]:
         train(args, d, target, run_settings, logs)
         eval_dir = out / "eval" / d.run.name
         if not (eval_dir / "eval.json").is_file():
@@ -239,13 +247,23 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
                 "--prompts", *eval_sets.values(), *(x for n, f in eval_sets.items() for x in ("--name", f"{n}={f}")),
                 "--out", str(eval_dir), "--max-new-tokens", str(args.eval_tokens),
                 *(["--limit", str(args.eval_limit)] if args.eval_limit else []), *shlex.split(args.eval_args),
-                *config_flags(args), "--set", f"target.path={target}"), logs / f"eval-{d.run.name}.log")
-        wall = json.loads(wall_file(d.run).read_text())["seconds"] if wall_file(d.run).is_file() else None
-        rows += report.rows_for(d.label, eval_dir, wall, d.run)
+                *config_flags(args), "--set", f"target.path={target}"), logs / f"eval-{d.run.name}.log",
+                echo=args.jobs == 1)
+        wall = json.loads(wall_file(d.run).read_text()) if wall_file(d.run).is_file() else {}
+        return report.rows_for(d.label, eval_dir, wall.get("seconds"), d.run, trained_at_once=wall.get("jobs", 1))
+
+    if args.jobs == 1:  # each drafter trained, then judged: a stop leaves whole results behind
+        per_drafter = [train_and_judge(d) for d in drafters]
+    else:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = [pool.submit(train_and_judge, d) for d in drafters]
+            wait(futures)  # every job ends (a failed one's neighbours finish) before the first failure is raised
+            per_drafter = [f.result() for f in futures]
+    rows = [r for drafter_rows in per_drafter for r in drafter_rows]
     meta = {"target": str(target), "train_prompts": str(train_prompts), "eval_sets": eval_sets,
             "config": args.config, "set": args.set, "answer_tokens": args.answer_tokens,
             "regen_temperature": args.regen_temperature, "eval_tokens": args.eval_tokens,
-            "eval_limit": args.eval_limit, "drafters": {d.label: str(d.run) for d in drafters}}
+            "eval_limit": args.eval_limit, "jobs": args.jobs, "drafters": {d.label: str(d.run) for d in drafters}}
     return rows, meta
 
 
@@ -283,9 +301,10 @@ def train(args, d: Drafter, target: Path, run_settings: list[str], logs: Path) -
         cmd = py("dflash_trainer.bench.peers", "--peer", d.trainer, "--features", str(d.features),
                  "--target", str(target), "--out", str(d.run), *config_flags(args))
     shutil.rmtree(d.run, ignore_errors=True)  # what a stopped run left: each trainer starts clean
-    seconds = run_stage(f"train {d.label}", cmd, logs / f"train-{d.run.name}.log")
+    seconds = run_stage(f"train {d.label}", cmd, logs / f"train-{d.run.name}.log", echo=args.jobs == 1)
     d.run.mkdir(parents=True, exist_ok=True)
-    wall_file(d.run).write_text(json.dumps({"seconds": seconds, "command": shlex.join(cmd)}, indent=2))
+    wall_file(d.run).write_text(json.dumps({"seconds": seconds, "command": shlex.join(cmd), "jobs": args.jobs},
+                                           indent=2))
 
 
 if __name__ == "__main__":

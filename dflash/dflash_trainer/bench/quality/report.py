@@ -31,6 +31,7 @@ class Row:
     # the trainer's own loss, per step, over its last LAST_STEPS steps: trainers given the same micro-batches and
     # the same objective fit them this well (how well each fits, apart from how well it decodes)
     train_loss: float | None = None
+    trained_at_once: int = 1  # drafters the benchmark trained side by side on the GPU (--jobs): train_s overlaps
 
     @property
     def tau_per_gpu_minute(self) -> float | None:
@@ -53,7 +54,8 @@ def final_loss(run_dir: Path | None) -> float | None:
     return sum(last) / len(last) if last else None
 
 
-def rows_for(drafter: str, eval_dir: Path, train_s: float | None, run_dir: Path | None = None) -> list[Row]:
+def rows_for(drafter: str, eval_dir: Path, train_s: float | None, run_dir: Path | None = None,
+             trained_at_once: int = 1) -> list[Row]:
     """One row per prompt set and temperature (a set named "NAME T=t" when the evaluation sampled or had several);
     run_dir: the training run, for its loss."""
     report, requests = read_eval(eval_dir)
@@ -76,7 +78,7 @@ def rows_for(drafter: str, eval_dir: Path, train_s: float | None, run_dir: Path 
                 looping=len(looping) / max(1, len(mine)),
                 last_over_first=slots[-1] / slots[0] if slots and slots[0] else None,
                 outputs_equal="sampled" if equal is None else f"{equal}/{s['prompts']}", train_s=train_s,
-                slot_acceptance=slots, train_loss=loss))
+                slot_acceptance=slots, train_loss=loss, trained_at_once=trained_at_once))
     return out
 
 
@@ -88,12 +90,18 @@ HEADER = ("drafter", "prompt set", "tau", "tau/request", "tau w/o loops", "loopi
           "= target-only", "train s", "tau per GPU-min", "train loss")
 
 
+def train_seconds(r: Row) -> str:
+    """The training wall time; one of several trained at once shared the GPU, and says so."""
+    text = _f(r.train_s, ".0f")
+    return f"{text} ({r.trained_at_once} at once)" if r.train_s is not None and r.trained_at_once > 1 else text
+
+
 def markdown(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for r in rows:
         cells = (r.drafter, r.prompt_set, _f(r.tau, ".2f"), _f(r.tau_per_request, ".2f"),
                  _f(r.tau_without_loops, ".2f"), _f(r.looping, ".0%"), _f(r.last_over_first, ".2f"),
-                 r.outputs_equal, _f(r.train_s, ".0f"), _f(r.tau_per_gpu_minute, ".2f"), _f(r.train_loss, ".3f"))
+                 r.outputs_equal, train_seconds(r), _f(r.tau_per_gpu_minute, ".2f"), _f(r.train_loss, ".3f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
