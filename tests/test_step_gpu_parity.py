@@ -314,7 +314,8 @@ def test_the_comparison_catches_a_dropped_loss_chunk(monkeypatch):
 def test_block_mask_tables_at_the_gpu_shape_equal_torchs_own():
     """The hand-built BlockMask the GPU step attends with, at GEMMA_270M's shape (16 query tiles, 24 key tiles,
     a row with padding blocks), holds the tiles create_block_mask derives from the mask's definition: the
-    forward's KV-direction tables and the backward's Q-direction ones, partial and full, in counts and indices."""
+    forward's KV-direction tables and the backward's Q-direction ones, partial and full, in counts and indices,
+    each contiguous as torch's own."""
     from dflash_trainer.model.mask import dflash_block_mask, dflash_mask_mod
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -336,6 +337,12 @@ def test_block_mask_tables_at_the_gpu_shape_equal_torchs_own():
                             ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
         assert torch.equal(getattr(built, counts), getattr(derived, counts)), counts
         assert tiles(built, counts, indices) == tiles(derived, counts, indices), indices
+        # Laid out as torch lays them out: flex's Triton kernels read each index row with stride 1, whatever the
+        # tensor's stride says (transposed Q tables gave wrong dK and dV on GPUs, with the forward and dQ exact).
+        for name in (counts, indices):
+            table = getattr(built, name)
+            assert table.is_contiguous() and table.stride() == getattr(derived, name).stride(), (
+                f"{name} has strides {table.stride()}, torch's {getattr(derived, name).stride()}")
 
 
 @pytest.fixture

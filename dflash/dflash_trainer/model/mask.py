@@ -76,7 +76,10 @@ def dflash_block_mask(anchors: torch.Tensor, keep: torch.Tensor, block_size: int
     def as_blocks(tiles):  # [b, rows, cols] bool -> counts [b,1,rows], indices [b,1,rows,cols] (present first)
         counts = tiles.sum(-1, dtype=torch.int32)
         order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return counts.unsqueeze(1), order.unsqueeze(1)
+        # Contiguous: flex's Triton kernels read an index row with stride 1 whatever its stride says, and argsort
+        # of the transposed tiles below keeps their transposed strides (the backward then read the wrong Q tiles
+        # for dK and dV, with the forward and dQ exact).
+        return counts.unsqueeze(1).contiguous(), order.unsqueeze(1).contiguous()
 
     mask = BlockMask.from_kv_blocks(*as_blocks(partial_tile), *as_blocks(full_tile), BLOCK_SIZE=tile,
                                     mask_mod=interval_mask_mod(rows_hi, rows_lo, block_size),
