@@ -126,42 +126,92 @@ def test_propose_biases_each_slot_by_the_token_drafted_before(tmp_path, head_typ
     assert torch.equal(sampled, (probs / noise).argmax(-1))
 
 
+def dspark_case(seed=3):
+    """Two rows of three blocks of 4 (slot 0 of each carries no loss): hidden, the target's, head, previous tokens,
+    labels, weights."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, target = (torch.randn(2, 12, 64, generator=g) for _ in range(2))
+    head = torch.randn(300, 64, generator=g) * 0.2
+    previous, labels = (torch.randint(0, 300, (2, 12), generator=g) for _ in range(2))
+    weights = torch.rand(2, 12, generator=g)
+    weights.view(2, 3, 4)[:, :, 0] = 0
+    return hidden, target, head, previous, labels, weights
+
+
+def trained(drafter):
+    """The hidden states' gradient is checked beside these: every parameter the DSpark objective reaches."""
+    return [*drafter.markov_head.parameters(), *drafter.confidence_head.parameters()]
+
+
 def test_the_loss_is_the_mixture_over_biased_logits_plus_the_confidence_bce():
-    """dspark_loss in chunks (recomputed in the backward) equals the whole computation written out, with its
-    gradient: speculators' terms on the Markov-biased logits and the BCE against sum_v min(q_v, p_v)."""
+    """dspark_loss in chunks (each chunk's gradient computed in its forward) equals the whole computation written out,
+    with the gradients of the hidden states and of both heads: speculators' terms on the Markov-biased logits and the
+    BCE against sum_v min(q_v, p_v), over the scored slots; the slots' accuracy that of the biased logits."""
     from dflash_trainer.model.dspark.objective import dspark_loss
-    from dflash_trainer.model.loss import Objective
+    from dflash_trainer.model.loss import Objective, scored_rows
 
     drafter = dspark("gated")
-    g = torch.Generator().manual_seed(3)
-    hidden = torch.randn(10, 64, generator=g, requires_grad=True)
-    target = torch.randn(10, 64, generator=g)
-    head = torch.randn(300, 64, generator=g) * 0.2
-    previous, labels = torch.randint(0, 300, (10,), generator=g), torch.randint(0, 300, (10,), generator=g)
-    weights = torch.rand(10, generator=g)
+    h, target, head, previous, labels, weights = dspark_case()
+    hidden = h.clone().requires_grad_()
     objective = Objective(ce=0.1, tv=0.9, kl=0.3)
-    total, hit = dspark_loss(drafter, hidden, previous, labels, weights, head, objective, target, 0.7, chunk_rows=3)
-    total.backward()
-    got = hidden.grad.clone()
-    hidden.grad = None
-    logits = hidden @ head.T + drafter.markov_head.markov_w2(drafter.markov_head.step(previous, hidden)[0])
-    q, p = torch.softmax(logits, -1), torch.softmax(target @ head.T, -1)
+    sums = dspark_loss(drafter, hidden, previous, labels, weights, head, objective, target, 0.7, chunk_rows=4)
+    got = torch.autograd.grad(sums.weighted_loss, [hidden, *trained(drafter)])
+
+    def rows(t):
+        return scored_rows(t, 4)
+
+    ref_hidden = h.clone().requires_grad_()
+    hid, prev, lab, w = rows(ref_hidden), rows(previous), rows(labels), rows(weights)
+    logits = hid @ head.T + drafter.markov_head.markov_w2(drafter.markov_head.step(prev, hid)[0])
+    q, p = torch.softmax(logits, -1), torch.softmax(rows(target) @ head.T, -1)
     overlap = torch.minimum(p, q).sum(-1)
-    mixture = (0.1 * torch.nn.functional.cross_entropy(logits, labels, reduction="none") + 0.9 * (1 - overlap)
+    mixture = (0.1 * torch.nn.functional.cross_entropy(logits, lab, reduction="none") + 0.9 * (1 - overlap)
                + 0.3 * (p * (p.log() - q.log())).sum(-1))
-    confidence = drafter.confidence_head(torch.cat([hidden, drafter.markov_head.markov_w1(previous)], -1))
+    confidence = drafter.confidence_head(torch.cat([hid, drafter.markov_head.markov_w1(prev)], -1))
     bce = torch.nn.functional.binary_cross_entropy_with_logits(confidence, overlap.detach(), reduction="none")
-    want = (weights * (mixture + 0.7 * bce)).sum()
-    want.backward()
-    torch.testing.assert_close(total, want)
-    torch.testing.assert_close(got, hidden.grad)
-    assert torch.equal(hit, logits.argmax(-1) == labels)
+    want = (w * (mixture + 0.7 * bce)).sum()
+    torch.testing.assert_close(sums.weighted_loss, want)
+    torch.testing.assert_close(got, torch.autograd.grad(want, [ref_hidden, *trained(drafter)], retain_graph=True))
+    torch.testing.assert_close(sums.acceptance, overlap.detach())
+    hit = (logits.argmax(-1) == lab) & (w > 0)
+    assert sums.slot_correct.tolist() == [0.0, *hit.view(-1, 3).sum(0).float().tolist()]
+    with torch.no_grad():  # evaluation: the same sums, no gradient work
+        torch.testing.assert_close(dspark_loss(drafter, h, previous, labels, weights, head, objective, target, 0.7,
+                                               chunk_rows=5).weighted_loss, want.detach())
     # Without the target's distribution, the acceptance is the drafter's probability of the data's token.
-    ce_only, _ = dspark_loss(drafter, hidden, previous, labels, weights, head, Objective(), None, 1.0)
-    accept = q.gather(1, labels[:, None])[:, 0].detach()
+    ce_only = dspark_loss(drafter, hidden, previous, labels, weights, head, Objective(), None, 1.0)
+    accept = q.gather(1, lab[:, None])[:, 0].detach()
     bce = torch.nn.functional.binary_cross_entropy_with_logits(confidence, accept, reduction="none")
-    torch.testing.assert_close(ce_only, (weights * (torch.nn.functional.cross_entropy(logits, labels,
-                                                                                       reduction="none") + bce)).sum())
+    want = (w * (torch.nn.functional.cross_entropy(logits, lab, reduction="none") + bce)).sum()
+    torch.testing.assert_close(ce_only.weighted_loss, want)
+    torch.testing.assert_close(torch.autograd.grad(ce_only.weighted_loss, [hidden, *trained(drafter)]),
+                               torch.autograd.grad(want, [ref_hidden, *trained(drafter)]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_target", [True, False])
+def test_the_compiled_objective_equals_the_eager_one_in_one_graph(with_target):
+    """compiled_mixture (COMPILED_MIXTURE: the GPU path; Inductor's CPU code here) gives the eager path's loss,
+    acceptance, slot accuracy and every gradient, and serves chunks of different lengths from one graph (after the
+    compile step a second graph would be an error)."""
+    from dflash_trainer.model.dspark.objective import dspark_loss
+    from dflash_trainer.model.loss import Objective, mixture_rows_and_grad
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    drafter = dspark("gated")
+    h, target, head, previous, labels, weights = dspark_case()
+    objective = Objective(ce=0.1, tv=0.9, kl=0.3) if with_target else Objective()
+    for chunk_rows in (8, 5):  # chunks of 8, 8, 2 rows; of 5, 5, 5, 3
+        runs = []
+        for compiled in (True, False):
+            hidden = h.clone().requires_grad_()
+            sums = dspark_loss(drafter, hidden, previous, labels, weights, head, objective,
+                               target if with_target else None, 0.7, chunk_rows, compiled_mixture=compiled)
+            runs.append((sums.weighted_loss, sums.acceptance, sums.slot_correct,
+                         torch.autograd.grad(sums.weighted_loss, [hidden, *trained(drafter)])))
+        torch.testing.assert_close(runs[0], runs[1])
+    assert len(_debug_get_cache_entry_list(mixture_rows_and_grad.__code__)) == 1
 
 
 @pytest.mark.parametrize(("settings", "refusal"), [

@@ -117,12 +117,19 @@ def test_the_compile_steps_probe_runs_each_kinds_whole_step_and_changes_nothing(
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_each_kinds_compiled_layers_cover_every_bucket_and_a_missed_shape_raises(kind, tmp_path):
-    """Layers compiled (Inductor, SDPA on a CPU): no graph break, every bucket compiled before step 1, the steps
-    after it compile nothing and train the eager losses; a context length the compile step missed raises."""
+    """Layers compiled (Inductor, SDPA on a CPU), and with them the loss's KL / TV mixture (DFlash 2's KL, DSpark's
+    TV over its Markov-biased logits, as on GPUs): no graph break, every bucket compiled before step 1, the mixture
+    in one graph, the steps after it compile nothing and train the eager losses; a context length the compile step
+    missed raises."""
+    from dflash_trainer.model.loss import mixture_rows_and_grad
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
     got = compile_and_train(kind, "cpu", "sdpa", True, [32, 48], tmp_path)
     report = got["report"]
     assert report.counters["graph_breaks"] == 0 and report.graph_break_reasons == [], report.graph_break_reasons
     assert report.counters["unique_graphs"] >= 2 and got["graphs_after"] == 0, (report.counters, got["graphs_after"])
+    mixture_graphs = len(_debug_get_cache_entry_list(mixture_rows_and_grad.__code__))
+    assert mixture_graphs == (0 if KINDS[kind][1] is None else 1), mixture_graphs
     assert got["untouched"]
     eager = train_steps(kind_step(kind, "cpu", "sdpa", False), [32, 48])
     assert got["losses"] == pytest.approx(eager, rel=1e-4)

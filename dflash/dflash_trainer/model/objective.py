@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .anchors import Blocks, build_blocks, sample_anchors
 from .dflash2.objective import predecessors, selector_ce
 from .drafter import AttentionFn, DFlashDrafter
-from .dspark.objective import dspark_loss, dspark_sums
+from .dspark.objective import dspark_loss
 from .flops import visible_pairs
 from .loss import LossSums, Objective, chunked_block_loss, scored_rows
 from .mask import dense_mask, dflash_block_mask
@@ -133,7 +133,8 @@ def drafter_loss(
     states of the context, which an objective against the target's distribution needs.
 
     compiled_layers: run each layer through COMPILED_LAYER, and the norms around them through COMPILED_FUSE
-    and COMPILED_NORM (GPU training with the flex backend).
+    and COMPILED_NORM (GPU training with the flex backend); the loss's KL / TV mixture through COMPILED_MIXTURE on
+    any device (on GPUs it is compiled in any case).
     selector_loss_weight: DFlash 2's selector CE weight beside the unary term (speculators' selector_loss_alpha).
     confidence_loss_weight: DSpark's confidence BCE weight (speculators' confidence_head_alpha).
     """
@@ -152,26 +153,28 @@ def drafter_loss(
         # Block position a+k predicts x[a+k]; the target predicts that token from position a+k-1.
         before = (blocks.position_ids - 1).clamp(0, ctx_len - 1)
         target_rows = target_hidden.gather(1, before.unsqueeze(-1).expand(-1, -1, target_hidden.shape[-1]))
+    compiled_mixture = True if compiled_layers else None  # None: compiled on GPUs
     if drafter.markov_head is not None:
         return _dspark(drafter, hidden, head_weight, blocks, chunk_rows, objective, target_rows,
-                       confidence_loss_weight)
+                       confidence_loss_weight, compiled_mixture)
     selector = drafter.candidate_selector
     sums = unary_objective(drafter, hidden, head_weight, blocks, chunk_rows, selector.top_k if selector else 0,
-                           objective, target_rows)
+                           objective, target_rows, compiled_mixture)
     if selector is None:
         return sums
     return _with_selector(drafter, hidden, head_weight, blocks, sums, chunk_rows, selector_loss_weight)
 
 
 def unary_objective(drafter: DFlashDrafter, hidden, head_weight, blocks: Blocks, chunk_rows: int, top_k: int,
-                    objective: Objective | None = None, target_rows: torch.Tensor | None = None) -> LossSums:
+                    objective: Objective | None = None, target_rows: torch.Tensor | None = None,
+                    compiled_mixture: bool | None = None) -> LossSums:
     """The per-position objective over the LM head's logits, for both kinds: train.loss_*'s mixture (CE on the
     data's token, KL / TV against the target's distribution, from target_rows: the target's final hidden state
     before each block position) with the position weighting; DFlash 2's unary term (speculators' default is its
     KL). top_k > 0 also returns each scored row's top-k tokens (the selector's candidates)."""
     return chunked_block_loss(hidden, head_weight, blocks.labels, blocks.weights, drafter.block_size, chunk_rows,
                               drafter.output_multiplier, drafter.final_logit_softcapping, objective, target_rows,
-                              top_k=top_k)
+                              top_k=top_k, compiled_mixture=compiled_mixture)
 
 
 def _with_selector(drafter: DFlashDrafter, hidden, head_weight, blocks: Blocks, sums: LossSums, chunk_rows: int,
@@ -195,16 +198,9 @@ def _with_selector(drafter: DFlashDrafter, hidden, head_weight, blocks: Blocks, 
 
 
 def _dspark(drafter: DFlashDrafter, hidden, head_weight, blocks: Blocks, chunk_rows: int,
-            objective: Objective | None, target_rows, confidence_weight: float) -> LossSums:
+            objective: Objective | None, target_rows, confidence_weight: float,
+            compiled_mixture: bool | None) -> LossSums:
     """DSpark: the mixture over the Markov-biased logits plus the confidence BCE (model/dspark/objective.py),
     the slots' accuracy that of the biased logits (teacher-forced, as speculators measures it)."""
-    block = drafter.block_size
-
-    def rows(t):
-        return scored_rows(t, block)
-
-    weights = rows(blocks.weights)
-    total, hit = dspark_loss(drafter, rows(hidden), rows(predecessors(blocks.labels, block)), rows(blocks.labels),
-                             weights, head_weight, objective,
-                             None if target_rows is None else rows(target_rows), confidence_weight, chunk_rows)
-    return dspark_sums(total, hit, weights, block)
+    return dspark_loss(drafter, hidden, predecessors(blocks.labels, drafter.block_size), blocks.labels, blocks.weights,
+                       head_weight, objective, target_rows, confidence_weight, chunk_rows, compiled_mixture)
