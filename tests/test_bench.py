@@ -30,11 +30,39 @@ def test_tiny_bench_reports_a_consistent_result(tmp_path, extra):
     assert r["clock_unavailable"] == "not a CUDA device" and "sm_clock_mhz_mean" not in r
 
 
+def test_the_bench_times_each_drafter_kind_with_its_own_loss(tmp_path):
+    """--kind (drafter.kind) builds the preset's drafter of that kind, its settings and loss from the config: DFlash 2
+    (its convolutions and selector, the selector's CE beside a KL unary term) and DSpark (its Markov and confidence
+    heads, 0.1 CE + 0.9 TV against the target), each a couple of steps on a CPU."""
+    runs = {"dflash": [], "dflash2": ["--kind", "dflash2", "--set", "drafter.selector_rank=16", "--set",
+                                      "train.loss_ce=0", "--set", "train.loss_kl=1"],
+            "dspark": ["--kind", "dspark", "--set", "drafter.markov_rank=32", "--set", "train.loss_ce=0.1", "--set",
+                       "train.loss_tv=0.9"]}
+    got = {}
+    for kind, extra in runs.items():
+        out = tmp_path / f"{kind}.json"
+        assert bench.main(["--preset", "tiny", "--seq", "64", "--anchors", "4", "--steps", "2", "--untimed-steps", "1",
+                           "--no-memory-probe", "--json", str(out), *extra]) == 0
+        got[kind] = json.loads(out.read_text())
+    assert {kind: r["kind"] for kind, r in got.items()} == {kind: kind for kind in runs}
+    assert got["dspark"]["loss"] == {"ce": 0.1, "kl": 0.0, "tv": 0.9}
+    plain = got["dflash"]
+    for kind in ("dflash2", "dspark"):  # the kind's own modules are there and counted in the step's FLOPs
+        assert got[kind]["drafter_params_m"] > plain["drafter_params_m"], kind
+        assert got[kind]["model_tflop_per_step"] > plain["model_tflop_per_step"], kind
+        assert got[kind]["drafter_step_ms"] > 0
+
+
 @pytest.mark.parametrize("bad, says", [(["--steps", "0"], "argument --steps: 0: must be >= 1"),
                                        (["--seq", "0"], "argument --seq: 0: must be >= 2"),
                                        (["--untimed-steps", "-1"], "argument --untimed-steps: -1: must be >= 0"),
                                        (["--micro-batch", "-1"], "argument --micro-batch: -1: must be >= 1"),
-                                       (["--stack-dump-after", "nan"], "argument --stack-dump-after: nan: must be")])
+                                       (["--stack-dump-after", "nan"], "argument --stack-dump-after: nan: must be"),
+                                       (["--kind", "dspark", "--set", "drafter.selector_rank=8"],
+                                        "drafter.selector_rank is a DFlash 2 setting, and drafter.kind is dspark"),
+                                       (["--kind", "dflash2", "--set", "drafter.conv_group_size=48"],
+                                        "conv_group_size 48 does not divide the hidden size 64"),
+                                       (["--kind", "dflash3"], "argument --kind: invalid choice: 'dflash3'")])
 def test_bench_refuses_counts_below_one_in_words(bad, says, capsys, tmp_path):
     out = tmp_path / "bench.json"
     assert bench.main(["--preset", "tiny", "--json", str(out), *bad]) == 2

@@ -264,14 +264,15 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
 
 
 def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None, key_flags: dict[str, str],
-                      console) -> tuple[argparse.Namespace, RunConfig] | int:
+                      console, checks=None) -> tuple[argparse.Namespace, RunConfig] | int:
     """A command's flags and its merged run config (whole_run=False: not a training run), or the exit code to
-    return: argparse's, 2 for a bad key (said on `console`), 0 after --print-config printed the config."""
+    return: argparse's, 2 for a bad key (said on `console`), 0 after --print-config printed the config.
+    checks: what else the command asks of the config, as load_config takes them."""
     args = parse(parser, argv)
     if isinstance(args, int):
         return args
     try:
-        cfg = run_config(args, key_flags, whole_run=False)
+        cfg = run_config(args, key_flags, whole_run=False, checks=checks)
     except config.ConfigError as exc:
         say_error(console, str(exc))
         return BAD_INPUT

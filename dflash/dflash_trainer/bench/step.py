@@ -3,7 +3,9 @@
 Times the full drafter training step (step.DrafterStep, the trainer's own: block inputs, drafter
 forward, chunked LM head + CE, backward, fp32-master AdamW) at a fixed shape after the serialized
 compile step, and reports step time, context tokens/s, MFU (against the GPU's dense bf16 datasheet
-peak, README "Performance") and peak memory. With
+peak, README "Performance") and peak memory. The drafter is the preset's layers and block of the
+kind drafter.kind names (--kind; DFlash 2's and DSpark's settings and loss weights from the config), and
+the loss the config's (train.loss_*). With
 --with-target a random-weight target of the preset's shape produces the features, as in a
 one-GPU run; without it the features are random (the drafter step alone).
 """
@@ -23,7 +25,14 @@ import torch
 from transformers import Qwen3Config
 
 from .. import cli_args
-from ..config import MOMENTS_DTYPE_NAMES, TARGET_QUANTIZATIONS, RunConfig
+from ..config import (
+    DRAFTER_KINDS,
+    MOMENTS_DTYPE_NAMES,
+    TARGET_QUANTIZATIONS,
+    ConfigError,
+    RunConfig,
+    kind_problems,
+)
 from ..distributed.sources import FeatureBatch, Wait
 from ..infra.console import console
 from ..infra.dtypes import DTYPES
@@ -35,7 +44,7 @@ from ..model.flops import peak_flops
 from ..model.mask import dflash_block_mask
 from ..model.optim import MOMENTS, MasterWeightAdamW
 from ..run.compile_step import compile_drafter_step
-from ..run.loading import loss_objective
+from ..run.loading import kind_shape, loss_objective
 from ..run.step import DrafterStep, StepClock, phase
 
 PRESETS = {
@@ -94,12 +103,14 @@ def make_assets(root: Path, preset: str, seq: int, rows: int) -> None:
 KEY_FLAGS = {"--seq": "data.max_length", "--anchors": "train.num_anchors", "--micro-batch": "train.micro_batch",
              "--grad-accum": "train.grad_accum", "--chunk-rows": "train.loss_chunk_rows",
              "--moments-dtype": "train.moments_dtype", "--no-compile-layers": "train.compile_layers",
-             "--target-quantization": "target.quantization"}
+             "--target-quantization": "target.quantization", "--kind": "drafter.kind"}
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-bench", description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
+    cli_args.key_flag(p, "--kind", "drafter.kind", "the drafter kind to time (its settings: --set drafter.*)",
+                      choices=DRAFTER_KINDS)
     cli_args.key_flag(p, "--seq", "data.max_length", "context tokens per sequence (S)")
     cli_args.key_flag(p, "--anchors", "train.num_anchors", "blocks per sequence (N)")
     cli_args.key_flag(p, "--micro-batch", "train.micro_batch", "rows per micro-batch")
@@ -160,7 +171,11 @@ def setup(args, cfg: RunConfig, device: torch.device) -> Setup:
     dtype = torch.bfloat16 if device.type == "cuda" or cfg.train.moments_dtype != "float32" else torch.float32
     preset = PRESETS[args.preset]
     tcfg = Qwen3Config(**preset["target"], tie_word_embeddings=False)
-    dcfg = drafter_config(tcfg, DrafterShape(**preset["drafter"]))
+    try:
+        dcfg = drafter_config(tcfg, DrafterShape(**preset["drafter"], **kind_shape(cfg)))
+    except ValueError as exc:  # a kind's setting the preset's shape cannot take (DFlash 2's group size)
+        raise ConfigError(f"drafter: {exc} (--preset {args.preset}: hidden size {tcfg.hidden_size}, vocabulary "
+                          f"{tcfg.vocab_size})") from exc
     torch.manual_seed(0)
     frozen = frozen_target(args, cfg, tcfg, dcfg, device, dtype) if args.with_target else None
     if frozen is not None:
@@ -175,7 +190,8 @@ def setup(args, cfg: RunConfig, device: torch.device) -> Setup:
     step = DrafterStep(drafter, embed, head, opt, num_anchors=cfg.train.num_anchors, gamma=None,
                        chunk_rows=cfg.train.loss_chunk_rows, backend=attention,
                        compiled_layers=attention == "flex" and cfg.train.compile_layers, vocab_size=tcfg.vocab_size,
-                       objective=loss_objective(cfg))
+                       objective=loss_objective(cfg), selector_loss_weight=cfg.drafter.selector_loss_weight,
+                       confidence_loss_weight=cfg.drafter.confidence_loss_weight)
     return Setup(device, dtype, tcfg, dcfg, frozen, drafter, opt, step, attention)
 
 
@@ -240,7 +256,7 @@ def bench_result(args, cfg: RunConfig, s: Setup, figures: list, sampler: ClockSa
     peak = peak_flops(s.device)
     states = list(s.opt.opt.state.values())
     return {
-        "preset": args.preset, "device": torch.cuda.get_device_name() if s.device.type == "cuda" else "cpu",
+        "preset": args.preset, "kind": cfg.drafter.kind, "device": torch.cuda.get_device_name() if s.device.type == "cuda" else "cpu",
         "torch": torch.__version__, "micro_batch": b, "grad_accum": A, "seq": S, "anchors": N,
         "block": s.dcfg.block_size, "compiled_layers": s.step.compiled_layers,
         # as the optimizer holds them after the steps, not as asked
@@ -286,7 +302,7 @@ def run_bench(args, cfg: RunConfig, device: torch.device) -> dict:
 
 
 def main(argv=None) -> int:
-    parsed = cli_args.parse_with_config(parser(), argv, KEY_FLAGS, console)
+    parsed = cli_args.parse_with_config(parser(), argv, KEY_FLAGS, console, checks=kind_problems)
     if isinstance(parsed, int):
         return parsed
     args, cfg = parsed
@@ -302,7 +318,11 @@ def main(argv=None) -> int:
         print(f"error: --preset {args.preset} needs a CUDA GPU; use --preset tiny for a CPU smoke run",
               file=sys.stderr)
         return 2
-    result = run_bench(args, cfg, device)
+    try:
+        result = run_bench(args, cfg, device)
+    except ConfigError as exc:
+        cli_args.say_error(console, str(exc))
+        return 2
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,8 @@ from ..infra.console import console
 from ..infra.dtypes import DTYPES
 from ..infra.hub import remote_code_hint
 from ..model.drafter import (
+    DFLASH2_DEFAULTS,
+    DSPARK_DEFAULTS,
     IDENTITY_SCALES,
     DFlashDrafter,
     DrafterShape,
@@ -268,13 +270,16 @@ def drafter_config_for(cfg: RunConfig, target_config, tokenizer):
         return drafter_config(target_config, DrafterShape(
             num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_token_id(cfg, tokenizer),
             target_layer_ids=tuple(d.target_layer_ids) if d.target_layer_ids else None,
-            intermediate_size=d.intermediate_size, kind=d.kind, conv_kernel_size=d.conv_kernel_size,
-            conv_group_size=d.conv_group_size, selector_rank=d.selector_rank, selector_top_k=d.selector_top_k,
-            markov_rank=d.markov_rank, markov_head_type=d.markov_head_type,
-            confidence_head_with_markov=d.confidence_head_with_markov,
+            intermediate_size=d.intermediate_size, **kind_shape(cfg),
         ), borrowed)
     except ValueError as exc:  # layer ids or mask token outside the target
         raise ConfigError(f"drafter: {exc}") from exc
+
+
+def kind_shape(cfg: RunConfig) -> dict:
+    """DrafterShape's kind and the kind's own settings (DFlash 2's, DSpark's), as drafter.* sets them."""
+    d = cfg.drafter
+    return {"kind": d.kind, **{name: getattr(d, name) for name in (*DFLASH2_DEFAULTS, *DSPARK_DEFAULTS)}}
 
 
 def family_problem(drafter: dict, target_config, trust_remote_code: bool = False) -> str | None:
