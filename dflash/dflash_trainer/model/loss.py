@@ -18,6 +18,11 @@ chunk by chunk beside the drafter's, and the mixture and its gradient are comput
 (`mixture_and_grad`; compiled on GPUs with a gradient, COMPILED_MIXTURE) on chunks capped at
 MIXTURE_CHUNK_LOGITS logits, since that path holds a few fp32 [rows, vocab] tensors at once. A pure CE
 objective takes the CE path above, unchanged.
+
+DSpark (model/dspark/objective.py) runs the same pass over its Markov-biased logits: `logit_bias` is a trained
+low-rank term codes @ W^T added to each chunk's logits, whose gradients (codes', W's) come out of the chunk's
+gradient like the hidden states' do, and `acceptance` returns each row's sum_v min(p_v, q_v) for its confidence
+head, from the same kernel.
 """
 
 from __future__ import annotations
