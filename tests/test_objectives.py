@@ -67,6 +67,36 @@ def test_mixtures_and_their_gradients_match_the_plain_reference(name, shaping):
     assert sums.slot_correct.tolist() == hit.view(-1, 4).sum(0).float().tolist()
 
 
+@pytest.mark.parametrize("name", ["ce", "dspark", "all"])
+@pytest.mark.parametrize("shaping", [(1.0, None), (0.7, 3.0)])
+def test_a_trained_logit_bias_and_the_acceptance_match_autograd(name, shaping):
+    """logit_bias (DSpark's Markov head): codes @ W^T added after the target's transform; the loss, the acceptance
+    sum_v min(p_v, q_v) (q of the label without the target) and the gradients of the hidden states, the codes and W
+    equal autograd's over the plain reference."""
+    objective = Objective() if name == "ce" else CASES[name]
+    h, target, head, labels, weights = random_case(6)
+    g = torch.Generator().manual_seed(8)
+    codes0, bias0 = torch.randn(2, 20, 5, generator=g), torch.randn(60, 5, generator=g) * 0.5
+    given = [t.clone().requires_grad_() for t in (h, codes0, bias0)]
+    with_target = objective.needs_target
+    sums = chunked_block_loss(given[0], head, labels, weights, 4, chunk_rows=7, output_multiplier=shaping[0],
+                              final_logit_softcapping=shaping[1], objective=objective,
+                              target_hidden=target if with_target else None, logit_bias=(given[1], given[2]),
+                              acceptance=True)
+    got = torch.autograd.grad(sums.weighted_loss, given)
+    ref = [t.clone().requires_grad_() for t in (h, codes0, bias0)]
+    logits = _shaped(ref[0] @ head.T, *shaping) + ref[1] @ ref[2].T
+    target_logits = _shaped(target @ head.T, *shaping)
+    want = reference_loss(logits.view(-1, 60), target_logits.view(-1, 60), labels.view(-1), weights.view(-1),
+                          objective)
+    torch.testing.assert_close(sums.weighted_loss, want)
+    torch.testing.assert_close(got, torch.autograd.grad(want, ref))
+    q = torch.softmax(logits.detach(), -1)
+    accept = torch.minimum(q, torch.softmax(target_logits, -1)).sum(-1) if with_target else \
+        q.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(sums.acceptance, accept.view(2, 5, 4)[:, :, 1:].reshape(-1))
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_chunked_equals_unchunked_and_no_grad_equals_grad(name):
     h, target, head, labels, weights = random_case(1)
