@@ -169,15 +169,107 @@ def test_a_killed_chain_leaves_its_stage_running_and_recipe_stop_stops_it(tmp_pa
     assert "next:        `make recipe` continues" in chain_status(chain)
 
 
+def finished(plan: dict) -> dict:
+    """stages.json after each stage of the plan finished, as the chain records it (with what it ran with)."""
+    return {s["name"]: {"state": "finished", "rc": 0, "fingerprint": recipe.fingerprint(s)} for s in plan["stages"]}
+
+
 def test_a_changed_stage_and_those_after_it_run_again(tmp_path):
     chain = tmp_path / "c"
     first = recipe.make_plan(chain, "embedded", "/t", ["a.jsonl"], [], {}, python="py")
-    assert recipe.save_plan(chain, first) == []
-    recipe.write_ended(chain, {n: {"state": "finished"} for n in ("regenerate", "train", "eval")})
-    assert recipe.save_plan(chain, first) == []  # the same plan again: nothing is redone
+    assert recipe.save_plan(chain, first) == {}
+    recipe.write_ended(chain, finished(first))
+    assert recipe.save_plan(chain, first) == {}  # the same plan again: nothing is redone
     assert recipe.save_plan(chain, recipe.make_plan(chain, "embedded", "/t", ["a.jsonl"], ["train.steps=9"], {},
-                                                    python="py")) == ["train", "eval"]
+                                                    python="py")) == {"train": "its command line changed",
+                                                                      "eval": "train runs again before it"}
     assert list(recipe.read_ended(chain)) == ["regenerate"]
+
+
+def deployed_with_config(root: Path) -> tuple[dict, Path]:
+    """The deployed jobs of deploy_jobs, the training reading its run.toml as make deploy renders it."""
+    dirs = deploy_jobs(root)
+    config = dirs["train"] / "run.toml"
+    config.write_text("[train]\nsteps = 100\n")
+    launch = json.loads((dirs["train"] / supervise.LAUNCH).read_text())
+    launch["argv"] += ["--config", str(config)]
+    (dirs["train"] / supervise.LAUNCH).write_text(json.dumps(launch))
+    return dirs, config
+
+
+def test_a_changed_config_reruns_its_stage_and_those_after_it(tmp_path):
+    """The deployed run.toml edited (train.steps) with the command line as it was: training and the evaluation of
+    its drafter run again, regeneration is kept; the status says why. The same config again: all skipped."""
+    dirs, config = deployed_with_config(tmp_path)
+    chain = tmp_path / "chain"
+    plan = recipe.deployed_plan(dirs)
+    assert recipe.save_plan(chain, plan) == {}
+    recipe.write_ended(chain, finished(plan))
+    assert recipe.save_plan(chain, recipe.deployed_plan(dirs)) == {}  # unchanged: all skipped
+    assert recipe.plan_summary(chain).endswith("eval finished before (not run again)")
+
+    config.write_text("[train]\nsteps = 200\n")
+    why = f"config changed since it finished: {config}"
+    # the status says it before the chain is planned again ...
+    assert recipe.report(chain)["stages"]["train"] == f"finished, runs again at the next start ({why})"
+    assert recipe.save_plan(chain, recipe.deployed_plan(dirs)) == {"train": why, "eval": "train runs again before it"}
+    assert list(recipe.read_ended(chain)) == ["regenerate"]
+    # ... and after, until the stage has run: a plan made again keeps why
+    assert recipe.save_plan(chain, recipe.deployed_plan(dirs)) == {}
+    assert recipe.plan_summary(chain) == (f"recipe chain in {chain}: regenerate finished before (not run again), "
+                                          f"train to run again ({why}), eval to run again (train runs again before it)")
+    assert recipe.report(chain)["stages"] == {"regenerate": "finished", "train": f"to run again ({why})",
+                                              "eval": "to run again (train runs again before it)"}
+
+
+def test_a_record_from_before_fingerprints_reruns_a_stage_that_reads_a_config(tmp_path):
+    """stages.json written by an earlier version holds no fingerprint: whether the training's config changed since
+    is unknown, so it runs again (and the evaluation after it); regeneration reads no config and is compared by its
+    command line as before."""
+    dirs, _ = deployed_with_config(tmp_path)
+    chain = tmp_path / "chain"
+    recipe.save_plan(chain, recipe.deployed_plan(dirs))
+    recipe.write_ended(chain, {n: {"state": "finished", "rc": 0} for n in dirs})
+    assert recipe.save_plan(chain, recipe.deployed_plan(dirs)) == {
+        "train": "it finished before the chain recorded its config's contents", "eval": "train runs again before it"}
+
+
+def test_a_config_that_is_not_there_is_refused_naming_it_and_the_fix(tmp_path):
+    dirs, config = deployed_with_config(tmp_path)
+    chain = tmp_path / "chain"
+    recipe.save_plan(chain, recipe.deployed_plan(dirs))
+    planned = (chain / recipe.PLAN).read_text()
+    config.unlink()
+    res = dflash_run("recipe", "--plan-only", "--run-dir", str(chain), *[f"--job-dir={n}={d}" for n, d in dirs.items()])
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"the train stage reads the config {config}, which is not there: make deploy INVENTORY=" in res.stderr
+    assert (chain / recipe.PLAN).read_text() == planned  # nothing written
+    res = dflash_run("recipe", "--plan-only", "--run-dir", str(tmp_path / "local"), "--config", "nope.toml")
+    assert res.returncode == 2 and "reads the config nope.toml, which is not there: give --config a TOML" in res.stderr
+    assert "not there" in recipe.report(chain)["stages"]["train"]  # the status says it, and does not fail
+
+
+def test_the_chain_reruns_a_finished_stage_whose_config_changed(tmp_path):
+    """The chain itself (as its systemd unit runs it, with no new plan) compares what a finished stage ran with."""
+    job_dir = tmp_path / "run"
+    job_dir.mkdir()
+    config = job_dir / "run.toml"
+    config.write_text("[train]\nsteps = 1\n")
+    child = ("import pathlib; p = pathlib.Path('starts'); p.write_text(p.read_text() + 'x' if p.exists() else 'x'); "
+             "pathlib.Path('summary.json').write_text('{}')")  # a training that finished
+    (job_dir / supervise.LAUNCH).write_text(json.dumps({"job": "train", "argv": [
+        sys.executable, "-c", child, "-m", "dflash_trainer.train", "--config", str(config)]}))
+    chain = tmp_path / "chain"
+    recipe.save_plan(chain, recipe.deployed_plan({"train": job_dir}))
+    for edit, starts in ((None, "x"), (None, "x"), ("[train]\nsteps = 2\n", "xx")):
+        if edit:
+            config.write_text(edit)
+        res = dflash_run("run", "--job", "recipe", "--run-dir", str(chain))
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert (job_dir / "starts").read_text() == starts
+    log = (chain / "logs" / "recipe.log").read_text()
+    assert "stage train: finished before, not run again" in log
+    assert f"(again: config changed since it finished: {config})" in log
 
 
 def test_bad_stage_arguments_are_refused_before_anything_is_written(tmp_path):
@@ -253,6 +345,9 @@ def test_chain_stops_in_training_and_a_second_start_finishes_it(tmp_path):
     train_log = (run / "logs" / "train.log").read_text()
     assert train_log.count("start: ") == 2 and "--resume" in train_log.split("start: ")[2].splitlines()[0]
     assert json.loads((run / "summary.json").read_text())["steps"] == 60
+    # planned again with nothing changed: what each stage ran with is what it reads now, so nothing runs again
+    res = dflash_run("recipe", "--run-dir", str(chain), "--plan-only")
+    assert res.returncode == 0 and "to run" not in res.stdout and "eval finished before" in res.stdout, res.stdout
 
 
 @pytest.mark.slow

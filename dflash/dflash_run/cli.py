@@ -158,8 +158,9 @@ def start_recipe(a: argparse.Namespace) -> int:
         print("--job-dir takes the stages from the deployed jobs: give it without --config, --target, --data, "
               "--set, --args and --nproc (the inventory sets those)", file=sys.stderr)
         return 2
-    planned = plan_deployed(a) if a.job_dir else plan_local(a) if given or recipe.read_plan(
-        a.run_dir.absolute()) is None else 0
+    earlier = recipe.read_plan(a.run_dir.absolute())
+    planned = plan_deployed(a) if a.job_dir else plan_local(a) if given or earlier is None else \
+        save_plan(a.run_dir, earlier, "since the last start")  # the same plan: a config it reads may have changed
     if planned:
         return planned
     if stray := recipe.stray_processes(a.run_dir.absolute()):
@@ -186,9 +187,7 @@ def plan_deployed(a: argparse.Namespace) -> int:
             print(f"--job-dir {item!r}: give STAGE=DIR with STAGE one of regenerate, train, eval", file=sys.stderr)
             return 2
         job_dirs[stage] = Path(where)
-    if redo := recipe.save_plan(a.run_dir.absolute(), recipe.deployed_plan(job_dirs)):
-        print(f"the deployed jobs changed: {', '.join(redo)} will run again")
-    return 0
+    return save_plan(a.run_dir, recipe.deployed_plan(job_dirs), "the deployed jobs changed")
 
 
 def plan_local(a: argparse.Namespace) -> int:
@@ -207,8 +206,19 @@ def plan_local(a: argparse.Namespace) -> int:
         return 2
     plan = recipe.make_plan(a.run_dir, a.config or "embedded", a.target or recipe.EMBEDDED,
                             a.data or [recipe.default_data()], a.set, stage_args, a.nproc or 1)
-    if redo := recipe.save_plan(a.run_dir.absolute(), plan):
-        print(f"the plan changed: {', '.join(redo)} will run again")
+    return save_plan(a.run_dir, plan, "the plan changed")
+
+
+def save_plan(run_dir: Path, plan: dict, what: str) -> int:
+    """Write the chain's plan and say which finished stages run again, and why. 0, or 2 when a config a stage reads
+    is not there (nothing written)."""
+    try:
+        again = recipe.save_plan(run_dir.absolute(), plan)
+    except recipe.InputMissing as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if again:
+        print(f"{what}: " + "; ".join(f"{name} will run again ({why})" for name, why in again.items()))
     return 0
 
 

@@ -9,14 +9,17 @@ train --run-dir DIR/run` works on it too. The embedded default first builds its 
 In a container the stages are the jobs `make deploy` described (deployed_plan): each one's launch.json, rendered
 from the inventory, is its stage's command line, so the inventory's settings for each job are the chain's.
 
-A second start continues: a stage that finished is not run again; the one that stopped or failed starts again
-(training resumes from its last checkpoint, regeneration answers only the rest). A failed stage stops the chain
-with the stage's error line.
+A second start continues: a stage that finished is not run again while its fingerprint (fingerprint(): its command
+line, a deployed job's environment, the contents of the config file it reads) is the one it finished with; one whose
+fingerprint changed runs again, and so does every stage after it (each reads the output of the one before). The one
+that stopped or failed starts again (training resumes from its last checkpoint, regeneration answers only the rest).
+A failed stage stops the chain with the stage's error line.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import signal
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import threading
 from importlib.util import find_spec
+from itertools import pairwise
 from pathlib import Path
 
 from . import status, supervise
@@ -92,36 +96,116 @@ def deployed_plan(job_dirs: dict[str, Path]) -> dict:
         if name in job_dirs:
             job_dir = job_dirs[name].absolute()
             launch = supervise.load_launch(job_dir, JOBS[name])
-            stages.append({"name": name, "dir": str(job_dir), "argv": launch["argv"], "deployed": True})
+            stages.append({"name": name, "dir": str(job_dir), "argv": launch["argv"], "env": launch.get("env") or {},
+                           "deployed": True})
     return {"job": RECIPE.name, "stages": stages}
+
+
+class InputMissing(Exception):
+    """A file a stage's command reads is not there (bad input, exit 2); the message names it and the fix."""
+
+
+def config_file(name: str) -> Path | None:
+    """The file `--config NAME` reads, as the trainer resolves it (a bundled config's name first, then a path);
+    None when there is none."""
+    spec = find_spec("dflash_trainer")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if "/" not in name and (bundled := Path(folder) / "configs" / f"{name}.toml").is_file():
+            return bundled
+    return Path(name) if Path(name).is_file() else None
+
+
+def fingerprint(stage: dict) -> dict:
+    """What a stage is known by, recorded when it starts: its command line, its environment (a deployed job's
+    launch.json: what `make deploy` rendered from the inventory) and the SHA-256 of each config file its --config
+    names (a deployed training's run.toml). A stage that finished is run again when this is no longer what it finished
+    with. Not its restart policy (that does not change what it writes). InputMissing names a config that is not
+    there."""
+    argv, files = stage["argv"], {}
+    named = [b for a, b in pairwise(argv) if a == "--config"] + \
+        [a.removeprefix("--config=") for a in argv if a.startswith("--config=")]
+    for name in named:
+        path = config_file(name)
+        if path is None:
+            fix = ("make deploy INVENTORY=... writes it (the inventory's training settings), then make recipe again"
+                   if stage.get("deployed") else "give --config a TOML file or a bundled config's name "
+                   "(make recipe RECIPE_ARGS='--config ...')")
+            raise InputMissing(f"the {stage['name']} stage reads the config {name}, which is not there: {fix}")
+        files[str(path.absolute())] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return {"argv": argv, "env": stage.get("env") or {}, "files": files}
+
+
+def why_again(now: dict, record: dict | None, planned_argv: list[str] | None = None) -> str | None:
+    """Why a stage that finished (record: how it ended, in stages.json) runs again, now: its fingerprint(); None
+    when it is skipped. planned_argv: its command line in the plan before, all a record written before fingerprints
+    can be compared by."""
+    if (record or {}).get("state") != "finished":
+        return None
+    then = record.get("fingerprint")
+    if then is None:  # an earlier version's record: its config's contents are unknown, so a stage that reads one reruns
+        if (planned_argv or now["argv"]) != now["argv"]:
+            return "its command line changed"
+        return "it finished before the chain recorded its config's contents" if now["files"] else None
+    if then.get("argv") != now["argv"]:
+        return "its command line changed"
+    if then.get("env", {}) != now["env"]:
+        return "its environment changed"
+    old = then.get("files") or {}
+    changed = sorted(p for p in {**old, **now["files"]} if old.get(p) != now["files"].get(p))
+    return f"config changed since it finished: {', '.join(changed)}" if changed else None
+
+
+def reruns(plan: dict, ended: dict, before: dict[str, list[str]] | None = None) -> dict[str, str]:
+    """The finished stages that run again, each with why: its fingerprint changed, or a stage before it runs (its
+    output is this one's input). before: each stage's command line in the previous plan. InputMissing when a
+    config a stage reads is not there (whether the stage finished or not: it would fail)."""
+    now = {stage["name"]: fingerprint(stage) for stage in plan.get("stages", [])}
+    again, upstream = {}, None
+    for stage in plan.get("stages", []):
+        name, record = stage["name"], ended.get(stage["name"])
+        why = why_again(now[name], record, (before or {}).get(name))
+        if why is None and upstream and (record or {}).get("state") == "finished":
+            why = f"{upstream} runs again before it"
+        if why:
+            again[name] = why
+        if why or (record or {}).get("state") != "finished":
+            upstream = upstream or name
+    return again
 
 
 def read_plan(chain_dir: Path) -> dict | None:
     return status.read_json(chain_dir / PLAN)
 
 
-def save_plan(chain_dir: Path, plan: dict) -> list[str]:
-    """Write the plan; a stage whose command line changed since the last plan (and every stage after it) runs
-    again. Returns the stages that will run again that had finished."""
-    chain_dir.mkdir(parents=True, exist_ok=True)
-    old = {s["name"]: s["argv"] for s in (read_plan(chain_dir) or {}).get("stages", [])}
+def save_plan(chain_dir: Path, plan: dict) -> dict[str, str]:
+    """Write the plan; a finished stage whose fingerprint changed (and every stage after it) runs again: its record
+    in stages.json goes, the plan keeps why (`again`) for the status until it has run. Returns those stages, each
+    with why. InputMissing (nothing written) when a config a stage reads is not there."""
+    previous = read_plan(chain_dir) or {}
+    before = {s["name"]: s["argv"] for s in previous.get("stages", [])}
+    kept = {s["name"]: s["again"] for s in previous.get("stages", []) if s.get("again")}
     ended = read_ended(chain_dir)
-    changed, redo = False, []
+    again = reruns(plan, ended, before)
     for stage in plan["stages"]:
-        changed = changed or old.get(stage["name"]) != stage["argv"]
-        if changed and stage["name"] in ended:
-            redo += [stage["name"]] if ended.pop(stage["name"]).get("state") == "finished" else []
+        name = stage["name"]
+        if name in again:
+            ended.pop(name)
+        if why := again.get(name) or (kept.get(name) if name not in ended else None):
+            stage["again"] = why
+    chain_dir.mkdir(parents=True, exist_ok=True)
     write_ended(chain_dir, ended)
     (chain_dir / PLAN).write_text(json.dumps(plan, indent=1))
-    return redo
+    return again
 
 
 def plan_summary(chain_dir: Path) -> str:
-    """What a start of the planned chain runs: each stage, and whether it finished before (then it is skipped)."""
+    """What a start of the planned chain runs: each stage, and whether it finished before (then it is skipped) or
+    runs again (and why)."""
     ended = read_ended(chain_dir)
     return f"recipe chain in {chain_dir}: " + ", ".join(
         f"{s['name']} " + ("finished before (not run again)" if ended.get(s["name"], {}).get("state") == "finished"
-                           else "to run") for s in (read_plan(chain_dir) or {}).get("stages", []))
+                           else f"to run again ({s['again']})" if s.get("again") else "to run")
+        for s in (read_plan(chain_dir) or {}).get("stages", []))
 
 
 def read_ended(chain_dir: Path) -> dict:
@@ -187,17 +271,31 @@ class Chain:
                               log=str(self.log), supervisor="process", **extra)
 
     def loop(self) -> int:
+        try:  # a config changed since the plan was written (a start without `make recipe`) counts too
+            again = reruns(self.plan, self.ended)
+        except InputMissing as exc:
+            self.note(str(exc))
+            self.state("failed", stage=None, rc=2, error=str(exc))
+            return 2
         for stage in self.plan["stages"]:
             name = stage["name"]
-            if self.ended.get(name, {}).get("state") == "finished":
+            if self.ended.get(name, {}).get("state") == "finished" and name not in again:
                 self.note(f"stage {name}: finished before, not run again")
                 continue
             if self.stopping.is_set():
                 return self.stopped(name)
             self.state("running", stage=name)
-            self.note(f"stage {name}: start in {stage['dir']}")
+            self.note(f"stage {name}: start in {stage['dir']}" + (f" (again: {again[name]})" if name in again else ""))
+            try:
+                ran_with = fingerprint(stage)
+            except InputMissing as exc:
+                self.note(str(exc))
+                self.ended[name] = {"state": "failed", "rc": 2, "at": supervise.now()}
+                write_ended(self.dir, self.ended)
+                self.state("failed", stage=name, rc=2, error=str(exc))
+                return 2
             rc, outcome = self.run_stage(stage)
-            self.ended[name] = {"state": outcome, "rc": rc, "at": supervise.now()}
+            self.ended[name] = {"state": outcome, "rc": rc, "at": supervise.now(), "fingerprint": ran_with}
             write_ended(self.dir, self.ended)
             if outcome == "stopped" or self.stopping.is_set():
                 return self.stopped(name)
@@ -273,9 +371,22 @@ def report(chain_dir: Path, log_lines: int = 5) -> dict:
     job = JOBS.get(current or "")
     latest = status.last_progress(Path(stage["dir"]) / job.log) if stage and job else None
     log = Path(st.get("log") or chain_dir / RECIPE.log)
+    try:
+        again = reruns(plan or {}, ended)
+    except InputMissing as exc:
+        again = {n: str(exc) for n in stages if n not in ended or ended[n].get("state") == "finished"}
+    planned_again = {s["name"]: s["again"] for s in (plan or {}).get("stages", []) if s.get("again")}
+
+    def said(n: str) -> str:
+        if n == current and state == "running":
+            return "running"
+        if n in again:
+            return f"{ended.get(n, {}).get('state', 'not started')}, runs again at the next start ({again[n]})"
+        if n not in ended and n in planned_again:
+            return f"to run again ({planned_again[n]})"
+        return (ended.get(n) or {}).get("state", "not started")
     return {"job": RECIPE.name, "run_dir": str(chain_dir), "state": state, "stage": current, "rc": st.get("rc"),
-            "stages": {n: "running" if n == current and state == "running" else
-                       (ended.get(n) or {}).get("state", "not started") for n in stages},
+            "stages": {n: said(n) for n in stages},
             "stage_dir": stage and stage["dir"], "last_progress": latest, "error": st.get("error"),
             "result": result(plan) if state == "finished" else None,
             "left_running": stray_processes(chain_dir) if state == "dead" else [],
