@@ -104,6 +104,10 @@ def deployed_plan(job_dirs: dict[str, Path]) -> dict:
 class InputMissing(Exception):
     """A file a stage's command reads is not there (bad input, exit 2); the message names it and the fix."""
 
+    def __init__(self, message: str, stage: str):
+        super().__init__(message)
+        self.stage = stage
+
 
 def config_file(name: str) -> Path | None:
     """The file `--config NAME` reads, as the trainer resolves it (a bundled config's name first, then a path);
@@ -130,7 +134,8 @@ def fingerprint(stage: dict) -> dict:
             fix = ("make deploy INVENTORY=... writes it (the inventory's training settings), then make recipe again"
                    if stage.get("deployed") else "give --config a TOML file or a bundled config's name "
                    "(make recipe RECIPE_ARGS='--config ...')")
-            raise InputMissing(f"the {stage['name']} stage reads the config {name}, which is not there: {fix}")
+            raise InputMissing(f"the {stage['name']} stage reads the config {name}, which is not there: {fix}",
+                               stage["name"])
         files[str(path.absolute())] = hashlib.sha256(path.read_bytes()).hexdigest()
     return {"argv": argv, "env": stage.get("env") or {}, "files": files}
 
@@ -275,11 +280,14 @@ class Chain:
             again = reruns(self.plan, self.ended)
         except InputMissing as exc:
             self.note(str(exc))
-            self.state("failed", stage=None, rc=2, error=str(exc))
+            self.state("failed", stage=exc.stage, rc=2, error=str(exc))
             return 2
+        for name in again:  # as save_plan does: the status shows them as to run, not as finished
+            self.ended.pop(name)
+        write_ended(self.dir, self.ended)
         for stage in self.plan["stages"]:
             name = stage["name"]
-            if self.ended.get(name, {}).get("state") == "finished" and name not in again:
+            if self.ended.get(name, {}).get("state") == "finished":
                 self.note(f"stage {name}: finished before, not run again")
                 continue
             if self.stopping.is_set():
@@ -371,15 +379,18 @@ def report(chain_dir: Path, log_lines: int = 5) -> dict:
     job = JOBS.get(current or "")
     latest = status.last_progress(Path(stage["dir"]) / job.log) if stage and job else None
     log = Path(st.get("log") or chain_dir / RECIPE.log)
+    again, missing = {}, {}
     try:
         again = reruns(plan or {}, ended)
     except InputMissing as exc:
-        again = {n: str(exc) for n in stages if n not in ended or ended[n].get("state") == "finished"}
+        missing[exc.stage] = str(exc)
     planned_again = {s["name"]: s["again"] for s in (plan or {}).get("stages", []) if s.get("again")}
 
     def said(n: str) -> str:
         if n == current and state == "running":
             return "running"
+        if n in missing:
+            return f"{ended.get(n, {}).get('state', 'not started')}, cannot start: {missing[n]}"
         if n in again:
             return f"{ended.get(n, {}).get('state', 'not started')}, runs again at the next start ({again[n]})"
         if n not in ended and n in planned_again:
