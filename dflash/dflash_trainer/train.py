@@ -90,9 +90,9 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
         unfinished_regenerations,
     )
     from .run.serve_check import check_published
-    from .run.step import DrafterStep, StepClock, StepFigures
+    from .run.step import DrafterStep, StepClock, StepFigures, anchor_generator
     from .run.stop import StopRequest
-    from .run.summary import Startup, print_summary, write_summary
+    from .run.summary import Startup, print_summary, steady_mfu, steady_step_ms, write_summary
     from .run.target_rank import dump_features, run_target
     from .target.frozen import BorrowedWeights, FrozenTarget, load_embed_and_head
 
@@ -148,6 +148,8 @@ class History:
     wait_s: float = 0.0
     drafter_s: float = 0.0
     stopped_at: int | None = None
+    step_s: list[float] = field(default_factory=list)  # each step's seconds and model FLOPs: the steady figures
+    step_flops: list[float] = field(default_factory=list)
 
     def record(self, step: int, figures: StepFigures, seconds: float) -> None:
         if not math.isfinite(figures.loss):
@@ -158,6 +160,8 @@ class History:
         self.train_s += seconds
         self.wait_s += figures.wait_s
         self.drafter_s += seconds - figures.step_wait_s
+        self.step_s.append(seconds)
+        self.step_flops.append(figures.flops)
 
 
 @dataclass
@@ -446,7 +450,8 @@ def train_loop(run: DrafterRun, metrics: Metrics | None, startup: Startup) -> Hi
     with StopRequest() as stop:
         for step in book.bar:
             done = step + 1
-            result = run.step.run(run.source, train.grad_accum, lambda index: anchor_generator(cfg, device, index),
+            result = run.step.run(run.source, train.grad_accum,
+                                  lambda index: anchor_generator(train.seed, device, index),
                                   lambda totals: parallel.all_reduce_sum(ctx, totals), ctx.num_drafters,
                                   stop_vote=stop.requested)
             lap = book.clock.lap()
@@ -537,6 +542,9 @@ def run_summary(run: DrafterRun, history: History, report: CompileReport | None,
         "final_loss": history.losses[-1] if history.losses else None,
         "tokens_per_s": history.tokens / history.train_s if history.train_s else None,
         "mfu": history.flops / history.train_s / peak if peak and history.train_s else None,
+        # after the first STEADY_AFTER steps: the median step, and MFU over those steps (run/summary.py)
+        "steady_step_ms": steady_step_ms(history.step_s),
+        "steady_mfu": steady_mfu(history.step_s, history.step_flops, peak),
         "time_split_s": {run.wait_kind: history.wait_s, "drafter": history.drafter_s},
         "compile_s": compile_s,
         "time_to_first_step_s": startup.total() if history.losses else None,
@@ -555,7 +563,8 @@ def run_summary(run: DrafterRun, history: History, report: CompileReport | None,
         # A resume that trained nothing (a finished run whose drafter/ was removed) published the drafter
         # again: the run's figures are the ones its summary already holds.
         summary.update({k: previous[k] for k in ("first_loss", "final_loss", "tokens_per_s", "mfu", "time_split_s",
-                                                 "time_to_first_step_s", "losses") if k in previous})
+                                                 "steady_step_ms", "steady_mfu", "time_to_first_step_s",
+                                                 "losses") if k in previous})
     elif not history.losses and run.checkpoint_losses:
         # Killed after its last checkpoint and before summary.json: the losses that checkpoint recorded.
         summary.update(first_loss=run.checkpoint_losses[0], final_loss=run.checkpoint_losses[-1],
@@ -609,11 +618,6 @@ def run_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart, 
             metrics.close()
         return {"stopped_at": history.stopped_at}
     return finish(run, history, before, report, compile_s, metrics, startup)
-
-
-def anchor_generator(cfg: RunConfig, device, index: int) -> torch.Generator:
-    """Anchors of micro-batch i are a function of (seed, i): a resumed run draws the same ones."""
-    return torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + index)
 
 
 # ---- entry points --------------------------------------------------------------------------------

@@ -31,6 +31,12 @@ from ..model.objective import drafter_loss, prepare_micro_batch
 from ..model.optim import MasterWeightAdamW
 
 
+def anchor_generator(seed: int, device, index: int) -> torch.Generator:
+    """Anchors of micro-batch i are a function of (train.seed, i): a resumed run draws the same ones, and the
+    peers' FLOP count (bench/peers) the ones our trainer draws for the same micro-batch."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+
+
 @dataclass
 class MicroBatchSums:
     """One micro-batch's additive terms (device tensors)."""

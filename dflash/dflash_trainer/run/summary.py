@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -12,6 +13,27 @@ from rich.table import Table
 
 from ..infra import storage
 from ..infra.console import console
+
+# Steps left out of the steady figures: compiles, autotuning and the allocator's warm-up land in the first ones.
+STEADY_AFTER = 3
+
+
+def steady_steps(count: int) -> slice:
+    """The steps the steady figures read: those after the first STEADY_AFTER, or the last one of a shorter run."""
+    return slice(min(STEADY_AFTER, max(0, count - 1)), count)
+
+
+def steady_step_ms(step_s: list[float]) -> float | None:
+    """The median milliseconds per optimizer step over the steady steps (None: no step)."""
+    kept = step_s[steady_steps(len(step_s))]
+    return statistics.median(kept) * 1e3 if kept else None
+
+
+def steady_mfu(step_s: list[float], step_flops: list[float], peak: float | None) -> float | None:
+    """Model FLOPs over seconds of the steady steps, against the GPU's peak (None: no known peak, or no step)."""
+    kept = steady_steps(len(step_s))
+    seconds = sum(step_s[kept])
+    return sum(step_flops[kept]) / seconds / peak if peak and seconds > 0 else None
 
 
 def write_summary(out: Path, summary: dict) -> None:

@@ -25,10 +25,13 @@ from ...data.features import FeatureShards
 from ...infra import storage
 from ...infra.console import console
 from ...infra.dtypes import DTYPES
-from ...model.anchors import default_gamma
+from ...model.anchors import default_gamma, sample_anchors
 from ...model.drafter import IDENTITY_SCALES, DFlashDrafter
+from ...model.flops import drafter_step_flops, peak_flops, visible_pairs
 from ...model.optim import warmup_cosine
 from ...run.loading import drafter_config_for, feature_buckets, load_tokenizer, target_config
+from ...run.step import anchor_generator
+from ...run.summary import steady_mfu, steady_step_ms
 
 
 class PeerMissing(RuntimeError):
@@ -108,18 +111,35 @@ def load_inputs(cfg: RunConfig, device: torch.device) -> PeerInputs:
     return PeerInputs(cfg, shards, tconfig, dconfig, device, DTYPES[cfg.train.dtype])
 
 
-def step_micro_batches(inputs: PeerInputs) -> Iterator[list[dict[str, torch.Tensor]]]:
-    """Per optimizer step, its micro-batches as our trainer reads them: micro-batch i of the run is shard i mod
-    count, step s takes i = s * P ... (s + 1) * P - 1 (P = per_step: our drafter ranks share them out, rank r
-    taking i = r mod ranks). The features come in train.dtype, as our trainer casts them."""
+def step_micro_batches(inputs: PeerInputs) -> Iterator[tuple[list[dict[str, torch.Tensor]], float]]:
+    """Per optimizer step, its micro-batches as our trainer reads them, and the model FLOPs our trainer counts
+    for them: micro-batch i of the run is shard i mod count, step s takes i = s * P ... (s + 1) * P - 1
+    (P = per_step: our drafter ranks share them out, rank r taking i = r mod ranks). The features come in
+    train.dtype, as our trainer casts them."""
     per_step = inputs.per_step
     for step in range(inputs.cfg.train.steps):
-        batches = []
+        batches, flops = [], 0.0
         for i in range(step * per_step, (step + 1) * per_step):
             got = inputs.shards.load(i, inputs.device)
             got["features"] = got["features"].to(inputs.dtype)
             batches.append(got)
-        yield batches
+            flops += our_flops(inputs, got, i)
+        yield batches, flops
+
+
+def our_flops(inputs: PeerInputs, micro_batch: dict[str, torch.Tensor], index: int) -> float:
+    """Model FLOPs of one micro-batch (forward and backward) as our trainer counts them (model/flops.py, the
+    drafter's shape, the padded context), with the attention's visible pairs of the anchors our trainer draws
+    for micro-batch `index`. A peer draws its own anchors by the same rule (the same count a row, kept where
+    ours are kept), in other positions: its visible pairs differ by where the anchors fall, not by how many
+    blocks there are (speculators spreads a step's anchors over the packed rows, not a fixed count a row)."""
+    cfg, config = inputs.cfg, inputs.drafter_config
+    loss_mask = micro_batch["loss_mask"]
+    anchors, keep = sample_anchors(loss_mask, cfg.train.num_anchors,
+                                   anchor_generator(cfg.train.seed, loss_mask.device, index))
+    pairs = float(visible_pairs(anchors, keep, config.block_size))
+    batch, ctx_len = micro_batch["features"].shape[:2]
+    return drafter_step_flops(config, batch, ctx_len, cfg.train.num_anchors, pairs, config.vocab_size)
 
 
 def our_schedule(optimizer: torch.optim.Optimizer, cfg: RunConfig):
@@ -152,10 +172,11 @@ def publish(out: Path, drafter_config, state: dict[str, torch.Tensor], peer: str
 
 
 class TrainClock:
-    """Wall time of the training steps alone, step by step (a GPU's queued work waited for at each read)."""
+    """Wall time of the training steps alone, step by step (a GPU's queued work waited for at each read), and
+    the model FLOPs our trainer counts for each step (step_flops: what the adapter's loop appends)."""
 
     def __init__(self, device: torch.device):
-        self.device, self.laps = device, []
+        self.device, self.laps, self.step_flops = device, [], []
 
     @property
     def seconds(self) -> float:
@@ -190,9 +211,13 @@ def write_summary(out: Path, summary: dict) -> Path:
 def summary_of(peer: str, dist: str, inputs: PeerInputs, losses: list[float], clock: TrainClock,
                tokens: list[int], out: Path, **settings) -> dict:
     """summary.json: the peer, its installed version, the run's shape and what it measured. tokens: the context
-    tokens of each step; the steady rate leaves out the first step (its compiles and warm-up)."""
+    tokens of each step; the steady rate leaves out the first step (its compiles and warm-up); the steady step
+    time and MFU the first STEADY_AFTER steps, as our trainer's summary does (run/summary.py). MFU: our
+    trainer's FLOP count for the same micro-batches (our_flops) over the peer's time, against the GPU's peak."""
     cfg, train_s = inputs.cfg, clock.seconds
     steady_s = sum(clock.laps[1:])
+    peak = peak_flops(inputs.device)
+    on_gpu = inputs.device.type == "cuda"
     return {
         "peer": peer, "package": dist, "package_version": importlib.metadata.version(dist),
         "steps": cfg.train.steps, "micro_batch": cfg.train.micro_batch, "micro_batches_per_step": inputs.per_step,
@@ -203,5 +228,11 @@ def summary_of(peer: str, dist: str, inputs: PeerInputs, losses: list[float], cl
         "step_s": [round(t, 4) for t in clock.laps], "tokens": sum(tokens),
         "tokens_per_s": sum(tokens) / train_s if train_s > 0 else None,
         "steady_tokens_per_s": sum(tokens[1:]) / steady_s if steady_s > 0 else None,
+        "model_flops": sum(clock.step_flops),  # our trainer's count for these micro-batches (our_flops)
+        "mfu": sum(clock.step_flops) / train_s / peak if peak and train_s > 0 else None,
+        "steady_step_ms": steady_step_ms(clock.laps),
+        "steady_mfu": steady_mfu(clock.laps, clock.step_flops, peak),
+        # after the training steps, as our trainer's summary reads it (None on a CPU)
+        "peak_memory_gib": torch.cuda.max_memory_allocated(inputs.device) / 2**30 if on_gpu else None,
         "drafter_dir": str(out / "drafter"), **settings,
     }

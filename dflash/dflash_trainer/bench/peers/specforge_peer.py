@@ -129,9 +129,10 @@ def state_dict(run: SpecForgeRun) -> dict[str, torch.Tensor]:
 def train(inputs: PeerInputs, out: Path) -> dict:
     run = build(inputs)
     clock, losses, tokens = TrainClock(inputs.device), [], []
-    for step, micro_batches in enumerate(step_micro_batches(inputs), 1):
+    for step, (micro_batches, flops) in enumerate(step_micro_batches(inputs), 1):
         with clock:
             losses.append(train_step(run, micro_batches))
+        clock.step_flops.append(flops)
         tokens.append(int(sum(mb["attention_mask"].sum() for mb in micro_batches)))
         say_step(inputs.cfg, step, losses[-1], clock)
     publish(out, inputs.drafter_config, state_dict(run), NAME, inputs.dtype)

@@ -190,15 +190,22 @@ def last_hidden_target(inputs: PeerInputs):
     return load_target(inputs.cfg, [last], inputs.device, inputs.target_config)
 
 
+def resident_gib(device: torch.device) -> float | None:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 def train(inputs: PeerInputs, out: Path) -> dict:
     run = build(inputs)
+    before = resident_gib(inputs.device)
     target = last_hidden_target(inputs)
+    target_gib = None if before is None else resident_gib(inputs.device) - before
     clock, losses, tokens = TrainClock(inputs.device), [], []
-    for step, micro_batches in enumerate(step_micro_batches(inputs), 1):
+    for step, (micro_batches, flops) in enumerate(step_micro_batches(inputs), 1):
         last_hidden = [target.features(mb["input_ids"], mb["attention_mask"]) for mb in micro_batches]
         batch = pack(micro_batches, last_hidden, run.hidden_dtype)
         with clock:
             losses.append(train_step(run, batch))
+        clock.step_flops.append(flops)
         tokens.append(int((batch["document_ids"] >= 0).sum()))
         say_step(inputs.cfg, step, losses[-1], clock)
     del target
@@ -211,6 +218,8 @@ def train(inputs: PeerInputs, out: Path) -> dict:
                          loss_implementation=flat["loss_implementation"],
                          optimizer=f"{flat['optimizer']} (weight decay {flat['weight_decay']}, Muon's "
                                    f"{flat['muon_weight_decay']}), fp32 masters, autocast {flat['hidden_states_dtype']}",
-                         max_grad_norm=CLIP)
+                         max_grad_norm=CLIP,
+                         # the target held for its last hidden states: in peak_memory_gib, not in our trainer's
+                         target_memory_gib=target_gib)
     write_summary(out, summary)
     return summary

@@ -1,5 +1,6 @@
 """The quality benchmark's table and figure, from each drafter's dflash-eval output (eval.json, requests.jsonl)
-and each trainer's wall time: one row per drafter and prompt set."""
+and each trainer's wall time and run summary (summary.json: its loss and step cost): one row per drafter and
+prompt set."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ class Row:
     # the same objective fit them this well (how well each fits, apart from how well it decodes)
     train_loss: float | None = None
     trained_at_once: int = 1  # drafters the benchmark trained side by side on the GPU (--jobs): train_s overlaps
+    # the step's cost, from the run's summary.json (ours and the peers' write the same fields; None: not there):
+    # the median ms per optimizer step after the first steps, MFU over those steps (our trainer's FLOP count for
+    # the same micro-batches), the peak GPU memory allocated, and of it the target a peer held (speculators)
+    step_ms: float | None = None
+    mfu: float | None = None
+    peak_gib: float | None = None
+    target_gib: float | None = None
 
     @property
     def tau_per_gpu_minute(self) -> float | None:
@@ -44,22 +52,36 @@ def read_eval(eval_dir: Path) -> tuple[dict, list[dict]]:
     return report, requests
 
 
-def final_loss(run_dir: Path | None) -> float | None:
-    """The mean of the last LAST_STEPS per-step losses in the run's summary.json (ours and the peers' write them)."""
+def run_summary(run_dir: Path | None) -> dict:
+    """The run's summary.json ({} where there is no run, or no readable summary)."""
     try:
-        losses = json.loads((run_dir / "summary.json").read_text())["losses"]
-    except (TypeError, OSError, ValueError, KeyError):
-        return None
-    last = [x for x in losses[-LAST_STEPS:] if isinstance(x, int | float)]
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (TypeError, OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
+def final_loss(summary: dict) -> float | None:
+    """The mean of the last LAST_STEPS per-step losses in a run's summary (ours and the peers' write them)."""
+    losses = summary.get("losses")
+    last = [x for x in losses[-LAST_STEPS:] if isinstance(x, int | float)] if isinstance(losses, list) else []
     return sum(last) / len(last) if last else None
+
+
+def figure(summary: dict, key: str) -> float | None:
+    value = summary.get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def rows_for(drafter: str, eval_dir: Path, train_s: float | None, run_dir: Path | None = None,
              trained_at_once: int = 1) -> list[Row]:
     """One row per prompt set and temperature (a set named "NAME T=t" when the evaluation sampled or had several);
-    run_dir: the training run, for its loss."""
+    run_dir: the training run, for its loss and step cost."""
     report, requests = read_eval(eval_dir)
-    loss = final_loss(run_dir)
+    summary = run_summary(run_dir)
+    cost = {"train_loss": final_loss(summary), "step_ms": figure(summary, "steady_step_ms"),
+            "mfu": figure(summary, "steady_mfu"), "peak_gib": figure(summary, "peak_memory_gib"),
+            "target_gib": figure(summary, "target_memory_gib")}
     views = report.get("by_temperature") or {f"{report.get('temperature', 0):g}": report}
     labelled = len(views) > 1 or any(float(t) > 0 for t in views)
     out = []
@@ -78,7 +100,7 @@ def rows_for(drafter: str, eval_dir: Path, train_s: float | None, run_dir: Path 
                 looping=len(looping) / max(1, len(mine)),
                 last_over_first=slots[-1] / slots[0] if slots and slots[0] else None,
                 outputs_equal="sampled" if equal is None else f"{equal}/{s['prompts']}", train_s=train_s,
-                slot_acceptance=slots, train_loss=loss, trained_at_once=trained_at_once))
+                slot_acceptance=slots, trained_at_once=trained_at_once, **cost))
     return out
 
 
@@ -87,7 +109,7 @@ def _f(value, fmt: str) -> str:
 
 
 HEADER = ("drafter", "prompt set", "tau", "tau/request", "tau w/o loops", "looping", "last/first slot",
-          "= target-only", "train s", "tau per GPU-min", "train loss")
+          "= target-only", "train s", "tau per GPU-min", "train loss", "ms/step", "MFU", "peak GiB")
 
 
 def train_seconds(r: Row) -> str:
@@ -96,12 +118,19 @@ def train_seconds(r: Row) -> str:
     return f"{text} ({r.trained_at_once} at once)" if r.train_s is not None and r.trained_at_once > 1 else text
 
 
+def peak_memory(r: Row) -> str:
+    """The peak GPU memory; where a peer held the target too (our trainer reads features from disk), its share."""
+    text = _f(r.peak_gib, ".1f")
+    return f"{text} ({r.target_gib:.1f} target)" if r.peak_gib is not None and r.target_gib else text
+
+
 def markdown(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for r in rows:
         cells = (r.drafter, r.prompt_set, _f(r.tau, ".2f"), _f(r.tau_per_request, ".2f"),
                  _f(r.tau_without_loops, ".2f"), _f(r.looping, ".0%"), _f(r.last_over_first, ".2f"),
-                 r.outputs_equal, train_seconds(r), _f(r.tau_per_gpu_minute, ".2f"), _f(r.train_loss, ".3f"))
+                 r.outputs_equal, train_seconds(r), _f(r.tau_per_gpu_minute, ".2f"), _f(r.train_loss, ".3f"),
+                 _f(r.step_ms, ".1f"), _f(r.mfu, ".1%"), peak_memory(r))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
