@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 from dflash_trainer.bench.peers import specforge_peer, speculators_peer
 from dflash_trainer.bench.peers.__main__ import main
-from dflash_trainer.bench.peers.common import PeerMissing, PeerRefused, as_ours, import_peer, load_inputs
+from dflash_trainer.bench.peers.common import (
+    PeerMissing,
+    PeerRefused,
+    as_ours,
+    import_peer,
+    load_inputs,
+    our_flops,
+    step_micro_batches,
+)
 from dflash_trainer.config import load_config
 
 ADAPTERS = {"specforge": specforge_peer, "speculators": speculators_peer}
@@ -91,6 +99,13 @@ def test_a_peer_trains_on_our_features_and_publishes_a_drafter_our_loop_decodes(
     assert summary["train_s"] > 0 and summary["tokens_per_s"] > 0 and summary["steady_tokens_per_s"] > 0
     assert len(summary["step_s"]) == 3 and abs(sum(summary["step_s"]) - summary["train_s"]) < 0.01
     assert summary["first_loss"] == summary["losses"][0] and summary["final_loss"] == summary["losses"][-1]
+    # the step's cost as our trainer's summary records it: a CPU has no GPU peak and no GPU memory
+    # 3 steps: the last is the steady one (step_s is rounded to 0.1 ms)
+    assert summary["steady_step_ms"] == pytest.approx(summary["step_s"][-1] * 1e3, abs=0.1)
+    assert summary["mfu"] is None and summary["steady_mfu"] is None and summary["peak_memory_gib"] is None
+    inputs = load_inputs(dumped["config"]("train.grad_accum=2"), torch.device("cpu"))
+    assert summary["model_flops"] > 0
+    assert summary["model_flops"] == pytest.approx(sum(f for _, f in step_micro_batches(inputs)))
 
     drafter_dir = tmp_path / "run" / "drafter"
     raw = check_drafter_dir(drafter_dir)  # dflash-eval's check of a drafter directory
@@ -177,6 +192,31 @@ def our_logits(inputs, state, peer, ids, features, anchors, keep, position_ids):
     attention = sdpa_attention(dense_mask(anchors, keep, drafter.block_size, ids.shape[1]))
     hidden = drafter(features, F.embedding(blocks.token_ids, borrowed.embed), position_ids, attention)
     return drafter.logits(hidden, borrowed.head)
+
+
+def test_a_peers_flop_count_is_what_our_trainers_step_counts_for_the_same_micro_batches(dumped):
+    """our_flops (the peers' MFU): our trainer's own step over micro-batch i, with the anchors it draws for i."""
+    from dflash_trainer.model.drafter import DFlashDrafter
+    from dflash_trainer.model.optim import MasterWeightAdamW
+    from dflash_trainer.run.step import DrafterStep, anchor_generator
+
+    inputs = load_inputs(dumped["config"]("train.grad_accum=2", "train.steps=2"), torch.device("cpu"))
+    config, seed = inputs.drafter_config, inputs.cfg.train.seed
+    drafter = DFlashDrafter(config)
+    borrowed = torch.zeros(config.vocab_size, inputs.target_config.hidden_size)
+    step = DrafterStep(drafter, borrowed, borrowed, MasterWeightAdamW(drafter.parameters(), lr=1e-3),
+                       num_anchors=inputs.cfg.train.num_anchors, gamma=None, chunk_rows=64, backend="sdpa",
+                       compiled_layers=False, vocab_size=config.vocab_size)
+    counted = []
+    for index in range(4):  # two steps of two micro-batches: shards 0, 1, 2 and 0 again
+        mb = inputs.shards.load(index, "cpu")
+        sums = step.forward_backward(mb["input_ids"], mb["loss_mask"], mb["features"].float(),
+                                     anchor_generator(seed, "cpu", index))
+        counted.append(float(sums.flops))
+    assert [our_flops(inputs, inputs.shards.load(i, "cpu"), i) for i in range(4)] == pytest.approx(counted)
+    assert [f for _, f in step_micro_batches(inputs)] == pytest.approx([counted[0] + counted[1],
+                                                                        counted[2] + counted[3]])
+    assert counted[0] != counted[3]  # one shard, other anchors: the count follows the anchors drawn for each index
 
 
 def test_a_missing_peer_names_the_install_command():

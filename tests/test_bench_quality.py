@@ -6,6 +6,7 @@ import io
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,35 @@ def test_the_table_leaves_looping_answers_out_of_one_tau(tmp_path):
     assert code.looping == 0 and code.tau_without_loops == code.tau == 2
 
 
+def test_the_table_compares_each_trainers_step_cost_from_its_run_summary(tmp_path):
+    """ms/step, MFU and peak GiB: read from each run's summary.json (ours and the peers' write the same fields),
+    n/a where a run did not record one (a CPU has no GPU peak nor GPU memory; an older summary none of them)."""
+    summaries = {
+        "ours": {"losses": [1.0], "tokens_per_s": 9.0e4, "mfu": 0.41, "time_split_s": {"disk": 0.5, "drafter": 40.0},
+                 "steady_step_ms": 131.44, "steady_mfu": 0.4349, "peak_memory_gib": 21.27},
+        "speculators": {"peer": "speculators", "losses": [2.0], "step_s": [3.0, 0.19, 0.187, 0.188, 0.187],
+                        "mfu": 0.25, "steady_step_ms": 187.46, "steady_mfu": 0.301, "peak_memory_gib": 38.24,
+                        "target_memory_gib": 15.98},  # the target it held for its last hidden states
+        "specforge": {"peer": "specforge", "losses": [3.0], "mfu": None, "steady_step_ms": 12.5, "steady_mfu": None,
+                      "peak_memory_gib": None},
+        "old": {"losses": [4.0], "tokens_per_s": 10.0, "mfu": 0.3},
+    }
+    rows = []
+    for name, summary in summaries.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+        rows += report.rows_for(name, _eval_dir(tmp_path / f"{name}-eval", {"s": [([2, 2], list(range(100)))]}), 60.0,
+                                tmp_path / name)
+    header, _, *lines = report.markdown(rows).splitlines()
+    assert header.endswith("| train loss | ms/step | MFU | peak GiB |")
+    assert lines[0].endswith("| 1.000 | 131.4 | 43.5% | 21.3 |")
+    assert lines[1].endswith("| 2.000 | 187.5 | 30.1% | 38.2 (16.0 target) |")
+    assert lines[2].endswith("| 3.000 | 12.5 | n/a | n/a |")
+    assert lines[3].endswith("| 4.000 | n/a | n/a | n/a |")  # its whole-run mfu is another figure: not shown
+    assert (rows[1].step_ms, rows[1].mfu, rows[1].peak_gib, rows[1].target_gib) == (187.46, 0.301, 38.24, 15.98)
+    assert asdict(rows[0])["step_ms"] == 131.44  # quality.json's row (report.write)
+
+
 def test_the_verdict_compares_with_the_best_peer_on_each_set(tmp_path):
     plain = list(range(100))
     ours = report.rows_for("ours", _eval_dir(tmp_path / "o", {"s": [([4, 4], plain)]}), None)
@@ -163,6 +193,7 @@ def test_bench_quality_end_to_end_on_a_tiny_target(tmp_path, tmp_path_factory):
         assert 1.0 <= r["tau"] <= 8 and len(r["slot_acceptance"]) == 7 and r["train_s"] > 0
         assert r["outputs_equal"] == ("sampled" if r["prompt_set"].endswith("T=1") else "4/4")
         assert r["trained_at_once"] == 2  # --jobs 2: the three drafters trained two at a time
+        assert r["step_ms"] > 0 and r["mfu"] is None and r["peak_gib"] is None  # a CPU: no GPU peak, no GPU memory
     # the variant trained against the target's distribution: the one dump carries it
     assert "train.loss_tv" in (out / "runs" / "dflash-trainer-tv" / "bench_wall.json").read_text()
     assert (out / "quality.png").stat().st_size > 0

@@ -33,6 +33,7 @@ def full_run(tiny_target, tmp_path_factory):
 def test_run_reports_and_exports(full_run):
     out, summary = full_run
     assert len(summary["losses"]) == 6 and summary["tokens_per_s"] > 0
+    assert summary["steady_step_ms"] > 0 and summary["steady_mfu"] is None  # a CPU: no known peak
     assert summary["final_loss"] < summary["first_loss"]
     assert 1.0 <= summary["tau_before"] <= 8 and 1.0 <= summary["tau_after"] <= 8
     check = summary["serving_check"]  # the published drafter on the target's own forward scores the same
@@ -49,6 +50,17 @@ def test_run_reports_and_exports(full_run):
     assert logged["eval/tau_after"] == [(6, pytest.approx(summary["tau_after"]))]
     assert len([t for t in logged if t.startswith("eval/slot_acceptance_after/")]) == 7  # block 8: slots 1-7
     assert json.loads((out / "trackers.json").read_text()) == {"tensorboard": {"dir": str(out / "tb")}}
+
+
+def test_the_steady_step_figures_leave_the_first_steps_out():
+    from dflash_trainer.run.summary import steady_mfu, steady_step_ms
+
+    step_s = [9.0, 2.0, 1.0, 0.2, 0.4, 0.3]  # a compile, then warm-up, then steady steps
+    assert steady_step_ms(step_s) == pytest.approx(300.0)  # the median of the last three
+    assert steady_mfu(step_s, [5e12, 1e12, 1e12, 1e12, 2e12, 1e12], 1e14) == pytest.approx(4e12 / 0.9 / 1e14)
+    assert steady_mfu(step_s, [1e12] * 6, None) is None  # no known peak (a CPU)
+    assert steady_step_ms([5.0, 0.5]) == pytest.approx(500.0)  # a shorter run: its last step
+    assert steady_step_ms([]) is None and steady_mfu([], [], 1e14) is None
 
 
 def test_eval_of_a_run_logs_to_the_runs_trackers(full_run, tmp_path, capsys):
