@@ -259,3 +259,16 @@ def test_a_whole_regeneration_is_reused_and_a_stopped_one_resumed(tmp_path):
     assert regeneration_done(tmp_path, 10)
     (tmp_path / "summary.json").write_text(json.dumps({"prompts": 8, "answers": 8}))  # fewer prompts than asked
     assert regeneration_done(tmp_path, 10)
+
+
+def test_side_by_side_counts_only_the_drafters_left_to_train(tmp_path):
+    """--jobs 4 over three drafters, one finished before: two train at once, and their wall times say 2, not 4."""
+    from dflash_trainer.bench.quality.__main__ import Drafter, side_by_side, wall_file
+
+    drafters = [Drafter(name, "dflash-trainer", tmp_path / name) for name in ("a", "b", "c")]
+    (drafters[0].run / "drafter").mkdir(parents=True)
+    (drafters[0].run / "drafter" / "config.json").write_text("{}")
+    wall_file(drafters[0].run).write_text("{}")
+    assert side_by_side(4, drafters) == 2
+    assert side_by_side(1, drafters) == 1
+    assert side_by_side(4, drafters[:1]) == 1  # nothing left to train: no overlap to mark

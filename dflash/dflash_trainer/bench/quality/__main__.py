@@ -238,8 +238,10 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
         for fraction in args.data_fraction:
             drafters.append(Drafter(f"{OURS} {fraction:g} data", OURS, out / "runs" / f"{OURS}-data-{fraction:g}",
                                     features=fraction_features(features, fraction)))
+    at_once = side_by_side(args.jobs, drafters)
+
     def train_and_judge(d: Drafter) -> list[report.Row]:
-        train(args, d, target, run_settings, logs)
+        train(args, d, target, run_settings, logs, at_once)
         eval_dir = out / "eval" / d.run.name
         if not (eval_dir / "eval.json").is_file():
             run_stage(f"evaluate {d.label}", py(
@@ -290,9 +292,19 @@ def _sets(settings: list[str]) -> list[str]:
     return [x for s in settings for x in ("--set", s)]
 
 
-def train(args, d: Drafter, target: Path, run_settings: list[str], logs: Path) -> None:
-    """One drafter trained on the features, its wall time kept beside it (a finished one is left alone)."""
-    if (d.run / "drafter" / "config.json").is_file() and wall_file(d.run).is_file():
+def trained(d: Drafter) -> bool:
+    return (d.run / "drafter" / "config.json").is_file() and wall_file(d.run).is_file()
+
+
+def side_by_side(jobs: int, drafters: list[Drafter]) -> int:
+    """How many drafters this call trains at once: --jobs, or fewer where fewer are left to train."""
+    return max(1, min(jobs, sum(not trained(d) for d in drafters)))
+
+
+def train(args, d: Drafter, target: Path, run_settings: list[str], logs: Path, at_once: int = 1) -> None:
+    """One drafter trained on the features, its wall time kept beside it (a finished one is left alone);
+    at_once: the drafters trained beside it (side_by_side), recorded with its wall time."""
+    if trained(d):
         return
     if d.trainer == OURS:
         cmd = py("dflash_trainer.train", *config_flags(args), *_sets(run_settings), *_sets(d.settings),
@@ -303,7 +315,7 @@ def train(args, d: Drafter, target: Path, run_settings: list[str], logs: Path) -
     shutil.rmtree(d.run, ignore_errors=True)  # what a stopped run left: each trainer starts clean
     seconds = run_stage(f"train {d.label}", cmd, logs / f"train-{d.run.name}.log", echo=args.jobs == 1)
     d.run.mkdir(parents=True, exist_ok=True)
-    wall_file(d.run).write_text(json.dumps({"seconds": seconds, "command": shlex.join(cmd), "jobs": args.jobs},
+    wall_file(d.run).write_text(json.dumps({"seconds": seconds, "command": shlex.join(cmd), "jobs": at_once},
                                            indent=2))
 
 
