@@ -110,13 +110,14 @@ class InputMissing(Exception):
 
 
 def config_file(name: str) -> Path | None:
-    """The file `--config NAME` reads, as the trainer resolves it (a bundled config's name first, then a path);
-    None when there is none."""
-    spec = find_spec("dflash_trainer")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        if "/" not in name and (bundled := Path(folder) / "configs" / f"{name}.toml").is_file():
-            return bundled
-    return Path(name) if Path(name).is_file() else None
+    """The file `--config NAME` reads, resolved by the trainer's own rule; None when there is none."""
+    # torch-free: the supervisor's start stays light
+    from dflash_trainer.config import ConfigError, config_path
+
+    try:
+        return config_path(name)
+    except ConfigError:
+        return None
 
 
 def fingerprint(stage: dict) -> dict:

@@ -507,7 +507,8 @@ def given_keys(config: RunConfig) -> set[str]:
     return {key for key, value in _leaves(config.to_dict()) if value != defaults.get(key)}
 
 
-def _config_path(source: str) -> Path:
+def config_path(source: str) -> Path:
+    """The file `--config SOURCE` reads: a bundled config's name first, then a path; ConfigError where none is."""
     path = CONFIG_DIR / f"{source}.toml" if (CONFIG_DIR / f"{source}.toml").is_file() else Path(source)
     if path.is_dir():
         raise ConfigError(f"config {source!r} is a directory: give a TOML file (e.g. {path / 'run.toml'}) or a "
@@ -522,7 +523,7 @@ def _read_values(source: str | None) -> tuple[dict, str]:
     """The config file's values and its name for errors; no source: none (every key at its default)."""
     if source is None:
         return {}, "defaults"
-    path = _config_path(source)
+    path = config_path(source)
     try:
         return tomllib.loads(path.read_text()), path.name
     except tomllib.TOMLDecodeError as exc:
