@@ -75,6 +75,9 @@ def test_training_writes_json_lines_with_its_figures(trained_in_json):
     recorded = json.loads((out / "summary.json").read_text())
     assert summary["tau_before"] == recorded["tau_before"] and summary["tau_after"] == recorded["tau_after"]
     assert summary["step"] == 4 and summary["loss"] == recorded["final_loss"]
+    # the steady step time and MFU, as summary.json records them (no GPU peak on a CPU: no MFU)
+    assert summary["steady_step_ms"] == recorded["steady_step_ms"] > 0 and "steady_mfu" not in summary  # None: left out
+    assert all(r["step_ms"] > 0 for r in progress), progress
     assert any(r["message"].startswith("drafter: ") and "2 layers" in r["message"] for r in records)  # other lines too
     log = out / TRAIN.log
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,10 @@
 """The train loop end to end on CPU: summary, checkpoints, HF export, resume, config errors."""
 
+import contextlib
+import io
 import json
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -25,9 +28,18 @@ def tiny_config(tiny_target, out, *extra):
 
 
 @pytest.fixture(scope="module")
-def full_run(tiny_target, tmp_path_factory):
+def printed_run(tiny_target, tmp_path_factory):
+    """The 6-step run, and what it printed on stderr (its log lines and the summary table, as in a log file)."""
     out = tmp_path_factory.mktemp("run")
-    return out, run(tiny_config(tiny_target, out))
+    err = io.StringIO()  # module scope has no capsys
+    with contextlib.redirect_stderr(err):
+        summary = run(tiny_config(tiny_target, out))
+    return out, summary, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def full_run(printed_run):
+    return printed_run[:2]
 
 
 def test_run_reports_and_exports(full_run):
@@ -50,6 +62,35 @@ def test_run_reports_and_exports(full_run):
     assert logged["eval/tau_after"] == [(6, pytest.approx(summary["tau_after"]))]
     assert len([t for t in logged if t.startswith("eval/slot_acceptance_after/")]) == 7  # block 8: slots 1-7
     assert json.loads((out / "trackers.json").read_text()) == {"tensorboard": {"dir": str(out / "tb")}}
+
+
+def summary_rows(printed: str) -> dict[str, str]:
+    """The printed summary table's rows, label -> value (a value folded over several lines joined)."""
+    rows: dict[str, str] = {}
+    label = None
+    for line in printed[printed.index("DFlash training summary"):].splitlines():
+        cells = line.split("│")
+        if len(cells) != 4:  # a border or the title
+            continue
+        if cells[1].strip():
+            label = cells[1].strip()
+            rows[label] = cells[2].strip()
+        elif label is not None:
+            rows[label] += " " + cells[2].strip()
+    return rows
+
+
+def test_the_printed_summary_shows_the_steady_step_time_summary_json_records(printed_run):
+    out, summary, printed = printed_run
+    recorded = json.loads((out / "summary.json").read_text())
+    assert recorded["steady_step_ms"] == summary["steady_step_ms"] > 0
+    rows = summary_rows(printed)
+    # 6 steps: the first 3 (compiles, warm-up) left out
+    assert rows["step time (steady)"] == f"{recorded['steady_step_ms']:,.1f} ms/step (median of this run's steps 4-6)"
+    assert rows["MFU (steady)"] == "n/a (no known GPU peak)"  # a CPU
+    assert rows["steps"] == "6 (6 in this run)", rows  # the rows around them as before
+    progress = [line for line in printed.splitlines() if line.startswith("train: step ")]
+    assert len(progress) == 6 and all(re.search(r"\| [\d,.]+ ms/step \|", line) for line in progress), progress
 
 
 def test_the_steady_step_figures_leave_the_first_steps_out():

@@ -354,11 +354,13 @@ class LogWindow:
         train_s = history.train_s - self.train_s
         tokens_per_s = (history.tokens - self.tokens) / train_s if train_s > 0 else 0.0
         mfu = (history.flops - self.flops) / train_s / peak if peak and train_s > 0 else None
+        step_ms = 1e3 * train_s / steps if steps else None  # the mean over the steps since the previous line
         wait_s = history.wait_s - self.wait_s
         losses = history.losses[self.losses:] or [figures.loss]
         left = eta(steps, total - done + steps, train_s) if steps else "?"
         parts = [f"train: step {done}/{total} ({done / total:.0%})", f"loss {sum(losses) / len(losses):.3f}",
                  f"acc {slot_summary(figures.slot_accuracy)}", f"{tokens_per_s:,.0f} tok/s",
+                 *([f"{step_ms:,.1f} ms/step"] if step_ms is not None else []),
                  *([f"MFU {mfu:.1%}"] if mfu else []), f"lr {figures.lr:.2e}",
                  f"elapsed {duration(time.perf_counter() - self.started)}, ETA {left}",
                  f"{run.wait_kind} wait {wait_s:.1f}s ({wait_s / train_s if train_s > 0 else 0:.0%})"]
@@ -366,7 +368,7 @@ class LogWindow:
         self.train_s, self.wait_s, self.flops = history.train_s, history.wait_s, history.flops
         self.said = time.perf_counter()
         fields = {"step": done, "steps": total, "loss": sum(losses) / len(losses), "tokens_per_s": tokens_per_s,
-                  "lr": figures.lr, "mfu": mfu}
+                  "lr": figures.lr, "mfu": mfu, "step_ms": step_ms}
         return " | ".join(parts), fields
 
     def overdue(self) -> bool:

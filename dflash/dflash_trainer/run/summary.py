@@ -36,6 +36,13 @@ def steady_mfu(step_s: list[float], step_flops: list[float], peak: float | None)
     return sum(step_flops[kept]) / seconds / peak if peak and seconds > 0 else None
 
 
+def steady_span(count: int) -> str:
+    """Which of a run's `count` steps the steady figures read, in words."""
+    kept = steady_steps(count)
+    first = kept.start + 1
+    return f"this run's step {count}" if first >= count else f"median of this run's steps {first}-{count}"
+
+
 def write_summary(out: Path, summary: dict) -> None:
     storage.write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
 
@@ -49,6 +56,11 @@ def print_summary(summary: dict) -> None:
     table.add_row("loss", f"{fmt(summary['first_loss'], '.3f')} -> {fmt(summary['final_loss'], '.3f')}")
     table.add_row("tokens/s", fmt(summary["tokens_per_s"], ",.0f"))
     table.add_row("MFU", fmt(summary["mfu"], ".1%") if summary["mfu"] else "n/a (no known GPU peak)")
+    # after the compiles and warm-up: the figures `make bench` measures, comparable with it
+    step_ms, mfu = summary.get("steady_step_ms"), summary.get("steady_mfu")
+    table.add_row("step time (steady)", "n/a (no step in this run)" if step_ms is None else
+                  f"{step_ms:,.1f} ms/step ({steady_span(len(summary['losses']))})")
+    table.add_row("MFU (steady)", fmt(mfu, ".1%") if mfu else "n/a" if step_ms is None else "n/a (no known GPU peak)")
     table.add_row("time split", ", ".join(f"{k} {v:.1f}s" for k, v in summary["time_split_s"].items()))
     if "tau_before" in summary:
         method = summary.get("tau_before_method", "speculative decoding")
@@ -62,6 +74,7 @@ def print_summary(summary: dict) -> None:
     if console.json_lines:  # the table's figures as fields, for a log collector
         console.json_line("DFlash training summary", step=summary["steps"], loss=summary["final_loss"],
                        first_loss=summary["first_loss"], tokens_per_s=summary["tokens_per_s"], mfu=summary["mfu"],
+                       steady_step_ms=step_ms, steady_mfu=mfu,
                        tau_before=summary.get("tau_before"), tau_after=summary.get("tau_after"),
                        drafter_dir=summary["drafter_dir"])
         return
