@@ -53,6 +53,53 @@ def test_the_bench_times_each_drafter_kind_with_its_own_loss(tmp_path):
         assert got[kind]["drafter_step_ms"] > 0
 
 
+TINY = ["--preset", "tiny", "--seq", "64", "--anchors", "4", "--steps", "1", "--untimed-steps", "1", "--no-memory-probe"]
+
+
+def test_the_bench_times_the_drafter_the_config_gives_over_the_presets(tmp_path):
+    """drafter.* and train.* from --set or the config file reach the timed step as dflash-train builds it; the keys
+    neither gives keep the preset's (tiny: 2 layers, blocks of 8). The JSON records the shape it timed."""
+    from dflash_trainer.model.anchors import default_gamma
+
+    def timed(*extra) -> dict:
+        out = tmp_path / "bench.json"
+        assert bench.main([*TINY, "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())
+
+    preset = timed()
+    assert (preset["drafter_layers"], preset["block"], preset["gamma"]) == (2, 8, default_gamma(8))
+    assert preset["dtype"] == "float32" and preset["attention"] == "sdpa"  # a CPU's defaults
+    given = timed("--set", "drafter.num_layers=3", "--set", "drafter.block_size=4", "--set", "drafter.gamma=2.5",
+                  "--set", "train.dtype=bfloat16", "--set", "train.position_weighting=dpace")
+    assert (given["drafter_layers"], given["block"], given["gamma"]) == (3, 4, 2.5)
+    assert given["dtype"] == "bfloat16" and given["position_weighting"] == "dpace"
+    # one more layer of the same width: its parameters and FLOPs are in the timed step (4-token blocks: fewer FLOPs
+    # per layer, so the per-layer parameters are the measure)
+    assert given["drafter_params_m"] * 2 / 3 == pytest.approx(preset["drafter_params_m"], rel=0.05)
+    config = tmp_path / "run.toml"
+    config.write_text("[drafter]\nnum_layers = 5\nblock_size = 16\n")  # the config's defaults, given: they count
+    from_file = timed("--config", str(config))
+    assert (from_file["drafter_layers"], from_file["block"]) == (5, 16)
+
+
+def test_the_bench_builds_its_step_as_the_trainer_does():
+    """The drafter, optimizer and step setup() times: the layers and block of --set, the position decay, and the
+    optimizer and LR schedule of train.*."""
+    from dflash_trainer.config import load_config
+
+    cfg = load_config(None, ["drafter.num_layers=3", "drafter.block_size=4", "drafter.gamma=2.5", "train.lr=3e-3",
+                             "train.max_grad_norm=0.5", "train.weight_decay=0.1", "train.num_anchors=4"],
+                      whole_run=False)
+    args = bench.parser().parse_args(["--preset", "tiny"])
+    device = bench.torch.device("cpu")
+    s = bench.setup(args, bench.preset_config(cfg, "tiny"), device, bench.step_dtype(cfg, device))
+    assert len(s.drafter.layers) == 3 and s.drafter.block_size == 4 and s.step.gamma == 2.5
+    assert s.drafter.mask_token_id == bench.PRESETS["tiny"]["drafter"]["mask_token_id"]  # the preset's: not given
+    group = s.opt.opt.param_groups[0]
+    assert (group["initial_lr"], group["weight_decay"], s.opt.max_grad_norm) == (3e-3, 0.1, 0.5)
+    assert s.step.scheduler is not None and s.step.num_anchors == 4
+
+
 @pytest.mark.parametrize("bad, says", [(["--steps", "0"], "argument --steps: 0: must be >= 1"),
                                        (["--seq", "0"], "argument --seq: 0: must be >= 2"),
                                        (["--untimed-steps", "-1"], "argument --untimed-steps: -1: must be >= 0"),
@@ -62,7 +109,14 @@ def test_the_bench_times_each_drafter_kind_with_its_own_loss(tmp_path):
                                         "drafter.selector_rank is a DFlash 2 setting, and drafter.kind is dspark"),
                                        (["--kind", "dflash2", "--set", "drafter.conv_group_size=48"],
                                         "conv_group_size 48 does not divide the hidden size 64"),
-                                       (["--kind", "dflash3"], "argument --kind: invalid choice: 'dflash3'")])
+                                       (["--kind", "dflash3"], "argument --kind: invalid choice: 'dflash3'"),
+                                       (["--set", "drafter.num_layers=0"], "drafter.num_layers = 0: must be >= 1"),
+                                       (["--set", "drafter.block_size=1"], "drafter.block_size = 1: must be >= 2"),
+                                       (["--set", "drafter.target_layer_ids=[9]"],
+                                        "[9] are not layers of target --preset tiny, which has 6"),
+                                       (["--set", "drafter.init_from=runs/x/drafter"],
+                                        "the benchmark times a new drafter on the preset's target"),
+                                       (["--set", "train.loss_ce=0"], "train.loss_tv are all 0")])
 def test_bench_refuses_counts_below_one_in_words(bad, says, capsys, tmp_path):
     out = tmp_path / "bench.json"
     assert bench.main(["--preset", "tiny", "--json", str(out), *bad]) == 2

@@ -607,17 +607,23 @@ def semantic_problems(c: RunConfig) -> list[str]:
     elif c.data.max_length > c.data.context_buckets[-1]:
         problems.append(f"data.max_length {c.data.max_length} exceeds the largest context bucket "
                         f"{c.data.context_buckets[-1]}: raise the bucket or lower data.max_length")
-    problems += kind_problems(c)
-    if c.drafter.target_layer_ids is not None and not c.drafter.target_layer_ids:
-        problems.append("drafter.target_layer_ids is empty: list target layers, or leave it out for the "
-                        "published rule")
+    problems += step_problems(c)
     if c.target.path != "embedded" and not c.data.train and not c.data.features_dir:
         problems.append("data.train is empty: list JSONL files (or a hub dataset name)")
     if c.target.quantization == "fp8" and c.target.dtype != "bfloat16":
         problems.append(f"target.quantization = fp8 needs target.dtype = bfloat16 (the FP8 GEMMs write bf16 "
                         f"features), and target.dtype is {c.target.dtype}: set target.dtype = bfloat16, or "
                         "target.quantization = none")
-    problems += parallel_problems(c) + tracker_problems(c.train) + publish_problems(c.publish)
+    return problems + parallel_problems(c) + tracker_problems(c.train) + publish_problems(c.publish)
+
+
+def step_problems(c: RunConfig) -> list[str]:
+    """The drafter step's settings together (the drafter's kind and taps, the loss, the optimizer): what
+    dflash-train and `make bench` both refuse."""
+    problems = kind_problems(c)
+    if c.drafter.target_layer_ids is not None and not c.drafter.target_layer_ids:
+        problems.append("drafter.target_layer_ids is empty: list target layers, or leave it out for the "
+                        "published rule")
     return problems + train_problems(c)
 
 

@@ -59,7 +59,7 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
     from .infra.stop_signal import signal_name_of
     from .model.drafter import DFlashDrafter
     from .model.flops import peak_flops
-    from .model.optim import MasterWeightAdamW, warmup_cosine
+    from .model.optim import MasterWeightAdamW
     from .run import checkpoint as ckpt
     from .run import model_card, run_dir
     from .run.compile_step import check_dense_fits, compile_cache_dir, compile_drafter_step
@@ -78,12 +78,14 @@ with gc_paused():  # torch's and transformers' imports, a fifth faster: infra/gc
         compiled_buckets,
         console,
         drafter_config_for,
+        drafter_step,
         feature_buckets,
         input_problems,
         load_data,
         load_target,
         loss_objective,
         new_drafter,
+        new_optimizer,
         read_target_files,
         repeated_taps_note,
         training_rows,
@@ -240,19 +242,11 @@ def setup_drafter(cfg: RunConfig, ctx: parallel.Context, start: run_dir.RunStart
     else:
         side = borrowed_features(cfg, ctx, drafter, target_files, startup, my_batches, first_batch)
 
-    optimizer = MasterWeightAdamW(drafter.parameters(), lr=train.lr, weight_decay=train.weight_decay,
-                                  betas=(train.adam_beta1, train.adam_beta2),
-                                  max_grad_norm=train.max_grad_norm, moments_dtype=DTYPES[train.moments_dtype])
-    scheduler = warmup_cosine(optimizer.opt, train.steps, int(train.warmup_ratio * train.steps), train.min_lr_ratio)
+    optimizer, scheduler = new_optimizer(cfg, drafter)
     startup.mark("optimizer")
     backend = attention_backend(cfg, device)
-    step = DrafterStep(drafter, side.embed, side.head, optimizer, num_anchors=train.num_anchors,
-                       gamma=cfg.drafter.gamma, chunk_rows=train.loss_chunk_rows, backend=backend,
-                       compiled_layers=backend == "flex" and train.compile_layers and shard.compiled_layers,
-                       vocab_size=drafter.config.vocab_size, model=shard.module,
-                       gradient_sync=shard.gradient_sync, scheduler=scheduler, objective=loss_objective(cfg),
-                       selector_loss_weight=cfg.drafter.selector_loss_weight,
-                       confidence_loss_weight=cfg.drafter.confidence_loss_weight)
+    step = drafter_step(cfg, drafter, side.embed, side.head, optimizer, scheduler, backend, model=shard.module,
+                        gradient_sync=shard.gradient_sync, shard_compiles=shard.compiled_layers)
     run = DrafterRun(cfg, ctx, drafter, shard, optimizer, scheduler, step, side.source, side.wait_kind, start_step,
                      latest, side.target, target_files.tokenizer, side.eval_stream, side.prompts, side.borrowed,
                      buckets=side.buckets)

@@ -3,16 +3,17 @@
 Times the full drafter training step (step.DrafterStep, the trainer's own: block inputs, drafter
 forward, chunked LM head + CE, backward, fp32-master AdamW) at a fixed shape after the serialized
 compile step, and reports step time, context tokens/s, MFU (against the GPU's dense bf16 datasheet
-peak, README "Performance") and peak memory. The drafter is the preset's layers and block of the
-kind drafter.kind names (--kind; DFlash 2's and DSpark's settings and loss weights from the config), and
-the loss the config's (train.loss_*). With
---with-target a random-weight target of the preset's shape produces the features, as in a
-one-GPU run; without it the features are random (the drafter step alone).
+peak, README "Performance") and peak memory. The step is the one dflash-train builds from the same run config
+(--config, --set and the flags: drafter.*, train.*, through the trainer's own loading), on a target of the
+preset's shape: the preset gives the drafter's layers, block size and mask token where the config leaves them
+unset. The JSON records the shape it timed. With --with-target a random-weight target of the preset's shape
+produces the features, as in a one-GPU run; without it the features are random (the drafter step alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -31,20 +32,21 @@ from ..config import (
     TARGET_QUANTIZATIONS,
     ConfigError,
     RunConfig,
-    kind_problems,
+    given_keys,
+    step_problems,
 )
 from ..distributed.sources import FeatureBatch, Wait
 from ..infra.console import console
 from ..infra.dtypes import DTYPES
 from ..infra.gpu_clock import ClockSampler
-from ..model.anchors import sample_anchors
+from ..model.anchors import default_gamma, sample_anchors
 from ..model.attention import dense_scores_bytes
-from ..model.drafter import DFlashDrafter, DrafterShape, drafter_config
+from ..model.drafter import DFlashDrafter
 from ..model.flops import peak_flops
 from ..model.mask import dflash_block_mask
 from ..model.optim import MOMENTS, MasterWeightAdamW
 from ..run.compile_step import compile_drafter_step
-from ..run.loading import kind_shape, loss_objective
+from ..run.loading import attention_backend, drafter_config_for, drafter_step, new_drafter, new_optimizer
 from ..run.step import DrafterStep, StepClock, phase
 
 PRESETS = {
@@ -166,16 +168,41 @@ def frozen_target(args, cfg: RunConfig, tcfg: Qwen3Config, dcfg, device, dtype):
                         sdpa_backends=backends, quantization=cfg.target.quantization)
 
 
-def setup(args, cfg: RunConfig, device: torch.device) -> Setup:
-    # bf16 moments need bf16 parameters (the one-pass update): a CPU smoke run of them uses bf16 too
-    dtype = torch.bfloat16 if device.type == "cuda" or cfg.train.moments_dtype != "float32" else torch.float32
-    preset = PRESETS[args.preset]
-    tcfg = Qwen3Config(**preset["target"], tie_word_embeddings=False)
-    try:
-        dcfg = drafter_config(tcfg, DrafterShape(**preset["drafter"], **kind_shape(cfg)))
-    except ValueError as exc:  # a kind's setting the preset's shape cannot take (DFlash 2's group size)
-        raise ConfigError(f"drafter: {exc} (--preset {args.preset}: hidden size {tcfg.hidden_size}, vocabulary "
-                          f"{tcfg.vocab_size})") from exc
+def bench_problems(c: RunConfig) -> list[str]:
+    """The step's settings refused as dflash-train refuses them; and no saved drafter: the bench times a new one."""
+    problems = step_problems(c)
+    if c.drafter.init_from:
+        problems.append(f"drafter.init_from = {json.dumps(c.drafter.init_from)}: the benchmark times a new drafter "
+                        "on the preset's target, not a saved one: unset it (--set drafter.init_from=null) and give that "
+                        "drafter's shape instead (--set drafter.num_layers=N --set drafter.block_size=B)")
+    return problems
+
+
+def step_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
+    """The drafter's dtype: train.dtype where the config gives it; else bf16 on a GPU, and fp32 on a CPU unless bf16
+    moments need bf16 parameters (the one-pass update)."""
+    low = device.type == "cuda" or cfg.train.moments_dtype != "float32"
+    return DTYPES[cli_args.chosen(cfg, "train.dtype", "bfloat16" if low else "float32")]
+
+
+def preset_config(cfg: RunConfig, preset: str) -> RunConfig:
+    """The config the step is built from: the preset's drafter shape (layers, block, mask token) for the keys the
+    config file, --set and the flags leave unset, and the preset's target named as the target in errors."""
+    given = given_keys(cfg)
+    shape = {key: value for key, value in PRESETS[preset]["drafter"].items() if f"drafter.{key}" not in given}
+    return dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, **shape),
+                               target=dataclasses.replace(cfg.target, path=f"--preset {preset}"))
+
+
+def setup(args, cfg: RunConfig, device: torch.device, dtype: torch.dtype) -> Setup:
+    """The drafter, optimizer and step as dflash-train builds them from `cfg` (preset_config's), on the preset's
+    target: random-weight, or random features and embedding."""
+    tcfg = Qwen3Config(**PRESETS[args.preset]["target"], tie_word_embeddings=False)
+    try:  # the trainer's: the kind's shape, the taps checked against the target
+        dcfg = drafter_config_for(cfg, tcfg, tokenizer=None)  # the preset or the config gives the mask token
+    except ConfigError as exc:  # a shape the preset's target cannot take (taps past its layers, DFlash 2's group)
+        raise ConfigError(f"{exc} (--preset {args.preset}: {tcfg.num_hidden_layers} layers, hidden size "
+                          f"{tcfg.hidden_size}, vocabulary {tcfg.vocab_size})") from exc
     torch.manual_seed(0)
     frozen = frozen_target(args, cfg, tcfg, dcfg, device, dtype) if args.with_target else None
     if frozen is not None:
@@ -183,15 +210,10 @@ def setup(args, cfg: RunConfig, device: torch.device) -> Setup:
     else:
         embed = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
         head = torch.randn(tcfg.vocab_size, tcfg.hidden_size, device=device, dtype=dtype) * 0.02
-    with torch.device(device):
-        drafter = DFlashDrafter(dcfg).to(dtype)
-    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-4, moments_dtype=DTYPES[cfg.train.moments_dtype])
-    attention = "flex" if device.type == "cuda" else "sdpa"
-    step = DrafterStep(drafter, embed, head, opt, num_anchors=cfg.train.num_anchors, gamma=None,
-                       chunk_rows=cfg.train.loss_chunk_rows, backend=attention,
-                       compiled_layers=attention == "flex" and cfg.train.compile_layers, vocab_size=tcfg.vocab_size,
-                       objective=loss_objective(cfg), selector_loss_weight=cfg.drafter.selector_loss_weight,
-                       confidence_loss_weight=cfg.drafter.confidence_loss_weight)
+    drafter = new_drafter(cfg, tcfg, None, device=device, config=dcfg).to(dtype)
+    opt, scheduler = new_optimizer(cfg, drafter)
+    attention = attention_backend(cfg, device)
+    step = drafter_step(cfg, drafter, embed, head, opt, scheduler, attention)
     return Setup(device, dtype, tcfg, dcfg, frozen, drafter, opt, step, attention)
 
 
@@ -258,7 +280,12 @@ def bench_result(args, cfg: RunConfig, s: Setup, figures: list, sampler: ClockSa
     return {
         "preset": args.preset, "kind": cfg.drafter.kind, "device": torch.cuda.get_device_name() if s.device.type == "cuda" else "cpu",
         "torch": torch.__version__, "micro_batch": b, "grad_accum": A, "seq": S, "anchors": N,
-        "block": s.dcfg.block_size, "compiled_layers": s.step.compiled_layers,
+        # the shape it timed, as the config and the preset gave it
+        "drafter_layers": s.dcfg.num_hidden_layers, "block": s.dcfg.block_size,
+        "gamma": default_gamma(s.dcfg.block_size) if s.step.gamma is None else s.step.gamma,
+        "position_weighting": cfg.train.position_weighting, "target_layer_ids": list(s.drafter.target_layer_ids),
+        "intermediate_size": s.dcfg.intermediate_size, "dtype": str(s.dtype).removeprefix("torch."),
+        "attention": s.attention, "compiled_layers": s.step.compiled_layers,
         # as the optimizer holds them after the steps, not as asked
         "moments_dtype": sorted({str(st[k].dtype).removeprefix("torch.") for st in states for k in MOMENTS}),
         "optimizer_state_gib": sum(t.numel() * t.element_size() for st in states for t in st.values()) / 2**30,
@@ -285,7 +312,9 @@ def bench_result(args, cfg: RunConfig, s: Setup, figures: list, sampler: ClockSa
 
 def run_bench(args, cfg: RunConfig, device: torch.device) -> dict:
     """Build the step at the shape, compile it (flex), time it, and (flex) probe the attention's memory."""
-    s = setup(args, cfg, device)
+    dtype = step_dtype(cfg, device)
+    cfg = preset_config(cfg, args.preset)
+    s = setup(args, cfg, device, dtype)
     b, S = cfg.train.micro_batch, cfg.data.max_length
     t0 = time.perf_counter()
     report = None
@@ -302,7 +331,7 @@ def run_bench(args, cfg: RunConfig, device: torch.device) -> dict:
 
 
 def main(argv=None) -> int:
-    parsed = cli_args.parse_with_config(parser(), argv, KEY_FLAGS, console, checks=kind_problems)
+    parsed = cli_args.parse_with_config(parser(), argv, KEY_FLAGS, console, checks=bench_problems)
     if isinstance(parsed, int):
         return parsed
     args, cfg = parsed

@@ -1,4 +1,5 @@
-"""What every role loads: the target (or the embedded default), its tokenizer, the data, the initial drafter."""
+"""What every role loads: the target (or the embedded default), its tokenizer, the data, the initial drafter, and the
+drafter step the config sets (the train loop's and the benchmark's)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from ..model.drafter import (
     drafter_config,
 )
 from ..model.loss import Objective
+from ..model.optim import MasterWeightAdamW, warmup_cosine
 from ..target.fp8 import check_fp8_device, check_not_prequantized
 from ..target.frozen import (
     FrozenTarget,
@@ -47,6 +49,7 @@ from ..target.frozen import (
     text_config,
 )
 from ..target.tensor_parallel import check_tp_shape
+from .step import DrafterStep
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -373,6 +376,31 @@ def loss_objective(cfg: RunConfig) -> Objective:
     t = cfg.train
     return Objective(ce=t.loss_ce, kl=t.loss_kl, tv=t.loss_tv,
                      dpace_alpha=t.dpace_alpha if t.position_weighting == "dpace" else None)
+
+
+def new_optimizer(cfg: RunConfig, drafter: DFlashDrafter):
+    """AdamW on fp32 masters as train.* sets it, and its LR schedule (warm-up, then cosine over train.steps)."""
+    train = cfg.train
+    optimizer = MasterWeightAdamW(drafter.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+                                  betas=(train.adam_beta1, train.adam_beta2),
+                                  max_grad_norm=train.max_grad_norm, moments_dtype=DTYPES[train.moments_dtype])
+    scheduler = warmup_cosine(optimizer.opt, train.steps, int(train.warmup_ratio * train.steps), train.min_lr_ratio)
+    return optimizer, scheduler
+
+
+def drafter_step(cfg: RunConfig, drafter: DFlashDrafter, embed: torch.Tensor, head: torch.Tensor, optimizer,
+                 scheduler, backend: str, *, model=None, gradient_sync=None, shard_compiles: bool = True) -> DrafterStep:
+    """The one drafter step as the config sets it (train.*, drafter.gamma, the kind's loss weights): the train
+    loop's, and the one `make bench` times. model / gradient_sync: the sharding's wrapper and its gradient sync;
+    shard_compiles: whether that sharding lets the layers compile whole."""
+    train = cfg.train
+    return DrafterStep(drafter, embed, head, optimizer, num_anchors=train.num_anchors, gamma=cfg.drafter.gamma,
+                       chunk_rows=train.loss_chunk_rows, backend=backend,
+                       compiled_layers=backend == "flex" and train.compile_layers and shard_compiles,
+                       vocab_size=drafter.config.vocab_size, model=model, gradient_sync=gradient_sync,
+                       scheduler=scheduler, objective=loss_objective(cfg),
+                       selector_loss_weight=cfg.drafter.selector_loss_weight,
+                       confidence_loss_weight=cfg.drafter.confidence_loss_weight)
 
 
 def load_target(cfg: RunConfig, layer_ids: list[int], device, config=None) -> FrozenTarget:
