@@ -8,8 +8,11 @@ another one.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import time
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -75,6 +78,13 @@ JOBS = {job.name: job for job in (TRAIN, REGENERATE, EVAL, RECIPE)}
 # What a training run leaves in its directory (dflash_trainer.run.run_dir.RUN_MARKS): --resume continues it.
 RUN_FILES = ("config.json", "summary.json", "drafter")
 STEP_DIR = re.compile(r"^step-(\d{8,})$")  # dflash_trainer.run.checkpoint's step directories
+# What a training run writes in its directory, and --overwrite removes (dflash_trainer.run.run_dir takes it from
+# here). Not a run's: embedded/ and compile-cache/ (caches), launch.json and run.toml (the deployment's), and
+# supervisor.json and logs/ (the supervisor's).
+RUN_OUTPUTS = ("config.json", "summary.json", "eval_prompts.jsonl", "drafter", "checkpoints", "tb", "progress.txt")
+# What a run moved aside takes with it besides those: the tracker runs it logged to (dflash_trainer.infra.metrics),
+# so `dflash-eval --run` of the kept run adds to them, and its log.
+RUN_RECORDS = ("trackers.json", TRAIN.log)
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -116,3 +126,39 @@ def finished_run(run_dir: Path) -> bool:
     done = [int(m.group(1)) for e in (checkpoints.iterdir() if checkpoints.is_dir() else ())
             if (m := STEP_DIR.match(e.name)) and e.is_dir() and not e.is_symlink()]
     return not isinstance(steps, int) or not done or max(done) <= steps
+
+
+def replaced_dir(run_dir: Path) -> Path:
+    """Where the run in run_dir is kept when a new run replaces it there: a directory beside it named after it and
+    this moment (UTC), one that is not there yet."""
+    run_dir = run_dir.absolute()
+    base = f"{run_dir.name}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    kept, n = run_dir.with_name(base), 1
+    while kept.exists():
+        n += 1
+        kept = run_dir.with_name(f"{base}.{n}")
+    return kept
+
+
+def move_run_aside(run_dir: Path, kept: Path) -> list[str]:
+    """Move the training run in run_dir (RUN_OUTPUTS and RUN_RECORDS) into kept, a new directory beside it, so that the
+    next start there is a new run and the previous one stays whole: `dflash-eval --run KEPT` evaluates it, `--resume
+    --output-dir KEPT` trains it further (a run stores its paths relative to its directory). Renames only, so nothing
+    is copied; OSError (with nothing moved, the entries moved before the failure are moved back) where a rename fails,
+    e.g. run_dir is a mount point of its own. Returns the names moved."""
+    names = [name for name in (*RUN_OUTPUTS, *RUN_RECORDS) if os.path.lexists(run_dir / name)]
+    kept.mkdir(parents=True)
+    moved: list[str] = []
+    try:
+        for name in names:
+            (kept / name).parent.mkdir(parents=True, exist_ok=True)
+            os.rename(run_dir / name, kept / name)
+            moved.append(name)
+    except OSError:
+        for name in reversed(moved):
+            os.rename(kept / name, run_dir / name)
+        with contextlib.suppress(OSError):  # only the empty directories this made are left
+            for sub in [*sorted(kept.rglob("*"), reverse=True), kept]:
+                sub.rmdir()
+        raise
+    return moved

@@ -11,9 +11,11 @@ from the inventory, is its stage's command line, so the inventory's settings for
 
 A second start continues: a stage that finished is not run again while its fingerprint (fingerprint(): its command
 line, a deployed job's environment, the contents of the config file it reads) is the one it finished with; one whose
-fingerprint changed runs again, and so does every stage after it (each reads the output of the one before). The one
-that stopped or failed starts again (training resumes from its last checkpoint, regeneration answers only the rest).
-A failed stage stops the chain with the stage's error line.
+fingerprint changed runs again, and so does every stage after it (each reads the output of the one before): a training
+that runs again trains anew from step 0, its previous run moved aside to a directory beside it (afresh()), not
+resumed, which with train.steps as it was would train nothing. The one that stopped or failed starts again (training
+resumes from its last checkpoint, regeneration answers only the rest). A failed stage stops the chain with the stage's
+error line.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from . import status, supervise
-from .jobs import JOBS, RECIPE
+from .jobs import JOBS, RECIPE, TRAIN, holds_run, move_run_aside, replaced_dir
 from .procs import alive, job_processes, of_run
 
 PLAN = "recipe.json"
@@ -141,6 +143,9 @@ def fingerprint(stage: dict) -> dict:
     return {"argv": argv, "env": stage.get("env") or {}, "files": files}
 
 
+UNRECORDED = "it finished before the chain recorded its config's contents"
+
+
 def why_again(now: dict, record: dict | None, planned_argv: list[str] | None = None) -> str | None:
     """Why a stage that finished (record: how it ended, in stages.json) runs again, now: its fingerprint(); None
     when it is skipped. planned_argv: its command line in the plan before, all a record written before fingerprints
@@ -151,7 +156,7 @@ def why_again(now: dict, record: dict | None, planned_argv: list[str] | None = N
     if then is None:  # an earlier version's record: its config's contents are unknown, so a stage that reads one reruns
         if (planned_argv or now["argv"]) != now["argv"]:
             return "its command line changed"
-        return "it finished before the chain recorded its config's contents" if now["files"] else None
+        return UNRECORDED if now["files"] else None
     if then.get("argv") != now["argv"]:
         return "its command line changed"
     if then.get("env", {}) != now["env"]:
@@ -179,29 +184,65 @@ def reruns(plan: dict, ended: dict, before: dict[str, list[str]] | None = None) 
     return again
 
 
-def read_plan(chain_dir: Path) -> dict | None:
-    return status.read_json(chain_dir / PLAN)
+def afresh(stage: dict, why: str) -> bool:
+    """A finished stage that runs again (why) trains anew from step 0, its previous run moved to a directory beside
+    it (jobs.replaced_dir): a training whose directory holds a run. Resumed, a run with train.steps as it was would
+    train nothing new, whatever else changed. Not a record from before fingerprints: whether its config changed is
+    unknown, so it resumes as it did then (a run that did not change trains nothing again)."""
+    return stage["name"] == TRAIN.name and why != UNRECORDED and holds_run(Path(stage["dir"]))
 
 
-def save_plan(chain_dir: Path, plan: dict) -> dict[str, str]:
-    """Write the plan; a finished stage whose fingerprint changed (and every stage after it) runs again: its record
-    in stages.json goes, the plan keeps why (`again`) for the status until it has run. Returns those stages, each
-    with why. InputMissing (nothing written) when a config a stage reads is not there."""
-    previous = read_plan(chain_dir) or {}
-    before = {s["name"]: s["argv"] for s in previous.get("stages", [])}
-    kept = {s["name"]: s["again"] for s in previous.get("stages", []) if s.get("again")}
-    ended = read_ended(chain_dir)
-    again = reruns(plan, ended, before)
+def said_again(why: str, kept: str | Path | None) -> str:
+    """Why a stage runs again, and, for a training, that it starts afresh and where its previous run goes."""
+    return f"{why}; starts afresh from step 0, the previous run is kept as {kept}" if kept else why
+
+
+def mark_reruns(plan: dict, ended: dict, again: dict[str, str]) -> dict[str, str]:
+    """The finished stages that run again (again: each with why) as the plan and stages.json record them until they
+    have run: their records go, each planned stage keeps why (`again`) and, for a training that starts afresh, where
+    its previous run goes (`afresh`). Returns what to say of each."""
+    said = {}
     for stage in plan["stages"]:
         name = stage["name"]
         if name in again:
             ended.pop(name)
-        if why := again.get(name) or (kept.get(name) if name not in ended else None):
-            stage["again"] = why
+            stage["again"] = again[name]
+            stage.pop("afresh", None)
+            if afresh(stage, again[name]):
+                stage["afresh"] = str(replaced_dir(Path(stage["dir"])))
+            said[name] = said_again(again[name], stage.get("afresh"))
+    return said
+
+
+def read_plan(chain_dir: Path) -> dict | None:
+    return status.read_json(chain_dir / PLAN)
+
+
+def write_plan(chain_dir: Path, plan: dict) -> None:
+    tmp = chain_dir / (PLAN + ".tmp")
+    tmp.write_text(json.dumps(plan, indent=1))
+    tmp.replace(chain_dir / PLAN)
+
+
+def save_plan(chain_dir: Path, plan: dict) -> dict[str, str]:
+    """Write the plan; a finished stage whose fingerprint changed (and every stage after it) runs again (mark_reruns):
+    its record in stages.json goes, the plan keeps why for the status until it has run. Returns those stages, each
+    with what to say of it. InputMissing (nothing written) when a config a stage reads is not there."""
+    previous = read_plan(chain_dir) or {}
+    before = {s["name"]: s["argv"] for s in previous.get("stages", [])}
+    kept = {s["name"]: s for s in previous.get("stages", []) if s.get("again")}
+    ended = read_ended(chain_dir)
+    said = mark_reruns(plan, ended, reruns(plan, ended, before))
+    for stage in plan["stages"]:  # planned to run again before, not started since: still so, as decided then
+        if stage["name"] not in said and stage["name"] not in ended and stage["name"] in kept:
+            earlier = kept[stage["name"]]
+            stage["again"] = earlier["again"]
+            if earlier.get("afresh") and earlier["dir"] == stage["dir"]:  # beside the directory it was decided for
+                stage["afresh"] = earlier["afresh"]
     chain_dir.mkdir(parents=True, exist_ok=True)
     write_ended(chain_dir, ended)
-    (chain_dir / PLAN).write_text(json.dumps(plan, indent=1))
-    return again
+    write_plan(chain_dir, plan)
+    return said
 
 
 def plan_summary(chain_dir: Path) -> str:
@@ -210,7 +251,8 @@ def plan_summary(chain_dir: Path) -> str:
     ended = read_ended(chain_dir)
     return f"recipe chain in {chain_dir}: " + ", ".join(
         f"{s['name']} " + ("finished before (not run again)" if ended.get(s["name"], {}).get("state") == "finished"
-                           else f"to run again ({s['again']})" if s.get("again") else "to run")
+                           else f"to run again ({said_again(s['again'], s.get('afresh'))})" if s.get("again")
+                           else "to run")
         for s in (read_plan(chain_dir) or {}).get("stages", []))
 
 
@@ -283,9 +325,9 @@ class Chain:
             self.note(str(exc))
             self.state("failed", stage=exc.stage, rc=2, error=str(exc))
             return 2
-        for name in again:  # as save_plan does: the status shows them as to run, not as finished
-            self.ended.pop(name)
+        mark_reruns(self.plan, self.ended, again)  # as save_plan does: the status shows them as to run again
         write_ended(self.dir, self.ended)
+        write_plan(self.dir, self.plan)
         for stage in self.plan["stages"]:
             name = stage["name"]
             if self.ended.get(name, {}).get("state") == "finished":
@@ -303,6 +345,10 @@ class Chain:
                 write_ended(self.dir, self.ended)
                 self.state("failed", stage=name, rc=2, error=str(exc))
                 return 2
+            if stage.get("afresh") and (problem := self.keep_previous_run(stage)):
+                self.note(problem)
+                self.state("failed", stage=name, rc=1, error=problem)
+                return 1
             rc, outcome = self.run_stage(stage)
             self.ended[name] = {"state": outcome, "rc": rc, "at": supervise.now(), "fingerprint": ran_with}
             write_ended(self.dir, self.ended)
@@ -317,6 +363,24 @@ class Chain:
         self.note("finished: every stage has run")
         self.state("finished", stage=None, rc=0)
         return 0
+
+    def keep_previous_run(self, stage: dict) -> str | None:
+        """A training that runs again starts afresh: the run its directory holds moves to stage["afresh"] (once: the
+        plan forgets it then, so a start after a stop or a failure resumes the new run). None, or what went wrong."""
+        run_dir, kept = Path(stage["dir"]), Path(stage["afresh"])
+        if holds_run(run_dir):
+            kept = replaced_dir(run_dir) if kept.exists() else kept  # made meanwhile: never mixed into another one
+            try:
+                moved = move_run_aside(run_dir, kept)
+            except OSError as exc:
+                return (f"stage {stage['name']}: its previous run in {run_dir} cannot be moved to {kept} "
+                        f"({exc.strerror or exc}; nothing was moved): move it aside yourself (or remove it), then "
+                        "make recipe again")
+            self.note(f"stage {stage['name']}: trains afresh from step 0; the previous run ({', '.join(moved)}) is "
+                      f"kept in {kept}")
+        del stage["afresh"]
+        write_plan(self.dir, self.plan)
+        return None
 
     def stopped(self, name: str) -> int:
         self.note(f"stopped at stage {name}; {RECIPE.again}")
@@ -363,6 +427,19 @@ def error_line(stage: dict, chain_log: Path) -> str:
     return said[-1] if said else f"no output (see {log})"
 
 
+def next_reruns(plan: dict, ended: dict) -> tuple[dict[str, str], dict[str, str]]:
+    """For the status: the finished stages the next start runs again, each with what to say of it, and the stage
+    that cannot start (a config it reads is not there) with why."""
+    try:
+        again = reruns(plan, ended)
+    except InputMissing as exc:
+        return {}, {exc.stage: str(exc)}
+    for s in plan.get("stages", []):  # where the previous run goes is decided at that start: said as a pattern
+        if s["name"] in again and afresh(s, again[s["name"]]):
+            again[s["name"]] = said_again(again[s["name"]], f"{Path(s['dir']).absolute()}.replaced-<UTC time then>")
+    return again, {}
+
+
 def report(chain_dir: Path, log_lines: int = 5) -> dict:
     """The chain's state, the stage it is on (or stopped or failed at), that stage's last progress line."""
     chain_dir = chain_dir.absolute()
@@ -380,12 +457,9 @@ def report(chain_dir: Path, log_lines: int = 5) -> dict:
     job = JOBS.get(current or "")
     latest = status.last_progress(Path(stage["dir"]) / job.log) if stage and job else None
     log = Path(st.get("log") or chain_dir / RECIPE.log)
-    again, missing = {}, {}
-    try:
-        again = reruns(plan or {}, ended)
-    except InputMissing as exc:
-        missing[exc.stage] = str(exc)
-    planned_again = {s["name"]: s["again"] for s in (plan or {}).get("stages", []) if s.get("again")}
+    again, missing = next_reruns(plan or {}, ended)
+    planned_again = {s["name"]: said_again(s["again"], s.get("afresh"))
+                     for s in (plan or {}).get("stages", []) if s.get("again")}
 
     def said(n: str) -> str:
         if n == current and state == "running":

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_run.jobs import TRAIN, other_job_problem
+# RUN_OUTPUTS: what a run writes, and --overwrite removes (the recipe chain moves them aside to train anew)
+from dflash_run.jobs import RUN_OUTPUTS, TRAIN, other_job_problem
 
 from ..config import RunConfig, path_keys
 from ..infra import storage
@@ -32,9 +33,7 @@ from . import checkpoint as ckpt
 
 RUN_CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
-# What a run writes (and --overwrite removes); embedded/ and compile-cache/ are caches and stay.
 PROGRESS = "progress.txt"  # the latest progress line, for `dflash-run status` of a run with no log file
-RUN_OUTPUTS = (RUN_CONFIG, "summary.json", "eval_prompts.jsonl", "drafter", CHECKPOINTS, "tb", PROGRESS)
 # The drafter's published config -> the setting that decides it.
 DRAFTER_SHAPE = {
     "num_hidden_layers": "drafter.num_layers",
