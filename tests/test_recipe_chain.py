@@ -6,15 +6,17 @@ stage that refuses its input stopping the chain with its error."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from dflash_run import recipe, supervise
+from dflash_run import jobs, recipe, supervise
 
 CLI = [sys.executable, "-m", "dflash_run"]
 SMALL = ["--args", "target=--pretrain-steps 2 --max-new-tokens 8",
@@ -272,6 +274,132 @@ def test_the_chain_reruns_a_finished_stage_whose_config_changed(tmp_path):
     assert f"(again: config changed since it finished: {config})" in log
 
 
+def a_finished_run(run: Path, steps: int = 2) -> None:
+    """What a training run that finished leaves in its directory (the trainer's files, by name)."""
+    (run / "checkpoints" / f"step-{steps:08d}").mkdir(parents=True)
+    (run / "drafter").mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "summary.json").write_text(json.dumps({"steps": steps}))
+    (run / "trackers.json").write_text("{}")
+    (run / "logs").mkdir(exist_ok=True)
+    (run / "logs" / "train.log").write_text("the first run\n")
+
+
+def test_a_finished_training_that_runs_again_is_said_to_start_afresh(tmp_path):
+    """Its config changed: make recipe and recipe-status say the training starts afresh and where its previous run
+    is kept (the status before the plan: as a pattern, the directory is named when planned); the evaluation after it
+    runs again as before. A record from before fingerprints resumes, as it did then."""
+    dirs, config = deployed_with_config(tmp_path)
+    a_finished_run(dirs["train"])
+    chain = tmp_path / "chain"
+    plan = recipe.deployed_plan(dirs)
+    recipe.save_plan(chain, plan)
+    recipe.write_ended(chain, finished(plan))
+    config.write_text("[train]\nsteps = 100\n[optim]\nlr = 1e-3\n")
+    why = f"config changed since it finished: {config}"
+    assert recipe.report(chain)["stages"]["train"] == (
+        f"finished, runs again at the next start ({why}; starts afresh from step 0, the previous run is kept as "
+        f"{dirs['train']}.replaced-<UTC time then>)")
+    res = dflash_run("recipe", "--plan-only", "--run-dir", str(chain), *[f"--job-dir={n}={d}" for n, d in dirs.items()])
+    assert res.returncode == 0, res.stderr
+    kept = recipe.read_plan(chain)["stages"][1]["afresh"]
+    assert re.fullmatch(re.escape(f"{dirs['train']}.replaced-") + r"\d{8}T\d{6}Z", kept), kept
+    said = f"{why}; starts afresh from step 0, the previous run is kept as {kept}"
+    assert f"the deployed jobs changed: train will run again ({said}); eval will run again" in res.stdout
+    assert f"train to run again ({said}), eval to run again (train runs again before it)" in res.stdout
+    assert recipe.report(chain)["stages"]["train"] == f"to run again ({said})"
+    assert not Path(kept).exists() and (dirs["train"] / "summary.json").exists()  # planned: nothing moved yet
+    # planned again before it started: the same decision, the same directory
+    assert recipe.save_plan(chain, recipe.deployed_plan(dirs)) == {}
+    assert recipe.read_plan(chain)["stages"][1]["afresh"] == kept
+
+    recipe.write_ended(chain, {n: {"state": "finished", "rc": 0} for n in dirs})  # an earlier version's records
+    again = recipe.save_plan(chain, recipe.deployed_plan(dirs))
+    assert again["train"] == recipe.UNRECORDED and "afresh" not in recipe.read_plan(chain)["stages"][1]
+
+
+def test_move_run_aside_moves_the_run_only_and_puts_it_all_back_when_a_rename_fails(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    a_finished_run(run)
+    for mine in ("launch.json", "run.toml", "supervisor.json"):  # the deployment's and the supervisor's
+        (run / mine).write_text("{}")
+    (run / "compile-cache").mkdir()
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    real_rename = os.rename
+
+    def no_checkpoints(src, dst):  # a rename that fails halfway, as across file systems
+        if Path(src).name == "checkpoints":
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        real_rename(src, dst)
+
+    kept = jobs.replaced_dir(run)
+    monkeypatch.setattr(os, "rename", no_checkpoints)
+    with pytest.raises(OSError):
+        jobs.move_run_aside(run, kept)
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before and not kept.exists()
+    monkeypatch.setattr(os, "rename", real_rename)
+    moved = jobs.move_run_aside(run, kept)
+    assert set(moved) == {"config.json", "summary.json", "drafter", "checkpoints", "trackers.json", "logs/train.log"}
+    assert (kept / "checkpoints" / "step-00000002").is_dir() and (kept / "logs" / "train.log").is_file()
+    assert sorted(p.name for p in run.iterdir()) == ["compile-cache", "launch.json", "logs", "run.toml",
+                                                     "supervisor.json"]
+    assert not jobs.holds_run(run) and jobs.holds_run(kept)
+    assert jobs.replaced_dir(run) != kept  # taken: the next one is another
+
+
+def fake_training(job_dir: Path, config: Path, fail: bool = False) -> None:
+    """A deployed training whose process records each start's arguments and finishes a run of 2 steps as the trainer
+    does (a step directory, config.json, summary.json), or fails after its first checkpoint."""
+    child = ("import json, pathlib, sys; p = pathlib.Path('starts'); "
+             "p.write_text((p.read_text() if p.exists() else '') + ' '.join(sys.argv[1:]) + '\\n'); "
+             "pathlib.Path('checkpoints/step-00000001').mkdir(parents=True, exist_ok=True); "
+             "pathlib.Path('config.json').write_text('{}'); "
+             + ("sys.exit(1)" if fail else
+                "pathlib.Path('checkpoints/step-00000002').mkdir(); pathlib.Path('summary.json').write_text("
+                "json.dumps({'steps': 2}))"))
+    (job_dir / supervise.LAUNCH).write_text(json.dumps({"job": "train", "max_restarts": 0, "argv": [
+        sys.executable, "-c", child, "-m", "dflash_trainer.train", "--config", str(config)]}))
+
+
+def test_the_chain_trains_a_changed_run_afresh_and_resumes_one_that_failed(tmp_path):
+    """The chain as its systemd unit runs it: the finished run whose config changed is moved aside whole (the
+    deployment's files stay), and the training starts without --resume; that new run failing, the next start resumes
+    it (--resume) and moves nothing."""
+    job_dir = tmp_path / "run"
+    job_dir.mkdir()
+    config = job_dir / "run.toml"
+    config.write_text("[train]\nsteps = 2\n")
+    fake_training(job_dir, config)
+    chain = tmp_path / "chain"
+    recipe.save_plan(chain, recipe.deployed_plan({"train": job_dir}))
+    assert dflash_run("run", "--job", "recipe", "--run-dir", str(chain)).returncode == 0
+    assert recipe.read_ended(chain)["train"]["state"] == "finished"
+
+    config.write_text("[train]\nsteps = 2\n[optim]\nlr = 1e-3\n")
+    fake_training(job_dir, config, fail=True)
+    res = dflash_run("run", "--job", "recipe", "--run-dir", str(chain))
+    assert res.returncode == 1, res.stdout + res.stderr
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(kept) == 1 and (kept[0] / "checkpoints" / "step-00000002").is_dir(), kept
+    assert json.loads((kept[0] / "summary.json").read_text()) == {"steps": 2}
+    assert "start: " in (kept[0] / "logs" / "train.log").read_text()  # the first run's log went with it
+    starts = (job_dir / "starts").read_text().splitlines()
+    assert len(starts) == 2 and "--resume" not in starts[1]  # afresh
+    assert config.exists() and (job_dir / supervise.LAUNCH).exists()  # the deployment's files stay
+    assert not (job_dir / "summary.json").exists() and (job_dir / "checkpoints" / "step-00000001").is_dir()
+    log = (chain / "logs" / "recipe.log").read_text()
+    assert "stage train: trains afresh from step 0; the previous run (" in log and f"is kept in {kept[0]}" in log
+    assert "afresh" not in recipe.read_plan(chain)["stages"][0]  # decided once: done
+
+    fake_training(job_dir, config)
+    assert dflash_run("run", "--job", "recipe", "--run-dir", str(chain)).returncode == 0
+    starts = (job_dir / "starts").read_text().splitlines()
+    assert len(starts) == 3 and starts[2].endswith("--resume")  # the failed one resumed
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")] == kept  # nothing moved again
+    assert recipe.read_ended(chain)["train"]["state"] == "finished"
+
+
 def test_bad_stage_arguments_are_refused_before_anything_is_written(tmp_path):
     res = dflash_run("recipe", "--run-dir", str(tmp_path / "c"), "--args", "bogus=--x")
     assert res.returncode == 2 and "STAGE one of target, regenerate, train, eval" in res.stderr
@@ -373,3 +501,39 @@ def test_a_failed_target_build_stops_the_chain_with_its_error(tmp_path):
     failed = chain_status(chain)
     assert "state:       failed at stage target (exit 2)" in failed
     assert "--pretrain-steps: 0: must be >= 1" in failed and "regenerate not started" in failed
+
+
+@pytest.mark.slow
+def test_a_changed_setting_trains_the_recipe_afresh_and_keeps_the_previous_run(tmp_path):
+    """The embedded chain finished, then planned again with another learning rate and train.steps as it was: the
+    training runs from step 0 with the new rate (resumed, it would have trained nothing), the previous run is kept
+    beside it with its checkpoint and drafter, and the evaluation runs again on the new drafter."""
+    chain, steps = tmp_path / "chain", ["--set", "train.steps=4"]
+    res = dflash_run("recipe", "--run-dir", str(chain), "--foreground", *SMALL, *steps, timeout=500)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = chain / "run"
+    first_eval = (chain / "eval" / "eval.json").stat().st_mtime_ns
+    first_lr = json.loads((run / "config.json").read_text())["train"]["lr"]
+    assert first_lr != 1e-4
+
+    res = dflash_run("recipe", "--run-dir", str(chain), "--foreground", *SMALL, *steps, "--set", "train.lr=1e-4",
+                     timeout=500)
+    assert res.returncode == 0, res.stdout + res.stderr
+    kept = sorted(chain.glob("run.replaced-*"))
+    assert len(kept) == 1, sorted(p.name for p in chain.iterdir())
+    assert f"train will run again (its command line changed; starts afresh from step 0, the previous run is kept " \
+           f"as {kept[0]})" in res.stdout
+    assert (kept[0] / "checkpoints" / "step-00000004").is_dir() and (kept[0] / "drafter").is_dir()
+    assert json.loads((kept[0] / "config.json").read_text())["train"]["lr"] == first_lr
+    assert json.loads((run / "config.json").read_text())["train"]["lr"] == 1e-4
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    train_log = (run / "logs" / "train.log").read_text()
+    assert train_log.count("start: ") == 1 and "--resume" not in train_log  # a new run, from step 0
+    assert "resumed from" not in train_log and "train: step 1/4" in train_log
+    assert (chain / "eval" / "eval.json").stat().st_mtime_ns != first_eval  # evaluated again
+    assert "stage regenerate: finished before, not run again" in (chain / "logs" / "recipe.log").read_text()
+    # the kept run is whole where it is: evaluated from its own directory
+    res = subprocess.run([sys.executable, "-m", "dflash_trainer.eval", "--run", str(kept[0]), "--limit", "1",
+                          "--device", "cpu", "--max-new-tokens", "8"], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert res.returncode == 0 and (kept[0] / "eval" / "eval.json").is_file(), res.stdout + res.stderr
