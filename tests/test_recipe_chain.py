@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 from dflash_run import jobs, recipe, supervise
@@ -316,6 +317,51 @@ def test_a_finished_training_that_runs_again_is_said_to_start_afresh(tmp_path):
     recipe.write_ended(chain, {n: {"state": "finished", "rc": 0} for n in dirs})  # an earlier version's records
     again = recipe.save_plan(chain, recipe.deployed_plan(dirs))
     assert again["train"] == recipe.UNRECORDED and "afresh" not in recipe.read_plan(chain)["stages"][1]
+
+
+def test_a_changed_data_file_reruns_the_stage_that_reads_it(tmp_path):
+    """Regeneration's --data and a training's data.train (in its config, a glob) are known by each file's size and
+    time: a file edited, added or removed reruns its stage and those after it; touched by nothing, all skipped. A
+    record from before data was recorded is not rerun for it."""
+    prompts = tmp_path / "chats.jsonl"
+    prompts.write_text('{"messages": []}\n')
+    shards = tmp_path / "mine"
+    shards.mkdir()
+    (shards / "part-0.jsonl").write_text("{}\n")
+    config = tmp_path / "run.toml"
+    config.write_text(f'[data]\ntrain = ["{shards}/part-*.jsonl"]\n')
+    chain, run = tmp_path / "c", str(tmp_path / "run")
+    plan = {"stages": [
+        {"name": "regenerate", "dir": str(tmp_path), "argv": ["py", "-m", "dflash_trainer.regenerate", "--data",
+                                                             prompts.name, "--out", "regen"]},  # from its directory
+        {"name": "train", "dir": run, "argv": ["py", "-m", "dflash_trainer.train", "--config", str(config)]},
+        {"name": "eval", "dir": str(tmp_path / "eval"), "argv": ["py", "-m", "dflash_trainer.eval", "--run", run]}]}
+    assert recipe.fingerprint(plan["stages"][1])["data"] == {str(shards / "part-0.jsonl"): [3, ANY]}
+    recipe.save_plan(chain, plan)
+    recipe.write_ended(chain, finished(plan))
+    assert recipe.save_plan(chain, plan) == {}
+
+    (shards / "part-1.jsonl").write_text("{}\n")
+    assert recipe.save_plan(chain, plan) == {
+        "train": f"data changed since it finished: {shards / 'part-1.jsonl'}", "eval": "train runs again before it"}
+    recipe.write_ended(chain, finished(plan))
+    prompts.write_text('{"messages": []}\n{"messages": []}\n')
+    assert recipe.save_plan(chain, plan) == {"regenerate": f"data changed since it finished: {prompts}",
+                                             "train": "regenerate runs again before it",
+                                             "eval": "regenerate runs again before it"}
+
+    recipe.write_ended(chain, {name: dict(record, fingerprint={k: v for k, v in record["fingerprint"].items()
+                                                               if k != "data"})
+                               for name, record in finished(plan).items()})
+    prompts.write_text("")
+    assert recipe.save_plan(chain, plan) == {}
+
+
+def test_flag_values_reads_each_form_a_command_line_gives(tmp_path):
+    argv = ["py", "-m", "dflash_trainer.regenerate", "--data", "a.jsonl", "b-*.jsonl", "--out", "o", "--data=c.jsonl",
+            "--prompts", "p.jsonl"]
+    assert recipe.flag_values(argv, "--data") == ["a.jsonl", "b-*.jsonl", "c.jsonl"]
+    assert recipe.flag_values(argv, "--out") == ["o"] and recipe.flag_values(argv, "--set") == []
 
 
 def test_move_run_aside_moves_the_run_only_and_puts_it_all_back_when_a_rename_fails(tmp_path, monkeypatch):

@@ -10,16 +10,17 @@ In a container the stages are the jobs `make deploy` described (deployed_plan): 
 from the inventory, is its stage's command line, so the inventory's settings for each job are the chain's.
 
 A second start continues: a stage that finished is not run again while its fingerprint (fingerprint(): its command
-line, a deployed job's environment, the contents of the config file it reads) is the one it finished with; one whose
-fingerprint changed runs again, and so does every stage after it (each reads the output of the one before): a training
-that runs again trains anew from step 0, its previous run moved aside to a directory beside it (afresh()), not
-resumed, which with train.steps as it was would train nothing. The one that stopped or failed starts again (training
-resumes from its last checkpoint, regeneration answers only the rest). A failed stage stops the chain with the stage's
-error line.
+line, a deployed job's environment, the contents of the config file it reads, the size and time of its data files) is
+the one it finished with; one whose fingerprint changed runs again, and so does every stage after it (each reads the
+output of the one before): a training that runs again trains anew from step 0, its previous run moved aside to a
+directory beside it (afresh()), not resumed, which with train.steps as it was would train nothing. The one that
+stopped or failed starts again (training resumes from its last checkpoint, regeneration answers only the rest). A
+failed stage stops the chain with the stage's error line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -29,7 +30,6 @@ import subprocess
 import sys
 import threading
 from importlib.util import find_spec
-from itertools import pairwise
 from pathlib import Path
 
 from . import status, supervise
@@ -122,16 +122,63 @@ def config_file(name: str) -> Path | None:
         return None
 
 
+def flag_values(argv: list[str], flag: str) -> list[str]:
+    """The values a command line gives `flag`, in order: `FLAG V`, `FLAG=V`, and for a flag that takes several
+    (regeneration's --data, the evaluation's --prompts), each value up to the next option."""
+    values, taking = [], False
+    for arg in argv:
+        if arg.startswith("-"):
+            name, eq, value = arg.partition("=")
+            taking = name == flag and not eq
+            values += [value] if name == flag and eq else []
+        elif taking:
+            values.append(arg)
+    return values
+
+
+def training_data(argv: list[str]) -> list[str]:
+    """A training's data.train and data.eval as it reads them: its --config (the trainer's default: embedded) with its
+    --set, read by the trainer's own loader (torch-free). None from a config it refuses: the stage says why itself."""
+    from dflash_trainer.config import ConfigError, load_config
+
+    named = flag_values(argv, "--config")
+    try:
+        cfg = load_config(named[-1] if named else "embedded", flag_values(argv, "--set"), whole_run=False)
+    except (ConfigError, OSError, ValueError):
+        return []
+    return [*cfg.data.train, *cfg.data.eval]
+
+
+DATA_FLAGS = ("--data", "--prompts")  # regeneration's prompts, the evaluation's prompt sets
+
+
+def data_files(stage: dict) -> dict[str, list[int]]:
+    """The size and modification time of each local file a stage reads its rows or prompts from (regeneration's
+    --data, the evaluation's --prompts, a training's data.train and data.eval), globs expanded and relative paths
+    taken from the stage's directory, where it runs. Not hub datasets, nor a path that is not there (the stage
+    refuses it itself), nor files a directory holds (features dumped with --dump-features)."""
+    argv, found = stage["argv"], {}
+    sources = [v for flag in DATA_FLAGS for v in flag_values(argv, flag)]
+    if TRAIN.matches(argv):
+        sources += training_data(argv)
+    for source in sources:
+        path = Path(stage["dir"]) / source  # an absolute source stays itself
+        for name in [str(path)] if path.is_file() else glob.glob(str(path)):
+            with contextlib.suppress(OSError):  # removed meanwhile: not there, as a path that never was
+                st = os.stat(name)
+                if Path(name).is_file():
+                    found[os.path.abspath(name)] = [st.st_size, st.st_mtime_ns]
+    return found
+
+
 def fingerprint(stage: dict) -> dict:
     """What a stage is known by, recorded when it starts: its command line, its environment (a deployed job's
-    launch.json: what `make deploy` rendered from the inventory) and the SHA-256 of each config file its --config
-    names (a deployed training's run.toml). A stage that finished is run again when this is no longer what it finished
-    with. Not its restart policy (that does not change what it writes). InputMissing names a config that is not
-    there."""
+    launch.json: what `make deploy` rendered from the inventory), the SHA-256 of each config file its --config
+    names (a deployed training's run.toml) and the size and time of each data file it reads (data_files). A stage
+    that finished is run again when this is no longer what it finished with. Not its restart policy (that does not
+    change what it writes). InputMissing names a config that is not there."""
     argv, files = stage["argv"], {}
-    named = [b for a, b in pairwise(argv) if a == "--config"] + \
-        [a.removeprefix("--config=") for a in argv if a.startswith("--config=")]
-    for name in named:
+    for name in flag_values(argv, "--config"):
         path = config_file(name)
         if path is None:
             fix = ("make deploy INVENTORY=... writes it (the inventory's training settings), then make recipe again"
@@ -140,7 +187,7 @@ def fingerprint(stage: dict) -> dict:
             raise InputMissing(f"the {stage['name']} stage reads the config {name}, which is not there: {fix}",
                                stage["name"])
         files[str(path.absolute())] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return {"argv": argv, "env": stage.get("env") or {}, "files": files}
+    return {"argv": argv, "env": stage.get("env") or {}, "files": files, "data": data_files(stage)}
 
 
 UNRECORDED = "it finished before the chain recorded its config's contents"
@@ -161,9 +208,17 @@ def why_again(now: dict, record: dict | None, planned_argv: list[str] | None = N
         return "its command line changed"
     if then.get("env", {}) != now["env"]:
         return "its environment changed"
-    old = then.get("files") or {}
-    changed = sorted(p for p in {**old, **now["files"]} if old.get(p) != now["files"].get(p))
-    return f"config changed since it finished: {', '.join(changed)}" if changed else None
+    if changed := differ(then.get("files") or {}, now["files"]):
+        return f"config changed since it finished: {', '.join(changed)}"
+    if "data" in then and (changed := differ(then["data"], now["data"])):  # not in an earlier version's record
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        return f"data changed since it finished: {', '.join(changed[:3])}{more}"
+    return None
+
+
+def differ(then: dict, now: dict) -> list[str]:
+    """The files whose record differs (added, removed or changed), sorted."""
+    return sorted(p for p in {**then, **now} if then.get(p) != now.get(p))
 
 
 def reruns(plan: dict, ended: dict, before: dict[str, list[str]] | None = None) -> dict[str, str]:
