@@ -98,7 +98,7 @@ class MasterWeightAdamW:
 
     def precompile(self) -> None:
         """Compile the one-pass update now, on scratch tensors (the serialized compile step calls it;
-        once is enough, since one graph serves every tensor)."""
+        once is enough, since one graph serves every tensor of two elements or more)."""
         if not self.one_pass or self._compiled:
             return
         self._compiled = True
@@ -106,12 +106,15 @@ class MasterWeightAdamW:
         # As large as the largest parameter: Inductor times its candidate kernel configs on this first
         # call, and on a few thousand elements the choice is noise (the update took 7.3 ms in one H200
         # run and 10.9 ms in another with the same code, compiled on 4,096 elements).
-        size = max(p.numel() for p in self.params)
-        scratch = [torch.zeros(size, device=device, dtype=dt)
-                   for dt in (low, low, torch.float32, self.moments_dtype, self.moments_dtype)]
+        # A one-element tensor (a DSpark confidence head's bias) gets a graph of its own: dynamic shapes
+        # specialise sizes 0 and 1, so the graph compiled on a larger size would recompile at step 1.
+        sizes = {max(p.numel() for p in self.params)} | {p.numel() for p in self.params if p.numel() < 2}
         step, coef = torch.ones((), device=device), torch.ones((), device=device)  # distinct: aliasing is guarded
-        with torch.no_grad():
-            self._update(*scratch, step, self._lr, coef)
+        for size in sorted(sizes, reverse=True):
+            scratch = [torch.zeros(size, device=device, dtype=dt)
+                       for dt in (low, low, torch.float32, self.moments_dtype, self.moments_dtype)]
+            with torch.no_grad():
+                self._update(*scratch, step, self._lr, coef)
 
     @torch.no_grad()
     def step(self, grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
