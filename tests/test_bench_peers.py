@@ -40,7 +40,10 @@ def installed_peer(tmp_path_factory):
 
     def install(peer: str) -> None:
         if peer not in done:
-            packages = ADAPTERS[peer].INSTALL.split()[3:]  # "pip install --no-deps PKG ...": what users are told
+            # what users are told: "pip install [--no-deps] PKG ... [&& pip install PKG ...]"; here all without
+            # dependencies, which this environment has
+            packages = [word for command in ADAPTERS[peer].INSTALL.split("&&")
+                        for word in command.split()[2:] if not word.startswith("-")]
             where = tmp_path_factory.mktemp(f"peer-{peer}")
             proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target",
                                    str(where), *packages], check=False, capture_output=True, text=True, timeout=600)

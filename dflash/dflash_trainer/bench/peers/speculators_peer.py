@@ -1,10 +1,9 @@
 """vLLM speculators 0.9.0's DFlash drafter, trained by speculators' own modules on our dumped features.
 
-Install (hs-connectors, pydantic-settings, loguru and openai are what its modules below import; its vLLM client,
-datasets, ... are not needed; pydantic and openai's own dependencies must be there, as they are beside transformers'
-serving extras, else `pip install openai pydantic`):
+Install (speculators and hs-connectors without their dependencies: they would move torch and pull its vLLM client;
+pydantic-settings, loguru and openai, which its modules below import, with theirs: openai's HTTP client):
 
-    pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 pydantic-settings python-dotenv loguru openai
+    pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 && pip install pydantic-settings python-dotenv loguru openai
 
 speculators': the settings (speculators/train/config/schema.py TrainConfig with speculator_type "dflash": its
 resolved defaults, the objective among them), the draft model built as its CLI builds one from a draft config
@@ -56,7 +55,7 @@ from .common import (
 )
 
 NAME, DIST, VERSION = "speculators", "speculators", "0.9.0"
-INSTALL = "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 pydantic-settings python-dotenv loguru openai"
+INSTALL = "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 && pip install pydantic-settings python-dotenv loguru openai"
 MODULES = ("speculators.models.dflash", "speculators.train.config.schema", "speculators.train.optimizers",
            "speculators.utils.loading")
 CLIP = 1.0  # speculators/train/trainer.py Trainer.train_epoch: clip_grad_norm_(model.parameters(), 1.0)
