@@ -268,7 +268,175 @@ def test_side_by_side_counts_only_the_drafters_left_to_train(tmp_path):
     drafters = [Drafter(name, "dflash-trainer", tmp_path / name) for name in ("a", "b", "c")]
     (drafters[0].run / "drafter").mkdir(parents=True)
     (drafters[0].run / "drafter" / "config.json").write_text("{}")
+    (drafters[0].run / "summary.json").write_text("{}")
     wall_file(drafters[0].run).write_text("{}")
     assert side_by_side(4, drafters) == 2
     assert side_by_side(1, drafters) == 1
     assert side_by_side(4, drafters[:1]) == 1  # nothing left to train: no overlap to mark
+
+
+
+# ---- a drafter that fails or stops, and the benchmark stopped: stages faked by a script ------------------------
+
+FAKE_STAGE = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+
+module, args = sys.argv[1], sys.argv[2:]
+out = Path(args[args.index("--output-dir" if "--output-dir" in args else "--out") + 1])
+calls = Path(os.environ["FAKE_CALLS"])
+with calls.open("a") as f:
+    f.write(json.dumps({"module": module, "out": out.name, "args": args}) + "\n")
+if module == "dflash_trainer.bench.peers":
+    print("error: specforge is not installed: pip install --no-deps specforge==0.2.0")
+    sys.exit(2)
+if module == "dflash_trainer.eval":
+    out.mkdir(parents=True)
+    (out / "eval.json").write_text(json.dumps({"sets": {"chat": {
+        "tau": 3.0, "tau_per_request_mean": 3.0, "slot_acceptance": [0.8, 0.5], "outputs_equal": 1, "prompts": 1}}}))
+    (out / "requests.jsonl").write_text(json.dumps({"set": "chat", "id": 0, "accept_lengths": [3, 3],
+                                                    "output_ids": list(range(100))}) + "\n")
+    sys.exit(0)
+# dflash_trainer.train: stops at step 3 where FAKE_STOPS names its run (a checkpoint, exit 0, as ours stops on a
+# signal); where FAKE_WAIT names it, it waits for the signal first
+out.mkdir(parents=True, exist_ok=True)
+stops = os.environ.get("FAKE_STOPS", "").split(",")
+if out.name in os.environ.get("FAKE_WAIT", "").split(","):
+    got = []
+    signal.signal(signal.SIGINT, lambda n, _: got.append(signal.Signals(n).name))
+    (out.parent / f"{out.name}.ready").touch()
+    for _ in range(400):
+        if got:
+            break
+        time.sleep(0.05)
+    with calls.open("a") as f:
+        f.write(json.dumps({"module": "signal", "out": out.name, "got": got}) + "\n")
+    stops.append(out.name)
+if out.name in stops and "--resume" not in args:
+    (out / "checkpoints" / "step-00000003").mkdir(parents=True)
+    print("stopped at step 3: checkpoint; continue with --resume")
+    sys.exit(0)
+(out / "drafter").mkdir(exist_ok=True)
+(out / "drafter" / "config.json").write_text("{}")
+(out / "summary.json").write_text(json.dumps({"steps": 8, "losses": [1.0]}))
+"""
+
+
+@pytest.fixture
+def fake_bench(tmp_path, monkeypatch):
+    """main() in this process with every stage's command a script that acts its part (the regeneration and the
+    features already there): returns (run(flags) -> exit code, out, the calls the stages got)."""
+    from dflash_trainer.bench.quality import __main__ as bench
+    from dflash_trainer.data.features import META
+
+    script = tmp_path / "fake_stage.py"
+    script.write_text(FAKE_STAGE)
+    monkeypatch.setattr(bench, "py", lambda module, *args: [sys.executable, str(script), module, *args])
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_CALLS", str(calls))
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    (tmp_path / "prompts.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    out = tmp_path / "bench"
+    (out / "regen").mkdir(parents=True)
+    (out / "regen" / "summary.json").write_text(json.dumps({"prompts": 4, "answers": 4}))
+    (out / "features").mkdir()
+    (out / "features" / META).write_text(json.dumps({"micro_batches": 4}))
+
+    def run(*flags: str) -> int:
+        return bench.main(["--out", str(out), "--target", str(target), "--train-prompts", str(tmp_path / "prompts.jsonl"),
+                           "--eval-prompts", f"chat={tmp_path / 'prompts.jsonl'}", "--train-count", "4", *flags])
+
+    def called() -> list[dict]:
+        return [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
+
+    return run, out, called
+
+
+def test_a_training_that_exits_0_without_its_drafter_is_reported_stopped_and_the_others_keep_their_rows(
+        fake_bench, monkeypatch, capsys):
+    run, out, called = fake_bench
+    monkeypatch.setenv("FAKE_STOPS", "dflash-trainer-b")
+    code = run("--trainers", "dflash-trainer", "--variant", "b=train.lr=1e-4", "--jobs", "2")
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "train dflash-trainer b stopped at step 3 before its last" in err
+    assert "run the same command again to resume it" in err
+    table = (out / "quality.md").read_text()
+    assert "| dflash-trainer | chat |" in table and "dflash-trainer b" not in table
+    assert "1 of 2 drafters failed" in err
+    # the stopped one was not judged: no evaluation of a drafter that is not there
+    assert [c["out"] for c in called() if c["module"] == "dflash_trainer.eval"] == ["dflash-trainer"]
+
+
+def test_a_failing_peer_leaves_the_table_of_the_rest_and_is_listed(fake_bench, capsys):
+    run, out, _ = fake_bench
+    code = run("--trainers", "dflash-trainer", "specforge")
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "| dflash-trainer | chat |" in (out / "quality.md").read_text()
+    assert [r["drafter"] for r in json.loads((out / "quality.json").read_text())["rows"]] == ["dflash-trainer"]
+    assert "| dflash-trainer | chat |" in captured.err  # printed as on success (the console is stderr)
+    failure = next(line for line in captured.err.splitlines() if line.startswith("  - specforge:"))
+    assert "exit 2" in failure and str(out / "logs" / "train-specforge.log") in failure
+
+
+def test_a_stopped_training_resumes_on_the_next_call_and_starts_over_when_its_settings_changed(
+        fake_bench, monkeypatch):
+    run, out, called = fake_bench
+    monkeypatch.setenv("FAKE_STOPS", "dflash-trainer")
+    assert run("--trainers", "dflash-trainer") == 1
+    monkeypatch.delenv("FAKE_STOPS")
+    assert run("--trainers", "dflash-trainer") == 0
+    trains = [c["args"] for c in called() if c["module"] == "dflash_trainer.train"]
+    assert "--overwrite" in trains[0] and "--resume" not in trains[0]
+    assert "--resume" in trains[1] and "--overwrite" not in trains[1]
+    wall = json.loads((out / "runs" / "dflash-trainer" / "bench_wall.json").read_text())
+    assert "--resume" in wall["command"] and wall["seconds"] > 0
+    assert not (out / "runs" / "dflash-trainer" / "bench_partial.json").exists()
+    # stopped again, then another setting: the run starts over
+    (out / "runs" / "dflash-trainer" / "bench_wall.json").unlink()
+    (out / "runs" / "dflash-trainer" / "drafter" / "config.json").unlink()
+    monkeypatch.setenv("FAKE_STOPS", "dflash-trainer")
+    assert run("--trainers", "dflash-trainer") == 1
+    monkeypatch.delenv("FAKE_STOPS")
+    assert run("--trainers", "dflash-trainer", "--set", "train.lr=1e-4") == 0
+    last = [c["args"] for c in called() if c["module"] == "dflash_trainer.train"][-1]
+    assert "--overwrite" in last and "--resume" not in last
+
+
+def test_after_a_signal_no_stage_starts_and_the_running_ones_get_it_once(fake_bench, monkeypatch, capsys):
+    """--jobs 2 over three drafters: the first two train (in process groups of their own: the signal reaches them
+    only as the benchmark passes it on), the benchmark gets SIGINT; they stop, nothing else starts, exit 130."""
+    import os
+    import signal
+    import threading
+    import time
+
+    run, out, called = fake_bench
+    monkeypatch.setenv("FAKE_WAIT", "dflash-trainer,dflash-trainer-b")
+    runs = out / "runs"
+
+    def interrupt_when_both_train() -> None:
+        for _ in range(400):
+            if all((runs / f"{name}.ready").exists() for name in ("dflash-trainer", "dflash-trainer-b")):
+                break
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt_when_both_train)
+    thread.start()
+    code = run("--trainers", "dflash-trainer", "--variant", "b=train.lr=1e-4", "--variant", "c=train.lr=2e-4",
+               "--jobs", "2")
+    thread.join()
+    err = capsys.readouterr().err
+    assert code == 130, err
+    got = {c["out"]: c["got"] for c in called() if c["module"] == "signal"}
+    assert got == {"dflash-trainer": ["SIGINT"], "dflash-trainer-b": ["SIGINT"]}  # once each, from the benchmark
+    started = [(c["module"], c["out"]) for c in called() if c["module"] != "signal"]
+    assert sorted(started) == [("dflash_trainer.train", "dflash-trainer"), ("dflash_trainer.train", "dflash-trainer-b")]
+    assert "stopped by SIGINT: no drafter trained and judged yet; cut short: dflash-trainer" in err
+    assert "train dflash-trainer: stopped before its end (exit 0)" in err and ": done in" not in err
+    assert "run the same command again" in err
+    assert not (out / "quality.md").exists()

@@ -16,6 +16,10 @@ what is missing; --redo STAGE makes one again):
   5. evaluate: each drafter by dflash-eval on every prompt set (tau, per request, per slot, outputs equal to
      target-only greedy);
   6. the table (OUT/quality.md, quality.json) and the figure (OUT/quality.png): acceptance per slot.
+
+A drafter that fails (or whose training stopped before its last step) leaves the others' rows: the table is
+written for those, the failures listed, exit 1. SIGINT / SIGTERM: no stage starts after it, the running ones
+stop cleanly, exit 130 / 143; the same command goes on from there (a stopped training of ours resumes).
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -34,6 +40,9 @@ from pathlib import Path
 
 from ...data.features import META
 from ...infra.console import console, plain_output_off_a_terminal
+from ...infra.stop_signal import SIGNALS, exit_code
+from ...run.checkpoint import step_of
+from ...run.run_dir import CHECKPOINTS
 from . import materials, report
 
 PEERS = ("specforge", "speculators")
@@ -83,36 +92,99 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_stage(name: str, cmd: list[str], log: Path, echo: bool = True) -> float:
-    """Run one stage's command, its output on the terminal (echo) and in `log`; its wall time. A failure stops
-    the benchmark with the stage's own message (exit 1). Stages run side by side (--jobs) keep their output to
-    their logs: the terminal gets a line as each starts and ends."""
+class Stopping:
+    """The benchmark's SIGINT / SIGTERM. No stage starts after it; each running stage's process gets it once and
+    stops as its command does on it (a training at its next checkpoint). The stages run in process groups of
+    their own, so a signal to the benchmark's group (Ctrl-C, `timeout -s INT`) reaches each of them once, from here:
+    a second one would stop a training at once, without its checkpoint."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # the handler runs in the main thread, which may hold it
+        self.clear()
+
+    def clear(self) -> None:
+        """A benchmark's start: no signal yet, nothing running."""
+        self.signal_name: str | None = None  # the first signal's name, once one came
+        self._running: dict[subprocess.Popen, int] = {}  # a stage's process -> the signals it was sent
+
+    def request(self, name: str) -> None:
+        """A signal came (the handler's call): every running stage gets it; a second one is passed on too."""
+        with self._lock:
+            self.signal_name = self.signal_name or name
+            for proc in list(self._running):
+                self._forward(proc, name)
+
+    def _forward(self, proc: subprocess.Popen, name: str) -> None:
+        self._running[proc] += 1
+        try:
+            proc.send_signal(signal.Signals[name])
+        except ProcessLookupError:  # ended meanwhile
+            pass
+
+    def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        with self._lock:
+            if self.signal_name is not None:
+                raise Stopped(name)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}, process_group=0)
+            self._running[proc] = 0
+            if self.signal_name is not None and not self._running[proc]:  # came while it started
+                self._forward(proc, self.signal_name)
+            return proc
+
+    def ended(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._running.pop(proc, None)
+
+    def handle(self, signum, _frame) -> None:
+        self.request(signal.Signals(signum).name)
+
+
+stopping = Stopping()
+
+
+class Stopped(Exception):
+    """The benchmark was stopped by a signal before this stage started."""
+
+    code = 1
+
+
+def run_stage(name: str, cmd: list[str], log: Path, echo: bool = True, whole=lambda: True) -> float:
+    """Run one stage's command, its output on the terminal (echo) and in `log`; its wall time. A failure raises
+    StageFailed with the stage's own message; after a signal (Stopping) no stage starts. Stages run side by side
+    (--jobs) keep their output to their logs: the terminal gets a line as each starts and ends. whole(): did a
+    command that exited 0 finish its work (a training a signal stopped exits 0 too); the caller says why not."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]{name}[/]: {shlex.join(cmd)}", soft_wrap=True)
     start = time.perf_counter()
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        for line in proc.stdout:
-            if echo:
-                sys.stdout.write(line)
-            f.write(line)
-        code = proc.wait()
+        proc = stopping.start(name, cmd)
+        console.print(f"[bold]{name}[/]: {shlex.join(cmd)}", soft_wrap=True)
+        try:
+            for line in proc.stdout:
+                if echo:
+                    sys.stdout.write(line)
+                f.write(line)
+            code = proc.wait()
+        finally:
+            stopping.ended(proc)
     seconds = time.perf_counter() - start
     if not echo:
-        console.print(f"{name}: {'done' if not code else f'exit {code}'} in {seconds:.0f} s (log: {log})",
+        ended = f"exit {code}" if code else "done" if whole() else "stopped before its end (exit 0)"
+        console.print(f"{name}: {ended} in {seconds:.0f} s (log: {log})",
                       markup=False, soft_wrap=True)
     if code:
-        raise StageFailed(f"{name} failed (exit {code}); its log: {log}", code)
+        raise StageFailed(f"{name} failed (exit {code}); its log: {log}", code, log)
     return seconds
 
 
 class StageFailed(Exception):
     """A stage's command failed; its exit code is the benchmark's (2: the stage refused its input)."""
 
-    def __init__(self, message: str, code: int):
+    def __init__(self, message: str, code: int, log: Path | None = None):
         super().__init__(message)
         self.code = 2 if code == 2 else 1
+        self.exit = code  # the stage's own
+        self.log = log
 
 
 def py(module: str, *args: str) -> list[str]:
@@ -176,45 +248,142 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     check_args(p, args)
+    stopping.clear()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # Python's handlers live in the main thread
+        previous = {sig: signal.signal(sig, stopping.handle) for sig in SIGNALS}
+    try:
+        return bench(args)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def bench(args) -> int:
     out: Path = args.out.resolve()
     for stage in args.redo:
         for path in {"target": [out / "target"], "prompts": [out / "prompts"], "regenerate": [out / "regen"],
                      "features": [out / "features"], "train": [out / "runs"], "evaluate": [out / "eval"]}[stage]:
             shutil.rmtree(path, ignore_errors=True)
-    site = out / "packages"
     try:
-        target = Path(args.target) if args.target else materials.gemma3_270m_target(out / "target", site)
-        prompts_dir = out / "prompts"
-        if args.train_prompts:
-            train_prompts = args.train_prompts
-        else:
-            train_prompts, _ = materials.sharegpt_prompt_files(prompts_dir, site, args.held_out, args.train_count,
-                                                               args.max_prompt_chars)
-        if args.eval_prompts:
-            eval_sets = dict(s.split("=", 1) for s in args.eval_prompts)
-        else:
-            _, held = materials.sharegpt_prompt_files(prompts_dir, site, args.held_out, args.train_count,
-                                                      args.max_prompt_chars)
-            eval_sets = {"sharegpt": str(held), "humaneval": str(materials.humaneval_prompt_file(prompts_dir, site))}
+        target, train_prompts, eval_sets = material(args, out)
     except materials.MaterialError as exc:
+        if stopping.signal_name is not None:  # the installer got the signal too
+            return said_stopped([], [])
         console.print(f"[red]error:[/] {exc}", soft_wrap=True)
         return 2
     try:
-        rows, meta = pipeline(args, out, target, train_prompts, eval_sets)
-    except StageFailed as exc:
+        rows, meta, failed = pipeline(args, out, target, train_prompts, eval_sets)
+    except (StageFailed, Stopped) as exc:  # before the drafters (regeneration, features): nothing to show
+        if stopping.signal_name is not None:
+            return said_stopped([], [])
         console.print(f"[red]error:[/] {exc}", soft_wrap=True)
         return exc.code
-    said = report.verdict(rows, OURS, [d for d in args.trainers if d in PEERS])
-    report.write(rows, out, meta, said)
-    console.print(report.markdown(rows), markup=False, soft_wrap=True)
-    for line in said:
-        console.print(line, markup=False, soft_wrap=True)
-    console.print(f"quality.md, quality.json and quality.png in {out}", markup=False)
+    return results(args, out, rows, meta, failed)
+
+
+def material(args, out: Path) -> tuple[Path, Path, dict[str, str]]:
+    """The target, the training prompts and the evaluation sets: given, or made in OUT."""
+    site = out / "packages"
+    target = Path(args.target) if args.target else materials.gemma3_270m_target(out / "target", site)
+    prompts_dir = out / "prompts"
+    if args.train_prompts:
+        train_prompts = args.train_prompts
+    else:
+        train_prompts, _ = materials.sharegpt_prompt_files(prompts_dir, site, args.held_out, args.train_count,
+                                                           args.max_prompt_chars)
+    if args.eval_prompts:
+        eval_sets = dict(s.split("=", 1) for s in args.eval_prompts)
+    else:
+        _, held = materials.sharegpt_prompt_files(prompts_dir, site, args.held_out, args.train_count,
+                                                  args.max_prompt_chars)
+        eval_sets = {"sharegpt": str(held), "humaneval": str(materials.humaneval_prompt_file(prompts_dir, site))}
+    return target, train_prompts, eval_sets
+
+
+def results(args, out: Path, rows: list[report.Row], meta: dict, failed: dict[str, StageFailed]) -> int:
+    """The table of the drafters that finished (written and printed), then the stop or the failures; the exit
+    code: 0 when every drafter finished, 1 when one failed, 130 / 143 after a signal."""
+    if rows:
+        said = report.verdict(rows, OURS, [d for d in args.trainers if d in PEERS])
+        report.write(rows, out, meta, said)
+        console.print(report.markdown(rows), markup=False, soft_wrap=True)
+        for line in said:
+            console.print(line, markup=False, soft_wrap=True)
+        console.print(f"quality.md, quality.json and quality.png in {out}", markup=False)
+    if stopping.signal_name is not None:
+        return said_stopped(list(dict.fromkeys(r.drafter for r in rows)), list(meta["drafters"]), list(failed))
+    if failed:
+        console.print(f"[red]error:[/] {len(failed)} of {len(meta['drafters'])} drafters failed"
+                      + (" (the table above holds the others)" if rows else "") + ":", soft_wrap=True)
+        for label, exc in failed.items():
+            console.print(f"  - {label}: {exc}", markup=False, soft_wrap=True)
+        return 1
     return 0
 
 
+def said_stopped(done: list[str], drafters: list[str], cut: list[str] | None = None) -> int:
+    """The one line a signal ends the benchmark with; 130 (SIGINT) / 143 (SIGTERM). done: the drafters trained and
+    judged; cut: those whose stage the signal cut short (their logs say where)."""
+    name = stopping.signal_name
+    said = (f"{len(done)} of {len(drafters)} drafters trained and judged ({', '.join(done)})" if done
+            else "no drafter trained and judged yet" if drafters else "before the drafters")
+    if cut:
+        said += f"; cut short: {', '.join(cut)}"
+    console.print(f"stopped by {name}: {said}; run the same command again to go on from there (a stopped "
+                  f"training of this trainer resumes from its checkpoint)", markup=False, soft_wrap=True)
+    return exit_code(name)
+
+
 def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict[str, str]):
+    """The stages; the rows of the drafters that finished, the run's metadata, and each failed drafter's error
+    (its label -> StageFailed): one drafter's failure leaves the others to finish. A failure before the drafters
+    raises."""
     logs = out / "logs"
+    features, run_settings = shared_stages(args, out, target, train_prompts, logs)
+    drafters = drafters_of(args, out, features)
+    at_once = side_by_side(args.jobs, drafters)
+    failed: dict[str, StageFailed] = {}
+
+    def train_and_judge(d: Drafter) -> list[report.Row]:
+        try:
+            train(args, d, target, run_settings, logs, at_once)
+            eval_dir = out / "eval" / d.run.name
+            if not (eval_dir / "eval.json").is_file():
+                run_stage(f"evaluate {d.label}", py(
+                    "dflash_trainer.eval", "--drafter", str(d.run / "drafter"), "--target", str(target),
+                    "--prompts", *eval_sets.values(),
+                    *(x for n, f in eval_sets.items() for x in ("--name", f"{n}={f}")),
+                    "--out", str(eval_dir), "--max-new-tokens", str(args.eval_tokens),
+                    *(["--limit", str(args.eval_limit)] if args.eval_limit else []), *shlex.split(args.eval_args),
+                    *config_flags(args), "--set", f"target.path={target}"), logs / f"eval-{d.run.name}.log",
+                    echo=args.jobs == 1)
+        except Stopped:
+            return []
+        except StageFailed as exc:
+            failed[d.label] = exc
+            return []
+        wall = json.loads(wall_file(d.run).read_text()) if wall_file(d.run).is_file() else {}
+        return report.rows_for(d.label, eval_dir, wall.get("seconds"), d.run, trained_at_once=wall.get("jobs", 1))
+
+    if args.jobs == 1:  # each drafter trained, then judged: a stop leaves whole results behind
+        per_drafter = [train_and_judge(d) for d in drafters]
+    else:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = [pool.submit(train_and_judge, d) for d in drafters]
+            wait(futures)
+            per_drafter = [f.result() for f in futures]
+    rows = [r for drafter_rows in per_drafter for r in drafter_rows]
+    meta = {"target": str(target), "train_prompts": str(train_prompts), "eval_sets": eval_sets,
+            "config": args.config, "set": args.set, "answer_tokens": args.answer_tokens,
+            "regen_temperature": args.regen_temperature, "eval_tokens": args.eval_tokens,
+            "eval_limit": args.eval_limit, "jobs": args.jobs, "drafters": {d.label: str(d.run) for d in drafters},
+            "failed": {label: str(exc) for label, exc in failed.items()}}
+    return rows, meta, failed
+
+
+def shared_stages(args, out: Path, target: Path, train_prompts: Path, logs: Path) -> tuple[Path, list[str]]:
+    """The regeneration and the feature dump every trainer reads; the features and the run settings of ours."""
     regen = out / "regen"
     if not regeneration_done(regen, args.train_count):
         run_stage("regenerate", py("dflash_trainer.regenerate", "--target", str(target), "--data", str(train_prompts),
@@ -227,6 +396,11 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
         shutil.rmtree(features, ignore_errors=True)
         run_stage("features", py("dflash_trainer.train", *config_flags(args), *_sets(run_settings),
                                  *_sets(dump_settings(args)), "--dump-features", str(features)), logs / "features.log")
+    return features, run_settings
+
+
+def drafters_of(args, out: Path, features: Path) -> list[Drafter]:
+    """Every drafter this call trains and judges, in the table's order."""
     drafters = []
     if OURS in args.trainers:
         drafters.append(Drafter(OURS, OURS, out / "runs" / OURS, features=features))
@@ -238,35 +412,7 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
         for fraction in args.data_fraction:
             drafters.append(Drafter(f"{OURS} {fraction:g} data", OURS, out / "runs" / f"{OURS}-data-{fraction:g}",
                                     features=fraction_features(features, fraction)))
-    at_once = side_by_side(args.jobs, drafters)
-
-    def train_and_judge(d: Drafter) -> list[report.Row]:
-        train(args, d, target, run_settings, logs, at_once)
-        eval_dir = out / "eval" / d.run.name
-        if not (eval_dir / "eval.json").is_file():
-            run_stage(f"evaluate {d.label}", py(
-                "dflash_trainer.eval", "--drafter", str(d.run / "drafter"), "--target", str(target),
-                "--prompts", *eval_sets.values(), *(x for n, f in eval_sets.items() for x in ("--name", f"{n}={f}")),
-                "--out", str(eval_dir), "--max-new-tokens", str(args.eval_tokens),
-                *(["--limit", str(args.eval_limit)] if args.eval_limit else []), *shlex.split(args.eval_args),
-                *config_flags(args), "--set", f"target.path={target}"), logs / f"eval-{d.run.name}.log",
-                echo=args.jobs == 1)
-        wall = json.loads(wall_file(d.run).read_text()) if wall_file(d.run).is_file() else {}
-        return report.rows_for(d.label, eval_dir, wall.get("seconds"), d.run, trained_at_once=wall.get("jobs", 1))
-
-    if args.jobs == 1:  # each drafter trained, then judged: a stop leaves whole results behind
-        per_drafter = [train_and_judge(d) for d in drafters]
-    else:
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            futures = [pool.submit(train_and_judge, d) for d in drafters]
-            wait(futures)  # every job ends (a failed one's neighbours finish) before the first failure is raised
-            per_drafter = [f.result() for f in futures]
-    rows = [r for drafter_rows in per_drafter for r in drafter_rows]
-    meta = {"target": str(target), "train_prompts": str(train_prompts), "eval_sets": eval_sets,
-            "config": args.config, "set": args.set, "answer_tokens": args.answer_tokens,
-            "regen_temperature": args.regen_temperature, "eval_tokens": args.eval_tokens,
-            "eval_limit": args.eval_limit, "jobs": args.jobs, "drafters": {d.label: str(d.run) for d in drafters}}
-    return rows, meta
+    return drafters
 
 
 def regeneration_done(regen: Path, count: int) -> bool:
@@ -293,7 +439,33 @@ def _sets(settings: list[str]) -> list[str]:
 
 
 def trained(d: Drafter) -> bool:
-    return (d.run / "drafter" / "config.json").is_file() and wall_file(d.run).is_file()
+    return finished(d.run) and wall_file(d.run).is_file()
+
+
+def finished(run: Path) -> bool:
+    """The run trained to its last step: its drafter published and summary.json written, both after the last
+    step (ours and the peers alike). A training stopped by a signal exits 0 with neither."""
+    return (run / "drafter" / "config.json").is_file() and (run / "summary.json").is_file()
+
+
+def partial_file(run: Path) -> Path:
+    """What the benchmark keeps of a training that stopped early: its command and the seconds it trained."""
+    return run / "bench_partial.json"
+
+
+def last_checkpoint(run: Path) -> int | None:
+    steps = [step_of(p) for p in (run / CHECKPOINTS).glob("step-*")]
+    return max((s for s in steps if s is not None), default=None)
+
+
+def resumable(d: Drafter, cmd: list[str]) -> bool:
+    """A stopped training of ours, started by this same command (the same settings), that left a checkpoint:
+    it continues with --resume. Otherwise (another setting, a peer, no checkpoint) it starts over."""
+    try:
+        before = json.loads(partial_file(d.run).read_text())
+    except (OSError, ValueError):
+        return False
+    return d.trainer == OURS and before.get("command") == cmd and last_checkpoint(d.run) is not None
 
 
 def side_by_side(jobs: int, drafters: list[Drafter]) -> int:
@@ -303,20 +475,41 @@ def side_by_side(jobs: int, drafters: list[Drafter]) -> int:
 
 def train(args, d: Drafter, target: Path, run_settings: list[str], logs: Path, at_once: int = 1) -> None:
     """One drafter trained on the features, its wall time kept beside it (a finished one is left alone);
-    at_once: the drafters trained beside it (side_by_side), recorded with its wall time."""
+    at_once: the drafters trained beside it (side_by_side), recorded with its wall time. A training that exits 0
+    before its last step (a signal stopped it) raises StageFailed; the next call resumes it where it can."""
     if trained(d):
         return
     if d.trainer == OURS:
         cmd = py("dflash_trainer.train", *config_flags(args), *_sets(run_settings), *_sets(d.settings),
-                 "--set", f"data.features_dir={d.features}", "--output-dir", str(d.run), "--overwrite")
+                 "--set", f"data.features_dir={d.features}", "--output-dir", str(d.run))
     else:
         cmd = py("dflash_trainer.bench.peers", "--peer", d.trainer, "--features", str(d.features),
                  "--target", str(target), "--out", str(d.run), *config_flags(args))
-    shutil.rmtree(d.run, ignore_errors=True)  # what a stopped run left: each trainer starts clean
-    seconds = run_stage(f"train {d.label}", cmd, logs / f"train-{d.run.name}.log", echo=args.jobs == 1)
-    d.run.mkdir(parents=True, exist_ok=True)
-    wall_file(d.run).write_text(json.dumps({"seconds": seconds, "command": shlex.join(cmd), "jobs": at_once},
-                                           indent=2))
+    before = 0.0
+    if resumable(d, cmd):
+        before = json.loads(partial_file(d.run).read_text()).get("seconds", 0.0)
+        flag = ["--resume"]
+    else:
+        shutil.rmtree(d.run, ignore_errors=True)  # what a stopped run left: each trainer starts clean
+        flag = ["--overwrite"] if d.trainer == OURS else []
+    log = logs / f"train-{d.run.name}.log"
+    start = time.perf_counter()
+    try:
+        seconds = run_stage(f"train {d.label}", cmd + flag, log, echo=args.jobs == 1, whole=lambda: finished(d.run))
+    finally:  # kept for the next call, whichever way it ended (the same command resumes)
+        if not finished(d.run):
+            d.run.mkdir(parents=True, exist_ok=True)
+            partial_file(d.run).write_text(json.dumps(
+                {"command": cmd, "seconds": before + time.perf_counter() - start}, indent=2))
+    if not finished(d.run):
+        step = last_checkpoint(d.run)
+        again = ("resume it" if d.trainer == OURS and step is not None else "train it again")
+        raise StageFailed(f"train {d.label} stopped {f'at step {step} ' if step is not None else ''}before its last "
+                          f"(exit 0, no drafter published); run the same command again to {again}; its log: {log}",
+                          1, log)
+    partial_file(d.run).unlink(missing_ok=True)
+    wall_file(d.run).write_text(json.dumps({"seconds": before + seconds, "command": shlex.join(cmd + flag),
+                                            "jobs": at_once}, indent=2))
 
 
 if __name__ == "__main__":
