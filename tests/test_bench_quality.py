@@ -164,6 +164,22 @@ def test_the_verdict_compares_with_the_best_peer_on_each_set(tmp_path):
     assert any("+0.0%" in s and "misses" in s for s in said)
 
 
+def test_the_verdict_judges_each_variant_and_counts_prompt_by_prompt(tmp_path):
+    """A variant of ours is held to the goal too, and each comparison says on how many prompts it is higher and
+    lower: three prompts, the variant ahead on two, behind on one, the set's tau ahead."""
+    plain = list(range(100))
+    peer = report.rows_for("p", _eval_dir(tmp_path / "p", {"s": [([2], plain), ([2], plain), ([4], plain)]}), None)
+    ours = report.rows_for("ours", _eval_dir(tmp_path / "o", {"s": [([2], plain), ([2], plain), ([4], plain)]}), None)
+    variant = report.rows_for("ours kl", _eval_dir(tmp_path / "v", {"s": [([4], plain), ([4], plain), ([3], plain)]}),
+                              None)
+    said = report.verdict(peer + ours + variant, "ours", ["p"])
+    line = next(s for s in said if s.startswith("s: ours kl tau"))
+    assert "vs best peer p 2.67" in line and "+37.5%" in line and "meets" in line
+    assert line.endswith("per prompt higher on 2, lower on 1 of 3)")
+    assert next(s for s in said if s.startswith("s: ours tau")).endswith("higher on 0, lower on 0 of 3)")
+    assert any(s.startswith("s: ours kl last slot") for s in said)
+
+
 # ---- the whole pipeline on the embedded default's tiny target -------------------------------------
 
 @pytest.mark.slow
