@@ -7,6 +7,7 @@ stage that refuses its input stopping the chain with its error."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -321,7 +322,7 @@ def test_a_finished_training_that_runs_again_is_said_to_start_afresh(tmp_path):
 
 def test_a_changed_data_file_reruns_the_stage_that_reads_it(tmp_path):
     """Regeneration's --data and a training's data.train (in its config, a glob) are known by each file's size and
-    time: a file edited, added or removed reruns its stage and those after it; touched by nothing, all skipped. A
+    contents: a file edited, added or removed reruns its stage and those after it; touched by nothing, all skipped. A
     record from before data was recorded is not rerun for it."""
     prompts = tmp_path / "chats.jsonl"
     prompts.write_text('{"messages": []}\n')
@@ -336,7 +337,8 @@ def test_a_changed_data_file_reruns_the_stage_that_reads_it(tmp_path):
                                                              prompts.name, "--out", "regen"]},  # from its directory
         {"name": "train", "dir": run, "argv": ["py", "-m", "dflash_trainer.train", "--config", str(config)]},
         {"name": "eval", "dir": str(tmp_path / "eval"), "argv": ["py", "-m", "dflash_trainer.eval", "--run", run]}]}
-    assert recipe.fingerprint(plan["stages"][1])["data"] == {str(shards / "part-0.jsonl"): [3, ANY]}
+    assert recipe.fingerprint(plan["stages"][1])["data"] == {
+        str(shards / "part-0.jsonl"): [3, ANY, hashlib.sha256(b"{}\n").hexdigest()]}
     recipe.save_plan(chain, plan)
     recipe.write_ended(chain, finished(plan))
     assert recipe.save_plan(chain, plan) == {}
@@ -355,6 +357,85 @@ def test_a_changed_data_file_reruns_the_stage_that_reads_it(tmp_path):
                                for name, record in finished(plan).items()})
     prompts.write_text("")
     assert recipe.save_plan(chain, plan) == {}
+
+
+def one_data_file_chain(tmp_path: Path) -> tuple[dict, Path, Path]:
+    """A regeneration reading one prompts file, and the chain's directory, everything recorded as finished."""
+    prompts = tmp_path / "chats.jsonl"
+    prompts.write_text('{"messages": []}\n')
+    plan = {"stages": [{"name": "regenerate", "dir": str(tmp_path), "argv": [
+        "py", "-m", "dflash_trainer.regenerate", "--data", str(prompts), "--out", "regen"]}]}
+    chain = tmp_path / "c"
+    recipe.save_plan(chain, plan)
+    recipe.write_ended(chain, finished(plan))
+    return plan, prompts, chain
+
+
+def later(path: Path) -> None:
+    """path's modification time a second on: what a touch, a copy or a checkout of the same bytes does."""
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+def test_a_data_file_is_known_by_its_contents_not_its_time(tmp_path):
+    """The same bytes with a new time (touched, copied, checked out again) are no change; other bytes of the same
+    size are, whatever the time says."""
+    plan, prompts, chain = one_data_file_chain(tmp_path)
+    later(prompts)
+    assert recipe.save_plan(chain, plan) == {}
+    before = prompts.stat().st_mtime_ns
+    prompts.write_text('{"messages": [1]}'[:-1] + "\n")  # the same size, other bytes
+    assert prompts.stat().st_size == len('{"messages": []}\n')
+    os.utime(prompts, ns=(before, before + 10**9))
+    assert recipe.save_plan(chain, plan) == {"regenerate": f"data changed since it finished: {prompts}"}
+
+
+def test_a_data_file_above_the_bound_is_known_by_its_size_and_time(tmp_path, monkeypatch):
+    """A file larger than HASHED_UP_TO is not read: its time decides, as does the time of a file recorded without
+    its contents (an earlier version's record)."""
+    monkeypatch.setattr(recipe, "HASHED_UP_TO", 4)
+    plan, prompts, chain = one_data_file_chain(tmp_path)
+    assert len(recipe.read_ended(chain)["regenerate"]["fingerprint"]["data"][str(prompts)]) == 2  # size and time
+    assert recipe.save_plan(chain, plan) == {}
+    later(prompts)
+    assert recipe.save_plan(chain, plan) == {"regenerate": f"data changed since it finished: {prompts}"}
+
+
+def test_a_training_that_stopped_or_failed_starts_afresh_when_what_it_reads_changed(tmp_path):
+    """A training that stopped or failed resumes while nothing changed; when its config changed, or regeneration
+    before it runs again (new data), it starts afresh as a finished one does (its previous run kept beside it), and
+    make recipe and recipe-status say so."""
+    dirs, config = deployed_with_config(tmp_path)
+    a_finished_run(dirs["train"])
+    chain = tmp_path / "chain"
+    plan = recipe.deployed_plan(dirs)
+    recipe.save_plan(chain, plan)
+    ended = finished(plan)
+    del ended["eval"]
+    for state in ("stopped", "failed"):
+        recipe.write_ended(chain, {**ended, "train": {**ended["train"], "state": state, "rc": 1}})
+        assert recipe.save_plan(chain, recipe.deployed_plan(dirs)) == {}  # nothing changed: resumed
+        assert recipe.report(chain)["stages"]["train"] == state
+        assert "afresh" not in recipe.read_plan(chain)["stages"][1]
+
+    config.write_text("[train]\nsteps = 100\n[optim]\nlr = 1e-3\n")
+    why = f"config changed since it failed: {config}"
+    assert recipe.report(chain)["stages"]["train"] == (
+        f"failed, runs again at the next start ({why}; starts afresh from step 0, the previous run is kept as "
+        f"{dirs['train']}.replaced-<UTC time then>)")
+    again = recipe.save_plan(chain, recipe.deployed_plan(dirs))
+    kept = recipe.read_plan(chain)["stages"][1]["afresh"]
+    assert again == {"train": f"{why}; starts afresh from step 0, the previous run is kept as {kept}"}
+    assert "train" not in recipe.read_ended(chain)
+    assert recipe.report(chain)["stages"]["train"] == f"to run again ({again['train']})"
+
+    stopped = finished(recipe.deployed_plan(dirs))  # recorded with this config; regeneration's command line changes
+    recipe.write_ended(chain, {"regenerate": stopped["regenerate"], "train": {**stopped["train"], "state": "stopped"}})
+    dirs["regenerate"].joinpath(supervise.LAUNCH).write_text(json.dumps({"job": "regenerate", "argv": [
+        "py", "-m", "dflash_trainer.regenerate", "--data", "other.jsonl", "--out", "x"]}))
+    again = recipe.save_plan(chain, recipe.deployed_plan(dirs))
+    assert again["regenerate"] == "its command line changed"
+    assert again["train"].startswith("regenerate runs again before it; starts afresh from step 0")
 
 
 def test_flag_values_reads_each_form_a_command_line_gives(tmp_path):

@@ -10,12 +10,13 @@ In a container the stages are the jobs `make deploy` described (deployed_plan): 
 from the inventory, is its stage's command line, so the inventory's settings for each job are the chain's.
 
 A second start continues: a stage that finished is not run again while its fingerprint (fingerprint(): its command
-line, a deployed job's environment, the contents of the config file it reads, the size and time of its data files) is
-the one it finished with; one whose fingerprint changed runs again, and so does every stage after it (each reads the
-output of the one before): a training that runs again trains anew from step 0, its previous run moved aside to a
-directory beside it (afresh()), not resumed, which with train.steps as it was would train nothing. The one that
-stopped or failed starts again (training resumes from its last checkpoint, regeneration answers only the rest). A
-failed stage stops the chain with the stage's error line.
+line, a deployed job's environment, the contents of the config file it reads, its data files: each one's size and
+contents, or time above HASHED_UP_TO) is the one it finished with; one whose fingerprint changed runs again, and so
+does every stage after it (each reads the output of the one before): a training that runs again trains anew from
+step 0, its previous run moved aside to a directory beside it (afresh()), not resumed, which with train.steps as it
+was would train nothing. The one that stopped or failed starts again (training resumes from its last checkpoint,
+regeneration answers only the rest), a training afresh as a finished one when its fingerprint changed or a stage
+before it runs again. A failed stage stops the chain with the stage's error line.
 """
 
 from __future__ import annotations
@@ -152,11 +153,22 @@ def training_data(argv: list[str]) -> list[str]:
 DATA_FLAGS = ("--data", "--prompts")  # regeneration's prompts, the evaluation's prompt sets
 
 
-def data_files(stage: dict) -> dict[str, list[int]]:
+# A data file up to this size is known by its contents (SHA-256), so a touch, a copy or a checkout that rewrote the
+# same bytes is no change; a larger one by its size and modification time (reading it at each plan costs too much).
+HASHED_UP_TO = 256 * 2**20
+
+
+def file_sha256(name: str) -> str:
+    with open(name, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def data_files(stage: dict, contents: bool = True) -> dict[str, list]:
     """The size and modification time of each local file a stage reads its rows or prompts from (regeneration's
-    --data, the evaluation's --prompts, a training's data.train and data.eval), globs expanded and relative paths
-    taken from the stage's directory, where it runs. Not hub datasets, nor a path that is not there (the stage
-    refuses it itself), nor files a directory holds (features dumped with --dump-features)."""
+    --data, the evaluation's --prompts, a training's data.train and data.eval), and with contents its SHA-256 when
+    it is no larger than HASHED_UP_TO (what a stage is recorded with; a comparison reads a file only where it must:
+    same_data). Globs expanded and relative paths taken from the stage's directory, where it runs. Not hub datasets,
+    nor a path that is not there (the stage refuses it itself), nor files a directory holds (--dump-features)."""
     argv, found = stage["argv"], {}
     sources = [v for flag in DATA_FLAGS for v in flag_values(argv, flag)]
     if TRAIN.matches(argv):
@@ -167,16 +179,37 @@ def data_files(stage: dict) -> dict[str, list[int]]:
             with contextlib.suppress(OSError):  # removed meanwhile: not there, as a path that never was
                 st = os.stat(name)
                 if Path(name).is_file():
-                    found[os.path.abspath(name)] = [st.st_size, st.st_mtime_ns]
+                    digest = [file_sha256(name)] if contents and st.st_size <= HASHED_UP_TO else []
+                    found[os.path.abspath(name)] = [st.st_size, st.st_mtime_ns, *digest]
     return found
 
 
-def fingerprint(stage: dict) -> dict:
+def same_data(name: str, then: list, now: list) -> bool:
+    """A data file is as recorded (then: [size, time] or [size, time, SHA-256]; now: as data_files gives it): not when
+    its size differs; when its time is the same (not read); otherwise when its contents are the recorded ones, read
+    now, where both are known by their contents (no larger than HASHED_UP_TO). A record from before contents were
+    recorded, or of a file above the bound, goes by the time."""
+    if then[0] != now[0]:
+        return False
+    if then[1] == now[1]:
+        return True
+    if len(then) > 2 and now[0] <= HASHED_UP_TO:
+        with contextlib.suppress(OSError):  # unreadable now: changed, as a file that went away
+            return (now[2] if len(now) > 2 else file_sha256(name)) == then[2]
+    return False
+
+
+def data_changed(then: dict, now: dict) -> list[str]:
+    """The data files added, removed or changed (same_data), sorted."""
+    return sorted(p for p in {**then, **now} if p not in then or p not in now or not same_data(p, then[p], now[p]))
+
+
+def fingerprint(stage: dict, contents: bool = True) -> dict:
     """What a stage is known by, recorded when it starts: its command line, its environment (a deployed job's
     launch.json: what `make deploy` rendered from the inventory), the SHA-256 of each config file its --config
-    names (a deployed training's run.toml) and the size and time of each data file it reads (data_files). A stage
-    that finished is run again when this is no longer what it finished with. Not its restart policy (that does not
-    change what it writes). InputMissing names a config that is not there."""
+    names (a deployed training's run.toml) and each data file it reads (data_files; contents: with their SHA-256,
+    as recorded). A stage that finished is run again when this is no longer what it finished with. Not its restart
+    policy (that does not change what it writes). InputMissing names a config that is not there."""
     argv, files = stage["argv"], {}
     for name in flag_values(argv, "--config"):
         path = config_file(name)
@@ -187,19 +220,20 @@ def fingerprint(stage: dict) -> dict:
             raise InputMissing(f"the {stage['name']} stage reads the config {name}, which is not there: {fix}",
                                stage["name"])
         files[str(path.absolute())] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return {"argv": argv, "env": stage.get("env") or {}, "files": files, "data": data_files(stage)}
+    return {"argv": argv, "env": stage.get("env") or {}, "files": files, "data": data_files(stage, contents)}
 
 
 UNRECORDED = "it finished before the chain recorded its config's contents"
 
 
 def why_again(now: dict, record: dict | None, planned_argv: list[str] | None = None) -> str | None:
-    """Why a stage that finished (record: how it ended, in stages.json) runs again, now: its fingerprint(); None
-    when it is skipped. planned_argv: its command line in the plan before, all a record written before fingerprints
-    can be compared by."""
-    if (record or {}).get("state") != "finished":
+    """Why a stage that ended (record: how, in stages.json) runs again, now: its fingerprint(); None when it is
+    skipped (finished) or resumed (stopped or failed). planned_argv: its command line in the plan before, all a
+    finished record written before fingerprints can be compared by."""
+    state = (record or {}).get("state")
+    then = (record or {}).get("fingerprint")
+    if state is None or (then is None and state != "finished"):  # not started; or resumed, as an earlier version did
         return None
-    then = record.get("fingerprint")
     if then is None:  # an earlier version's record: its config's contents are unknown, so a stage that reads one reruns
         if (planned_argv or now["argv"]) != now["argv"]:
             return "its command line changed"
@@ -209,10 +243,10 @@ def why_again(now: dict, record: dict | None, planned_argv: list[str] | None = N
     if then.get("env", {}) != now["env"]:
         return "its environment changed"
     if changed := differ(then.get("files") or {}, now["files"]):
-        return f"config changed since it finished: {', '.join(changed)}"
-    if "data" in then and (changed := differ(then["data"], now["data"])):  # not in an earlier version's record
+        return f"config changed since it {state}: {', '.join(changed)}"
+    if "data" in then and (changed := data_changed(then["data"], now["data"])):  # not in an earlier version's record
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-        return f"data changed since it finished: {', '.join(changed[:3])}{more}"
+        return f"data changed since it {state}: {', '.join(changed[:3])}{more}"
     return None
 
 
@@ -222,27 +256,29 @@ def differ(then: dict, now: dict) -> list[str]:
 
 
 def reruns(plan: dict, ended: dict, before: dict[str, list[str]] | None = None) -> dict[str, str]:
-    """The finished stages that run again, each with why: its fingerprint changed, or a stage before it runs (its
-    output is this one's input). before: each stage's command line in the previous plan. InputMissing when a
-    config a stage reads is not there (whether the stage finished or not: it would fail)."""
-    now = {stage["name"]: fingerprint(stage) for stage in plan.get("stages", [])}
+    """The stages that run again, each with why: a finished one whose fingerprint changed, or before which a stage
+    runs (its output is this one's input); a training that stopped or failed, likewise, instead of being resumed (on
+    what changed under it). before: each stage's command line in the previous plan. InputMissing when a config a
+    stage reads is not there (whether the stage finished or not: it would fail)."""
+    now = {stage["name"]: fingerprint(stage, contents=False) for stage in plan.get("stages", [])}
     again, upstream = {}, None
     for stage in plan.get("stages", []):
-        name, record = stage["name"], ended.get(stage["name"])
-        why = why_again(now[name], record, (before or {}).get(name))
-        if why is None and upstream and (record or {}).get("state") == "finished":
-            why = f"{upstream} runs again before it"
+        name, state = stage["name"], (ended.get(stage["name"]) or {}).get("state")
+        why = None
+        if state == "finished" or (name == TRAIN.name and state in ("stopped", "failed")):
+            why = why_again(now[name], ended[name], (before or {}).get(name))
+            why = why or (upstream and f"{upstream} runs again before it")
         if why:
             again[name] = why
-        if why or (record or {}).get("state") != "finished":
+        if why or state != "finished":
             upstream = upstream or name
     return again
 
 
 def afresh(stage: dict, why: str) -> bool:
-    """A finished stage that runs again (why) trains anew from step 0, its previous run moved to a directory beside
-    it (jobs.replaced_dir): a training whose directory holds a run. Resumed, a run with train.steps as it was would
-    train nothing new, whatever else changed. Not a record from before fingerprints: whether its config changed is
+    """A stage that runs again (why; finished, stopped or failed) trains anew from step 0, its previous run moved to a
+    directory beside it (jobs.replaced_dir): a training whose directory holds a run. Resumed, a finished run with
+    train.steps as it was would train nothing new, a stopped one would go on from a checkpoint of what changed. Not a record from before fingerprints: whether its config changed is
     unknown, so it resumes as it did then (a run that did not change trains nothing again)."""
     return stage["name"] == TRAIN.name and why != UNRECORDED and holds_run(Path(stage["dir"]))
 
@@ -253,7 +289,7 @@ def said_again(why: str, kept: str | Path | None) -> str:
 
 
 def mark_reruns(plan: dict, ended: dict, again: dict[str, str]) -> dict[str, str]:
-    """The finished stages that run again (again: each with why) as the plan and stages.json record them until they
+    """The stages that run again (again: each with why) as the plan and stages.json record them until they
     have run: their records go, each planned stage keeps why (`again`) and, for a training that starts afresh, where
     its previous run goes (`afresh`). Returns what to say of each."""
     said = {}
@@ -280,7 +316,7 @@ def write_plan(chain_dir: Path, plan: dict) -> None:
 
 
 def save_plan(chain_dir: Path, plan: dict) -> dict[str, str]:
-    """Write the plan; a finished stage whose fingerprint changed (and every stage after it) runs again (mark_reruns):
+    """Write the plan; a stage whose fingerprint changed (and every stage after it) runs again (reruns, mark_reruns):
     its record in stages.json goes, the plan keeps why for the status until it has run. Returns those stages, each
     with what to say of it. InputMissing (nothing written) when a config a stage reads is not there."""
     previous = read_plan(chain_dir) or {}
@@ -483,7 +519,7 @@ def error_line(stage: dict, chain_log: Path) -> str:
 
 
 def next_reruns(plan: dict, ended: dict) -> tuple[dict[str, str], dict[str, str]]:
-    """For the status: the finished stages the next start runs again, each with what to say of it, and the stage
+    """For the status: the stages the next start runs again (reruns), each with what to say of it, and the stage
     that cannot start (a config it reads is not there) with why."""
     try:
         again = reruns(plan, ended)
