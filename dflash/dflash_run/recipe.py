@@ -457,7 +457,7 @@ class Chain:
 
     def keep_previous_run(self, stage: dict) -> str | None:
         """A training that runs again starts afresh: the run its directory holds moves to stage["afresh"] (once: the
-        plan forgets it then, so a start after a stop or a failure resumes the new run). None, or what went wrong."""
+        plan forgets it then, so a start after a stop or a failure resumes the new run while nothing changed). None, or what went wrong."""
         run_dir, kept = Path(stage["dir"]), Path(stage["afresh"])
         if holds_run(run_dir):
             kept = replaced_dir(run_dir) if kept.exists() else kept  # made meanwhile: never mixed into another one
