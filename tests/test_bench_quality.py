@@ -236,6 +236,7 @@ BAD_FLAGS = [
     (["--data-fraction", "1.5"], "a fraction in (0, 1]"),
     (["--train-count", "0"], "give 1 or more"),
     (["--jobs", "0"], "give 1 or more"),
+    (["--config", "/nonexistent-run.toml"], "--config: config '/nonexistent-run.toml' not found"),
 ]
 
 
@@ -314,7 +315,10 @@ if module == "dflash_trainer.eval":
                                                     "output_ids": list(range(100))}) + "\n")
     sys.exit(0)
 # dflash_trainer.train: stops at step 3 where FAKE_STOPS names its run (a checkpoint, exit 0, as ours stops on a
-# signal); where FAKE_WAIT names it, it waits for the signal first
+# signal); where FAKE_WAIT names it, it waits for the signal first; FAKE_REFUSE_RESUME: refuses --resume (exit 2)
+if "--resume" in args and os.environ.get("FAKE_REFUSE_RESUME"):
+    print("error: --resume: this config builds another drafter than the checkpoint holds")
+    sys.exit(2)
 out.mkdir(parents=True, exist_ok=True)
 stops = os.environ.get("FAKE_STOPS", "").split(",")
 if out.name in os.environ.get("FAKE_WAIT", "").split(","):
@@ -379,8 +383,12 @@ def test_a_training_that_exits_0_without_its_drafter_is_reported_stopped_and_the
     assert code == 1, err
     assert "train dflash-trainer b stopped at step 3 before its last" in err
     assert "run the same command again to resume it" in err
-    table = (out / "quality.md").read_text()
+    table, not_in_table = (out / "quality.md").read_text().split("Not in the table:\n")
     assert "| dflash-trainer | chat |" in table and "dflash-trainer b" not in table
+    log = out / "logs" / "train-dflash-trainer-b.log"
+    assert not_in_table == f"- dflash-trainer b: stopped (log: {log})\n"  # quality.md alone says what it lacks
+    assert json.loads((out / "quality.json").read_text())["not_in_table"] == [
+        {"drafter": "dflash-trainer b", "exit": "stopped", "log": str(log)}]
     assert "1 of 2 drafters failed" in err
     # the stopped one was not judged: no evaluation of a drafter that is not there
     assert [c["out"] for c in called() if c["module"] == "dflash_trainer.eval"] == ["dflash-trainer"]
@@ -396,6 +404,7 @@ def test_a_failing_peer_leaves_the_table_of_the_rest_and_is_listed(fake_bench, c
     assert "| dflash-trainer | chat |" in captured.err  # printed as on success (the console is stderr)
     failure = next(line for line in captured.err.splitlines() if line.startswith("  - specforge:"))
     assert "exit 2" in failure and str(out / "logs" / "train-specforge.log") in failure
+    assert f"- specforge: exit 2 (log: {out / 'logs' / 'train-specforge.log'})" in (out / "quality.md").read_text()
 
 
 def test_a_stopped_training_resumes_on_the_next_call_and_starts_over_when_its_settings_changed(
@@ -433,6 +442,8 @@ def test_after_a_signal_no_stage_starts_and_the_running_ones_get_it_once(fake_be
     run, out, called = fake_bench
     monkeypatch.setenv("FAKE_WAIT", "dflash-trainer,dflash-trainer-b")
     runs = out / "runs"
+    (runs / "dflash-trainer-c").mkdir(parents=True)  # a stopped run of the drafter the signal leaves unstarted
+    (runs / "dflash-trainer-c" / "kept").touch()
 
     def interrupt_when_both_train() -> None:
         for _ in range(400):
@@ -443,16 +454,168 @@ def test_after_a_signal_no_stage_starts_and_the_running_ones_get_it_once(fake_be
 
     thread = threading.Thread(target=interrupt_when_both_train)
     thread.start()
-    code = run("--trainers", "dflash-trainer", "--variant", "b=train.lr=1e-4", "--variant", "c=train.lr=2e-4",
-               "--jobs", "2")
+    code = run("--trainers", "dflash-trainer", "specforge", "--variant", "b=train.lr=1e-4",
+               "--variant", "c=train.lr=2e-4", "--jobs", "2")
     thread.join()
     err = capsys.readouterr().err
     assert code == 130, err
     got = {c["out"]: c["got"] for c in called() if c["module"] == "signal"}
     assert got == {"dflash-trainer": ["SIGINT"], "dflash-trainer-b": ["SIGINT"]}  # once each, from the benchmark
     started = [(c["module"], c["out"]) for c in called() if c["module"] != "signal"]
-    assert sorted(started) == [("dflash_trainer.train", "dflash-trainer"), ("dflash_trainer.train", "dflash-trainer-b")]
-    assert "stopped by SIGINT: no drafter trained and judged yet; cut short: dflash-trainer" in err
+    assert sorted(started) == [("dflash_trainer.bench.peers", "specforge"), ("dflash_trainer.train", "dflash-trainer"),
+                               ("dflash_trainer.train", "dflash-trainer-b")]
+    assert "SIGINT: no stage starts now" in err  # said once, as the signal came
+    # the peer failed on its own (exit 2), before the signal: said as a failure, with its log; the signal's line
+    # names only the trainings it ended
+    failure = next(line for line in err.splitlines() if line.startswith("  - specforge:"))
+    assert "exit 2" in failure and str(out / "logs" / "train-specforge.log") in failure
+    assert ("stopped by SIGINT: no drafter trained and judged yet; cut short: dflash-trainer, dflash-trainer b; run"
+            in err)
+    assert (runs / "dflash-trainer-c" / "kept").exists()  # the unstarted one's run is left for the next call
     assert "train dflash-trainer: stopped before its end (exit 0)" in err and ": done in" not in err
     assert "run the same command again" in err
     assert not (out / "quality.md").exists()
+
+
+def test_a_stopped_training_starts_over_when_its_config_file_or_features_changed_and_after_a_refused_resume(
+        fake_bench, monkeypatch, tmp_path, capsys):
+    """The same command line is not the same training: the --config file's contents and the features dump are
+    recorded beside it (bench_partial.json); a resume the trainer refuses (exit 2) drops the record."""
+    import hashlib
+
+    run, out, called = fake_bench
+    config = tmp_path / "run.toml"
+    config.write_text("[train]\nsteps = 8\n")
+    flags = ("--trainers", "dflash-trainer", "--config", str(config))
+    partial = out / "runs" / "dflash-trainer" / "bench_partial.json"
+
+    def last_train() -> list[str]:
+        return [c["args"] for c in called() if c["module"] == "dflash_trainer.train"][-1]
+
+    monkeypatch.setenv("FAKE_STOPS", "dflash-trainer")
+    assert run(*flags) == 1
+    record = json.loads(partial.read_text())
+    assert record["config_sha256"] == hashlib.sha256(config.read_bytes()).hexdigest()
+    assert record["features_sha256"] == hashlib.sha256((out / "features" / "meta.json").read_bytes()).hexdigest()
+    config.write_text("[train]\nsteps = 16\n")  # the same command, the file edited
+    assert run(*flags) == 1
+    assert "--overwrite" in last_train() and "--resume" not in last_train()
+    (out / "features" / "meta.json").write_text(json.dumps({"micro_batches": 5}))  # features dumped anew
+    assert run(*flags) == 1
+    assert "--overwrite" in last_train() and "--resume" not in last_train()
+    # nothing changed since: it resumes, and the trainer refuses; the record is dropped, not written again
+    monkeypatch.setenv("FAKE_REFUSE_RESUME", "1")
+    capsys.readouterr()
+    assert run(*flags) == 1
+    assert "--resume" in last_train()
+    failure = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("  - dflash-trainer:"))
+    assert "refused to resume" in failure and "exit 2" in failure and "the next run starts it over" in failure
+    assert not partial.exists()
+    assert run(*flags) == 1  # the next call starts over (and stops again: FAKE_STOPS)
+    assert "--overwrite" in last_train() and "--resume" not in last_train()
+
+
+def test_after_a_signal_a_stage_keeps_its_log_and_a_training_its_run(tmp_path):
+    """A stage that will not start touches nothing: its last log is not emptied, a stopped run not removed."""
+    from dflash_trainer.bench.quality import __main__ as bench
+
+    log = tmp_path / "logs" / "train-ours.log"
+    log.parent.mkdir()
+    log.write_text("stopped at step 3: checkpoint\n")
+    d = bench.Drafter("ours", bench.OURS, tmp_path / "runs" / "ours", features=tmp_path / "features")
+    (d.run / "checkpoints" / "step-00000003").mkdir(parents=True)
+    bench.stopping.clear()
+    try:
+        bench.stopping.request("SIGTERM")
+        with pytest.raises(bench.Stopped):
+            bench.run_stage("train ours", [sys.executable, "-c", "pass"], log)
+        with pytest.raises(bench.Stopped):
+            bench.train(bench.parser().parse_args([]), d, tmp_path / "target", [], log.parent)
+    finally:
+        bench.stopping.clear()
+    assert log.read_text() == "stopped at step 3: checkpoint\n"
+    assert (d.run / "checkpoints" / "step-00000003").is_dir()
+
+
+def test_signals_ignored_on_entry_stay_ignored_and_sighup_is_handled(tmp_path, monkeypatch):
+    """A benchmark started with & by a script (SIGINT ignored) keeps ignoring it; SIGTERM and SIGHUP (a closed
+    terminal) are the benchmark's, and every handler is put back at its end."""
+    import signal
+
+    from dflash_trainer.bench.quality import __main__ as bench
+
+    seen = {}
+
+    def record(_args) -> int:
+        seen.update({sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)})
+        return 0
+
+    monkeypatch.setattr(bench, "bench", record)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        hup = signal.getsignal(signal.SIGHUP)
+        assert bench.main(["--out", str(tmp_path / "bench")]) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGHUP) == hup
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen[signal.SIGINT] is signal.SIG_IGN
+    assert seen[signal.SIGTERM] == bench.stopping.handle and seen[signal.SIGHUP] == bench.stopping.handle
+
+
+def test_a_second_signal_while_no_stage_runs_ends_the_benchmark_at_once(tmp_path, monkeypatch, capsys):
+    """The first signal is said in a line and waits for the running stages; with none running (the benchmark's own
+    work, e.g. assembling the target), a second one ends it: exit 128 + its number."""
+    import os
+    import signal
+    import time
+
+    from dflash_trainer.bench.quality import __main__ as bench
+
+    def own_work(_args) -> int:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert bench.stopping.signal_name == "SIGTERM"  # the first one: recorded, the work goes on
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        return 0
+
+    monkeypatch.setattr(bench, "bench", own_work)
+    assert bench.main(["--out", str(tmp_path / "bench")]) == 130
+    err = capsys.readouterr().err
+    assert "SIGTERM: no stage starts now; the benchmark stops once the running stages have stopped" in err
+    assert "stopped by a second SIGINT while no stage ran" in err
+
+
+def test_a_sighup_reaches_the_running_stages_as_sigterm(tmp_path):
+    """A closed terminal's SIGHUP: the stages (in process groups of their own, which the terminal's hangup does not
+    reach) get SIGTERM, which they stop cleanly on; the benchmark then exits 129."""
+    import time
+
+    from dflash_trainer.bench.quality import __main__ as bench
+    from dflash_trainer.infra.stop_signal import exit_code
+
+    ready = tmp_path / "ready"
+    stage = ("import signal, sys, time\n"
+             "got = []\n"
+             "signal.signal(signal.SIGTERM, lambda n, _: got.append(signal.Signals(n).name))\n"
+             f"open({str(ready)!r}, 'w').close()\n"
+             "for _ in range(400):\n"
+             "    if got:\n"
+             "        break\n"
+             "    time.sleep(0.05)\n"
+             "print(got)\n")
+    bench.stopping.clear()
+    proc = bench.stopping.start("stage", [sys.executable, "-c", stage])
+    try:
+        for _ in range(400):
+            if ready.exists():
+                break
+            time.sleep(0.05)
+        bench.stopping.request("SIGHUP")
+        said, _ = proc.communicate(timeout=30)
+    finally:
+        bench.stopping.ended(proc)
+        name = bench.stopping.signal_name
+        bench.stopping.clear()
+    assert said.strip() == "['SIGTERM']" and proc.returncode == 0
+    assert name == "SIGHUP" and exit_code(name) == 129

@@ -18,13 +18,15 @@ what is missing; --redo STAGE makes one again):
   6. the table (OUT/quality.md, quality.json) and the figure (OUT/quality.png): acceptance per slot.
 
 A drafter that fails (or whose training stopped before its last step) leaves the others' rows: the table is
-written for those, the failures listed, exit 1. SIGINT / SIGTERM: no stage starts after it, the running ones
-stop cleanly, exit 130 / 143; the same command goes on from there (a stopped training of ours resumes).
+written for those, the failures listed (in it too: "Not in the table"), exit 1. SIGINT / SIGTERM / SIGHUP: no
+stage starts after it, the running ones stop cleanly, exit 130 / 143 / 129 (a second signal while no stage runs:
+at once); the same command goes on from there (a stopped training of ours resumes).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -38,9 +40,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...config import ConfigError, config_path
 from ...data.features import META
 from ...infra.console import console, plain_output_off_a_terminal
-from ...infra.stop_signal import SIGNALS, exit_code
+from ...infra.stop_signal import SIGNALS, Interrupted, exit_code, signal_name_of
 from ...run.checkpoint import step_of
 from ...run.run_dir import CHECKPOINTS
 from . import materials, report
@@ -48,6 +51,9 @@ from . import materials, report
 PEERS = ("specforge", "speculators")
 OURS = "dflash-trainer"
 STAGES = ("target", "prompts", "regenerate", "features", "train", "evaluate")
+# the benchmark's signals; a stage is sent its own command's stop signal for each (a closed terminal's SIGHUP:
+# SIGTERM, which every stage stops cleanly on; SIGHUP's default would end it without its checkpoint)
+FORWARDED = {**{sig.name: sig.name for sig in SIGNALS}, "SIGHUP": "SIGTERM"}
 
 
 @dataclass
@@ -93,10 +99,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 class Stopping:
-    """The benchmark's SIGINT / SIGTERM. No stage starts after it; each running stage's process gets it once and
-    stops as its command does on it (a training at its next checkpoint). The stages run in process groups of
-    their own, so a signal to the benchmark's group (Ctrl-C, `timeout -s INT`) reaches each of them once, from here:
-    a second one would stop a training at once, without its checkpoint."""
+    """The benchmark's SIGINT / SIGTERM / SIGHUP. No stage starts after it; each running stage's process gets it
+    once (SIGTERM for SIGHUP: FORWARDED) and stops as its command does on it (a training at its next checkpoint).
+    The stages run in process groups of their own, so a signal to the benchmark's group (Ctrl-C, `timeout -s INT`)
+    reaches each of them once, from here: a second one would stop a training at once, without its checkpoint. A
+    second signal while no stage runs (the benchmark's own work: the target's assembly, the table) ends the
+    benchmark at once (Interrupted)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()  # the handler runs in the main thread, which may hold it
@@ -108,23 +116,41 @@ class Stopping:
         self._running: dict[subprocess.Popen, int] = {}  # a stage's process -> the signals it was sent
 
     def request(self, name: str) -> None:
-        """A signal came (the handler's call): every running stage gets it; a second one is passed on too."""
+        """A signal came (the handler's call): every running stage gets it; a second one is passed on too, or,
+        with no stage running, raises Interrupted where the benchmark is."""
         with self._lock:
+            first = self.signal_name is None
+            if not first and not self._running:
+                raise Interrupted(name, second=True)
             self.signal_name = self.signal_name or name
             for proc in list(self._running):
                 self._forward(proc, name)
+        if first:
+            console.print(f"{name}: no stage starts now; the benchmark stops once the running stages have stopped "
+                          "(a training at its next checkpoint); a second signal stops everything at once",
+                          markup=False, soft_wrap=True)
 
     def _forward(self, proc: subprocess.Popen, name: str) -> None:
         self._running[proc] += 1
         try:
-            proc.send_signal(signal.Signals[name])
+            proc.send_signal(signal.Signals[FORWARDED.get(name, name)])
         except ProcessLookupError:  # ended meanwhile
             pass
 
+    def check(self, name: str) -> None:
+        """Stopped after a signal: a stage's start, before it touches anything (its log, its run directory)."""
+        if self.signal_name is not None:
+            raise Stopped(name)
+
+    def cut(self, code: int) -> bool:
+        """A stage that just ended with `code` was ended by the benchmark's signal: it came, and the stage exited
+        0 before its end (a training at its checkpoint), 128 + N (its command's signal exit) or killed (< 0);
+        any other exit (1, 2) is a failure of its own."""
+        return self.signal_name is not None and (code <= 0 or code >= 128)
+
     def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
         with self._lock:
-            if self.signal_name is not None:
-                raise Stopped(name)
+            self.check(name)
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, process_group=0)
             self._running[proc] = 0
@@ -154,6 +180,7 @@ def run_stage(name: str, cmd: list[str], log: Path, echo: bool = True, whole=lam
     StageFailed with the stage's own message; after a signal (Stopping) no stage starts. Stages run side by side
     (--jobs) keep their output to their logs: the terminal gets a line as each starts and ends. whole(): did a
     command that exited 0 finish its work (a training a signal stopped exits 0 too); the caller says why not."""
+    stopping.check(name)  # after a signal: its last log is kept as it is
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with log.open("w") as f:
@@ -173,18 +200,25 @@ def run_stage(name: str, cmd: list[str], log: Path, echo: bool = True, whole=lam
         console.print(f"{name}: {ended} in {seconds:.0f} s (log: {log})",
                       markup=False, soft_wrap=True)
     if code:
-        raise StageFailed(f"{name} failed (exit {code}); its log: {log}", code, log)
+        raise StageFailed(f"{name} failed (exit {code}); its log: {log}", code, log, cut=stopping.cut(code))
     return seconds
 
 
 class StageFailed(Exception):
-    """A stage's command failed; its exit code is the benchmark's (2: the stage refused its input)."""
+    """A stage's command failed; its exit code is the benchmark's (2: the stage refused its input). exit 0: it
+    stopped before its end; cut: the benchmark's signal ended it (Stopping.cut), not a fault of its own."""
 
-    def __init__(self, message: str, code: int, log: Path | None = None):
+    def __init__(self, message: str, code: int, log: Path | None = None, cut: bool = False):
         super().__init__(message)
         self.code = 2 if code == 2 else 1
         self.exit = code  # the stage's own
         self.log = log
+        self.cut = cut
+
+    def missing(self, label: str) -> dict:
+        """Its drafter's line under the table (report.write's not_in_table)."""
+        return {"drafter": label, "exit": self.exit if self.exit else "stopped",
+                "log": str(self.log) if self.log else None}
 
 
 def py(module: str, *args: str) -> list[str]:
@@ -225,22 +259,31 @@ def wall_file(run: Path) -> Path:
 
 def check_args(p: argparse.ArgumentParser, args) -> None:
     """Every flag checked before anything is written: a bad one ends in argparse's one line, exit 2."""
-    for text in args.eval_prompts or []:
-        name, sep, path = text.partition("=")
-        if not sep or not name or not Path(path).is_file():
-            p.error(f"--eval-prompts {text!r}: give NAME=FILE with FILE a JSONL file of prompts")
+    check_files(p, args)
     for text in args.variant:
         parse_variant(text, p)
-    if args.target and not (Path(args.target) / "config.json").is_file():
-        p.error(f"--target {args.target}: no config.json there; give a Hugging Face model directory")
-    if args.train_prompts and not args.train_prompts.is_file():
-        p.error(f"--train-prompts {args.train_prompts}: no such file")
     for fraction in args.data_fraction:
         if not 0 < fraction <= 1:
             p.error(f"--data-fraction {fraction:g}: give a fraction in (0, 1]")
     for name in ("train_count", "held_out", "answer_tokens", "eval_tokens", "max_prompt_chars", "jobs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+
+
+def check_files(p: argparse.ArgumentParser, args) -> None:
+    """The files and directories the flags name are there."""
+    for text in args.eval_prompts or []:
+        name, sep, path = text.partition("=")
+        if not sep or not name or not Path(path).is_file():
+            p.error(f"--eval-prompts {text!r}: give NAME=FILE with FILE a JSONL file of prompts")
+    if args.target and not (Path(args.target) / "config.json").is_file():
+        p.error(f"--target {args.target}: no config.json there; give a Hugging Face model directory")
+    if args.train_prompts and not args.train_prompts.is_file():
+        p.error(f"--train-prompts {args.train_prompts}: no such file")
+    try:
+        config_path(args.config)  # the file every stage reads, and whose contents a resume is checked against
+    except ConfigError as exc:
+        p.error(f"--config: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,9 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     stopping.clear()
     previous = {}
     if threading.current_thread() is threading.main_thread():  # Python's handlers live in the main thread
-        previous = {sig: signal.signal(sig, stopping.handle) for sig in SIGNALS}
+        # a signal the parent set to be ignored (nohup, a job started with & by a script) stays ignored
+        previous = {sig: signal.signal(sig, stopping.handle) for sig in (*SIGNALS, signal.SIGHUP)
+                    if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         return bench(args)
+    except KeyboardInterrupt as exc:  # a second signal while no stage ran (Stopping.request)
+        name = signal_name_of(exc)
+        console.print(f"stopped by a second {name} while no stage ran: the benchmark ends now (exit "
+                      f"{exit_code(name)}); run the same command again to go on from there", markup=False,
+                      soft_wrap=True)
+        return exit_code(name)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -275,9 +326,10 @@ def bench(args) -> int:
     try:
         rows, meta, failed = pipeline(args, out, target, train_prompts, eval_sets)
     except (StageFailed, Stopped) as exc:  # before the drafters (regeneration, features): nothing to show
+        if isinstance(exc, StageFailed) and not exc.cut:
+            console.print(f"[red]error:[/] {exc}", soft_wrap=True)
         if stopping.signal_name is not None:
             return said_stopped([], [])
-        console.print(f"[red]error:[/] {exc}", soft_wrap=True)
         return exc.code
     return results(args, out, rows, meta, failed)
 
@@ -302,29 +354,33 @@ def material(args, out: Path) -> tuple[Path, Path, dict[str, str]]:
 
 
 def results(args, out: Path, rows: list[report.Row], meta: dict, failed: dict[str, StageFailed]) -> int:
-    """The table of the drafters that finished (written and printed), then the stop or the failures; the exit
-    code: 0 when every drafter finished, 1 when one failed, 130 / 143 after a signal."""
+    """The table of the drafters that finished (written and printed, with those not in it), then the failures and
+    the stop; the exit code: 0 when every drafter finished, 1 when one failed, 130 / 143 / 129 after a signal."""
     if rows:
         said = report.verdict(rows, OURS, [d for d in args.trainers if d in PEERS])
-        report.write(rows, out, meta, said)
+        missing = [exc.missing(label) for label, exc in failed.items()]
+        missing += [{"drafter": label, "exit": "not run", "log": None} for label in meta["not_run"]]
+        report.write(rows, out, meta, said, missing)
         console.print(report.markdown(rows), markup=False, soft_wrap=True)
         for line in said:
             console.print(line, markup=False, soft_wrap=True)
         console.print(f"quality.md, quality.json and quality.png in {out}", markup=False)
-    if stopping.signal_name is not None:
-        return said_stopped(list(dict.fromkeys(r.drafter for r in rows)), list(meta["drafters"]), list(failed))
-    if failed:
-        console.print(f"[red]error:[/] {len(failed)} of {len(meta['drafters'])} drafters failed"
+    # after a signal, the drafters it ended are said in its line; the others failed on their own
+    own = {label: exc for label, exc in failed.items() if not exc.cut}
+    if own:
+        console.print(f"[red]error:[/] {len(own)} of {len(meta['drafters'])} drafters failed"
                       + (" (the table above holds the others)" if rows else "") + ":", soft_wrap=True)
-        for label, exc in failed.items():
+        for label, exc in own.items():
             console.print(f"  - {label}: {exc}", markup=False, soft_wrap=True)
-        return 1
-    return 0
+    if stopping.signal_name is not None:
+        return said_stopped(list(dict.fromkeys(r.drafter for r in rows)), list(meta["drafters"]),
+                            [label for label, exc in failed.items() if exc.cut])
+    return 1 if failed else 0
 
 
 def said_stopped(done: list[str], drafters: list[str], cut: list[str] | None = None) -> int:
-    """The one line a signal ends the benchmark with; 130 (SIGINT) / 143 (SIGTERM). done: the drafters trained and
-    judged; cut: those whose stage the signal cut short (their logs say where)."""
+    """The one line a signal ends the benchmark with; 130 (SIGINT) / 143 (SIGTERM) / 129 (SIGHUP). done: the drafters
+    trained and judged; cut: those whose stage the signal cut short (their logs say where)."""
     name = stopping.signal_name
     said = (f"{len(done)} of {len(drafters)} drafters trained and judged ({', '.join(done)})" if done
             else "no drafter trained and judged yet" if drafters else "before the drafters")
@@ -344,6 +400,7 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
     drafters = drafters_of(args, out, features)
     at_once = side_by_side(args.jobs, drafters)
     failed: dict[str, StageFailed] = {}
+    not_run: list[str] = []  # drafters a signal left before their training or evaluation started
 
     def train_and_judge(d: Drafter) -> list[report.Row]:
         try:
@@ -358,7 +415,8 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
                     *(["--limit", str(args.eval_limit)] if args.eval_limit else []), *shlex.split(args.eval_args),
                     *config_flags(args), "--set", f"target.path={target}"), logs / f"eval-{d.run.name}.log",
                     echo=args.jobs == 1)
-        except Stopped:
+        except Stopped:  # its training or its evaluation
+            not_run.append(d.label)
             return []
         except StageFailed as exc:
             failed[d.label] = exc
@@ -374,11 +432,13 @@ def pipeline(args, out: Path, target: Path, train_prompts: Path, eval_sets: dict
             wait(futures)
             per_drafter = [f.result() for f in futures]
     rows = [r for drafter_rows in per_drafter for r in drafter_rows]
+    failed = {d.label: failed[d.label] for d in drafters if d.label in failed}  # the table's order, not the ends'
     meta = {"target": str(target), "train_prompts": str(train_prompts), "eval_sets": eval_sets,
             "config": args.config, "set": args.set, "answer_tokens": args.answer_tokens,
             "regen_temperature": args.regen_temperature, "eval_tokens": args.eval_tokens,
             "eval_limit": args.eval_limit, "jobs": args.jobs, "drafters": {d.label: str(d.run) for d in drafters},
-            "failed": {label: str(exc) for label, exc in failed.items()}}
+            "failed": {label: str(exc) for label, exc in failed.items()},
+            "not_run": [d.label for d in drafters if d.label in not_run]}
     return rows, meta, failed
 
 
@@ -449,8 +509,27 @@ def finished(run: Path) -> bool:
 
 
 def partial_file(run: Path) -> Path:
-    """What the benchmark keeps of a training that stopped early: its command and the seconds it trained."""
+    """What the benchmark keeps of a training that stopped early: its command, what it read (inputs_of) and the
+    seconds it trained."""
     return run / "bench_partial.json"
+
+
+def sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def inputs_of(args, d: Drafter) -> dict:
+    """What a training reads beyond its command line: the run config's file (the one the trainer resolves --config
+    to) and the features dump (its meta.json, which names its micro-batches and the settings they were made
+    with). Either changed under the same command: a stopped training starts over."""
+    try:
+        config = sha256(config_path(args.config))
+    except ConfigError:
+        config = None
+    return {"config_sha256": config, "features_sha256": sha256(d.features / META) if d.features else None}
 
 
 def last_checkpoint(run: Path) -> int | None:
@@ -458,14 +537,17 @@ def last_checkpoint(run: Path) -> int | None:
     return max((s for s in steps if s is not None), default=None)
 
 
-def resumable(d: Drafter, cmd: list[str]) -> bool:
-    """A stopped training of ours, started by this same command (the same settings), that left a checkpoint:
-    it continues with --resume. Otherwise (another setting, a peer, no checkpoint) it starts over."""
+def resumable(d: Drafter, cmd: list[str], inputs: dict) -> bool:
+    """A stopped training of ours, started by this same command on the same inputs (inputs_of: the config file's
+    and the features' contents), that left a checkpoint: it continues with --resume. Otherwise (another setting,
+    an edited config file, other features, a peer, no checkpoint) it starts over."""
     try:
         before = json.loads(partial_file(d.run).read_text())
     except (OSError, ValueError):
         return False
-    return d.trainer == OURS and before.get("command") == cmd and last_checkpoint(d.run) is not None
+    return (d.trainer == OURS and isinstance(before, dict) and before.get("command") == cmd
+            and all(before.get(key) == value for key, value in inputs.items())
+            and last_checkpoint(d.run) is not None)
 
 
 def side_by_side(jobs: int, drafters: list[Drafter]) -> int:
@@ -476,7 +558,9 @@ def side_by_side(jobs: int, drafters: list[Drafter]) -> int:
 def train(args, d: Drafter, target: Path, run_settings: list[str], logs: Path, at_once: int = 1) -> None:
     """One drafter trained on the features, its wall time kept beside it (a finished one is left alone);
     at_once: the drafters trained beside it (side_by_side), recorded with its wall time. A training that exits 0
-    before its last step (a signal stopped it) raises StageFailed; the next call resumes it where it can."""
+    before its last step (a signal stopped it) raises StageFailed; the next call resumes it where it can. A resume
+    the trainer refuses (exit 2) drops the record of the stopped training: the next call starts it over."""
+    stopping.check(f"train {d.label}")  # after a signal: the run is left as it is, for the next call
     if trained(d):
         return
     if d.trainer == OURS:
@@ -485,8 +569,10 @@ def train(args, d: Drafter, target: Path, run_settings: list[str], logs: Path, a
     else:
         cmd = py("dflash_trainer.bench.peers", "--peer", d.trainer, "--features", str(d.features),
                  "--target", str(target), "--out", str(d.run), *config_flags(args))
+    inputs = inputs_of(args, d)
     before = 0.0
-    if resumable(d, cmd):
+    resume = resumable(d, cmd, inputs)
+    if resume:
         before = json.loads(partial_file(d.run).read_text()).get("seconds", 0.0)
         flag = ["--resume"]
     else:
@@ -494,19 +580,29 @@ def train(args, d: Drafter, target: Path, run_settings: list[str], logs: Path, a
         flag = ["--overwrite"] if d.trainer == OURS else []
     log = logs / f"train-{d.run.name}.log"
     start = time.perf_counter()
+    refused = False
     try:
         seconds = run_stage(f"train {d.label}", cmd + flag, log, echo=args.jobs == 1, whole=lambda: finished(d.run))
-    finally:  # kept for the next call, whichever way it ended (the same command resumes)
-        if not finished(d.run):
+    except StageFailed as exc:
+        refused = resume and exc.exit == 2
+        if refused:
+            raise StageFailed(f"train {d.label} refused to resume its stopped training (exit 2); the benchmark "
+                              f"dropped its record of it ({partial_file(d.run).name}): the next run starts it over; "
+                              f"its log: {log}", 2, log) from exc
+        raise
+    finally:  # kept for the next call, whichever way it ended (the same command resumes), unless refused
+        if refused:
+            partial_file(d.run).unlink(missing_ok=True)
+        elif not finished(d.run):
             d.run.mkdir(parents=True, exist_ok=True)
             partial_file(d.run).write_text(json.dumps(
-                {"command": cmd, "seconds": before + time.perf_counter() - start}, indent=2))
+                {"command": cmd, **inputs, "seconds": before + time.perf_counter() - start}, indent=2))
     if not finished(d.run):
         step = last_checkpoint(d.run)
         again = ("resume it" if d.trainer == OURS and step is not None else "train it again")
         raise StageFailed(f"train {d.label} stopped {f'at step {step} ' if step is not None else ''}before its last "
                           f"(exit 0, no drafter published); run the same command again to {again}; its log: {log}",
-                          1, log)
+                          0, log, cut=stopping.cut(0))
     partial_file(d.run).unlink(missing_ok=True)
     wall_file(d.run).write_text(json.dumps({"seconds": before + seconds, "command": shlex.join(cmd + flag),
                                             "jobs": at_once}, indent=2))

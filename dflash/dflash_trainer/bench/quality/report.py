@@ -197,9 +197,26 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def write(rows: list[Row], out: Path, meta: dict, said: list[str]) -> None:
+def not_in_table(missing: list[dict]) -> str:
+    """The drafters the table lacks, a line each: its exit code, "stopped" (a training that stopped before its
+    last step) or "not run" (a signal came first), and its log."""
+    if not missing:
+        return ""
+    lines = ["Not in the table:"]
+    for m in missing:
+        ended = f"exit {m['exit']}" if isinstance(m["exit"], int) else m["exit"]
+        lines.append(f"- {m['drafter']}: {ended}" + (f" (log: {m['log']})" if m.get("log") else ""))
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[Row], out: Path, meta: dict, said: list[str], missing: list[dict] = ()) -> None:
+    """quality.json, quality.md and quality.png; missing: the drafters that failed or were not run, each
+    {"drafter", "exit" (its exit code, "stopped" or "not run"), "log"}: listed in both files, so that a reader of
+    either alone sees which rows the table lacks."""
+    missing = list(missing)
     storage.write_text_atomic(out / "quality.json", json.dumps(
-        {**meta, "rows": [asdict(r) | {"tau_per_gpu_minute": r.tau_per_gpu_minute} for r in rows], "goal": said},
-        indent=2) + "\n")
-    storage.write_text_atomic(out / "quality.md", markdown(rows) + "\n\n" + "\n".join(f"- {s}" for s in said) + "\n")
+        {**meta, "rows": [asdict(r) | {"tau_per_gpu_minute": r.tau_per_gpu_minute} for r in rows], "goal": said,
+         "not_in_table": missing}, indent=2) + "\n")
+    storage.write_text_atomic(out / "quality.md", markdown(rows) + "\n\n" + "\n".join(f"- {s}" for s in said) + "\n"
+                              + (f"\n{not_in_table(missing)}" if missing else ""))
     plot(rows, out / "quality.png")
