@@ -551,13 +551,15 @@ def test_signals_ignored_on_entry_stay_ignored_and_sighup_is_handled(tmp_path, m
         return 0
 
     monkeypatch.setattr(bench, "bench", record)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the dispositions on entry set here: a test run under nohup (SIGHUP ignored) must not decide the outcome
+    previous = {sig: signal.signal(sig, how) for sig, how in
+                ((signal.SIGINT, signal.SIG_IGN), (signal.SIGTERM, signal.SIG_DFL), (signal.SIGHUP, signal.SIG_DFL))}
     try:
-        hup = signal.getsignal(signal.SIGHUP)
         assert bench.main(["--out", str(tmp_path / "bench")]) == 0
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGHUP) == hup
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, how in previous.items():
+            signal.signal(sig, how)
     assert seen[signal.SIGINT] is signal.SIG_IGN
     assert seen[signal.SIGTERM] == bench.stopping.handle and seen[signal.SIGHUP] == bench.stopping.handle
 
