@@ -15,6 +15,21 @@ from dflash_trainer.bench.quality import loops, materials, report
 
 from tests.helpers.regenerate import chat_target
 
+
+@pytest.fixture(autouse=True)
+def default_signal_dispositions():
+    """Each test starts from an interactive shell's signal dispositions, whatever this suite inherited: a
+    suite started in the background by a script has SIGINT ignored, under nohup SIGHUP too, and the benchmark
+    (and the stages it starts) keep an ignored signal ignored, so the signal tests would send theirs to no one."""
+    import signal
+
+    previous = {sig: signal.signal(sig, how) for sig, how in
+                ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL),
+                 (signal.SIGHUP, signal.SIG_DFL))}
+    yield
+    for sig, how in previous.items():
+        signal.signal(sig, how)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
